@@ -1,0 +1,165 @@
+"""One registry of element formats: MXINT-k, MXFP ExMy (OCP Microscaling), NF4 and affine.
+
+Every format knows its bit width, its family (Slice-and-Scale converts only inside a family),
+its largest element exponent ``emax``, its largest normal value and its code range. Names are
+lower case; ``mxfp8`` means ``mxfp8_e4m3`` and ``mxfp6`` means ``mxfp6_e2m3`` (DESIGN.md §2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Tuple, Union
+
+MX_BLOCK_SIZES: Tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+NF4_BLOCK_SIZES: Tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+AFFINE_GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+
+# The QLoRA NF4 code book (normal-float quantiles), as in bitsandbytes.
+NF4_CODEBOOK: Tuple[float, ...] = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """An element format and its block-scaling convention.
+
+    Attributes:
+        name: canonical lower-case name (``mxint4``, ``mxfp6_e2m3``, ``nf4``, ``affine4``).
+        family: ``mxint``, ``mxfp``, ``nf4`` or ``affine``.
+        bits: bits per stored element code.
+        emax: exponent of the largest power of two below the max normal (0 for MXINT).
+        max_normal: largest representable element magnitude.
+        ebits, mbits, bias: exponent / mantissa bits and exponent bias (MXFP only).
+        code_min, code_max: range of the stored integer codes (bit patterns for MXFP).
+        default_block_size: block (group) size used when none is given.
+        block_sizes: block sizes the format allows.
+    """
+
+    name: str
+    family: str
+    bits: int
+    emax: int = 0
+    max_normal: float = 0.0
+    ebits: int = 0
+    mbits: int = 0
+    bias: int = 0
+    code_min: int = 0
+    code_max: int = 0
+    default_block_size: int = 32
+    block_sizes: Tuple[int, ...] = field(default=MX_BLOCK_SIZES)
+
+    @property
+    def is_mx(self) -> bool:
+        """True for formats with a shared E8M0 power-of-two scale per block."""
+        return self.family in ("mxint", "mxfp")
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal element (MXFP); subnormals sit below it."""
+        return 1 - self.bias
+
+    @property
+    def int_shift(self) -> int:
+        """MXINT: codes carry an implicit 2^-(bits-2) (the element scale)."""
+        return self.bits - 2
+
+    def bits_per_weight(self, block_size: int | None = None) -> float:
+        """Storage cost per element including the shared scales (and biases)."""
+        bs = block_size or self.default_block_size
+        if self.is_mx:
+            return self.bits + 8.0 / bs
+        if self.family == "nf4":
+            return self.bits + 32.0 / bs
+        return self.bits + 32.0 / bs  # affine: 16-bit scale + 16-bit bias per group
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError when ``block_size`` is not allowed for this format."""
+        if block_size not in self.block_sizes:
+            raise ValueError(
+                f"block_size={block_size} is not allowed for format '{self.name}'; "
+                f"allowed block sizes: {list(self.block_sizes)}"
+            )
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.name
+
+
+def _mxint(k: int) -> ElementFormat:
+    qmax = 2 ** (k - 1) - 1
+    return ElementFormat(
+        name=f"mxint{k}", family="mxint", bits=k, emax=0,
+        max_normal=qmax / 2 ** (k - 2), code_min=-qmax, code_max=qmax,
+    )
+
+
+def _mxfp(name: str, ebits: int, mbits: int, bias: int, max_normal: float, emax: int) -> ElementFormat:
+    bits = 1 + ebits + mbits
+    return ElementFormat(
+        name=name, family="mxfp", bits=bits, emax=emax, max_normal=max_normal,
+        ebits=ebits, mbits=mbits, bias=bias, code_min=0, code_max=2 ** bits - 1,
+    )
+
+
+def _affine(k: int) -> ElementFormat:
+    return ElementFormat(
+        name=f"affine{k}", family="affine", bits=k, code_min=0, code_max=2 ** k - 1,
+        default_block_size=64, block_sizes=AFFINE_GROUP_SIZES,
+    )
+
+
+FORMATS: Dict[str, ElementFormat] = {}
+for _k in range(2, 9):
+    FORMATS[f"mxint{_k}"] = _mxint(_k)
+for _f in (
+    _mxfp("mxfp8_e4m3", 4, 3, 7, 448.0, 8),
+    _mxfp("mxfp8_e5m2", 5, 2, 15, 57344.0, 15),
+    _mxfp("mxfp6_e3m2", 3, 2, 3, 28.0, 4),
+    _mxfp("mxfp6_e2m3", 2, 3, 1, 7.5, 2),
+    _mxfp("mxfp4_e2m1", 2, 1, 1, 6.0, 2),
+):
+    FORMATS[_f.name] = _f
+FORMATS["nf4"] = ElementFormat(
+    name="nf4", family="nf4", bits=4, max_normal=1.0, code_min=0, code_max=15,
+    default_block_size=64, block_sizes=NF4_BLOCK_SIZES,
+)
+for _k in range(2, 9):
+    FORMATS[f"affine{_k}"] = _affine(_k)
+
+ALIASES: Dict[str, str] = {"mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3", "mxfp4": "mxfp4_e2m1"}
+
+FormatLike = Union[str, ElementFormat]
+
+
+def known_formats() -> list[str]:
+    """All names the registry accepts (canonical names and aliases)."""
+    return sorted(FORMATS) + sorted(ALIASES)
+
+
+def get_format(fmt: FormatLike) -> ElementFormat:
+    """Look a format up by name or alias (case-insensitive); ElementFormat passes through."""
+    if isinstance(fmt, ElementFormat):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"format must be a name or ElementFormat, got {type(fmt).__name__}")
+    key = fmt.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in FORMATS:
+        raise ValueError(f"unknown format '{fmt}'; known formats: {', '.join(known_formats())}")
+    return FORMATS[key]
+
+
+def canonical_name(fmt: FormatLike) -> str:
+    """The canonical name of a format or alias (``mxfp4`` -> ``mxfp4_e2m1``)."""
+    return get_format(fmt).name
+
+
+def short_name(fmt: FormatLike) -> str:
+    """The short user-facing name (``mxfp4_e2m1`` -> ``mxfp4``, ``mxfp8_e4m3`` -> ``mxfp8``)."""
+    name = canonical_name(fmt)
+    for alias, target in ALIASES.items():
+        if target == name:
+            return alias
+    return name

@@ -1,0 +1,92 @@
+"""Public quantize / dequantize / fake-quantize, with input checks and backend dispatch."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import ElementFormat, FormatLike, get_format
+from .mxtensor import MXTensor
+from .reference import SCALE_RULES, quantize_blocks, to_blocks
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def validate(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int], scale_rule: str = "floor",
+             name: str = "tensor") -> tuple[ElementFormat, int]:
+    """Check a quantization request; return (format, block size) or raise a clear error."""
+    f = get_format(fmt)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name}: dtype {x.dtype} is not supported; quantize float32, bfloat16 or float16 "
+            f"tensors (convert with .float())"
+        )
+    bs = block_size or f.default_block_size
+    f.check_block_size(bs)
+    if x.dim() == 0 or x.shape[-1] % bs:
+        raise ValueError(
+            f"{name}: shape {tuple(x.shape)} has a last dimension that is not a multiple of "
+            f"block_size={bs}; pad it or choose a block size that divides it"
+        )
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale_rule '{scale_rule}'; choose one of {SCALE_RULES}")
+    if scale_rule != "floor" and not f.is_mx:
+        raise ValueError(f"scale_rule '{scale_rule}' applies to MX formats only, not '{f.name}'")
+    return f, bs
+
+
+def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
+             scale_rule: str = "floor") -> MXTensor:
+    """Quantize ``x`` in blocks along its last axis.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor of any leading shape.
+        fmt: format name (``mxint4``, ``mxfp4``, ``nf4``, ``affine4``, ...) or ElementFormat.
+        block_size: elements per block (default: the format's, 32 for MX formats).
+        scale_rule: ``floor`` (OCP, default) or ``ceil`` (the block max never saturates).
+
+    Returns:
+        An :class:`MXTensor` with unpacked codes and per-block scales.
+    """
+    f, bs = validate(x, fmt, block_size, scale_rule)
+    codes, scales, biases = quantize_blocks(to_blocks(x.detach(), bs), f, scale_rule)
+    return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, biases, scale_rule)
+
+
+def dequantize(q: MXTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Decode an :class:`MXTensor` to floats (its original dtype unless ``dtype`` is given)."""
+    return q.dequantize(dtype)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    """Quantize-dequantize forward, straight-through backward (optionally masking saturation)."""
+
+    @staticmethod
+    def forward(ctx, x, fmt, block_size, scale_rule, mask_saturated):  # type: ignore[override]
+        from .kernels import fake_quantize_dispatch
+
+        out, saturated = fake_quantize_dispatch(x, fmt, block_size, scale_rule, need_mask=mask_saturated)
+        if mask_saturated:
+            ctx.save_for_backward(saturated)
+        ctx.mask_saturated = mask_saturated
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.mask_saturated:
+            (saturated,) = ctx.saved_tensors
+            grad = grad.masked_fill(saturated, 0)
+        return grad, None, None, None, None
+
+
+def fake_quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
+                  scale_rule: str = "floor", mask_saturated: bool = False) -> torch.Tensor:
+    """Quantize then dequantize ``x`` (same shape and dtype), differentiable by the STE.
+
+    The backward pass is the identity (straight-through estimator); with
+    ``mask_saturated=True`` the gradient of elements that saturated is zeroed.
+    """
+    f, bs = validate(x, fmt, block_size, scale_rule)
+    return _FakeQuantSTE.apply(x, f, bs, scale_rule, mask_saturated)

@@ -1,0 +1,70 @@
+"""MXTensor: unpacked codes + block scales + format, with dense packing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from ..formats import ElementFormat, FormatLike, get_format
+from .packing import pack_codes, unpack_codes
+from .reference import dequantize_blocks
+
+
+@dataclass
+class MXTensor:
+    """A block-quantized tensor.
+
+    Attributes:
+        codes: unpacked integer codes with the original shape (int8 for MXINT, uint8 otherwise).
+        scales: per block: E8M0 bytes (uint8) for MX formats, float32 absmax (nf4) or scale (affine).
+            Shape ``shape[:-1] + (shape[-1] // block_size,)``.
+        fmt: the element format.
+        block_size: elements per block along the last axis.
+        dtype: the original floating dtype (``dequantize()`` returns it by default).
+        biases: affine biases (float32, same shape as scales), else None.
+        scale_rule: "floor" or "ceil", how the MX scales were chosen.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fmt: ElementFormat
+    block_size: int
+    dtype: torch.dtype = torch.float32
+    biases: Optional[torch.Tensor] = None
+    scale_rule: str = "floor"
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the quantized tensor."""
+        return self.codes.shape
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Decode to a float tensor (the original dtype unless ``dtype`` is given)."""
+        bs = self.block_size
+        codes = self.codes.reshape(*self.shape[:-1], self.shape[-1] // bs, bs)
+        out = dequantize_blocks(codes, self.scales, self.biases, self.fmt)
+        return out.reshape(self.shape).to(dtype or self.dtype)
+
+    def pack(self) -> torch.Tensor:
+        """Dense uint8 storage of the codes: shape ``shape[:-1] + (shape[-1] * bits // 8,)``."""
+        return pack_codes(self.codes, self.fmt.bits)
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, scales: torch.Tensor, fmt: FormatLike, block_size: int,
+               shape: Tuple[int, ...], dtype: torch.dtype = torch.float32,
+               biases: Optional[torch.Tensor] = None, scale_rule: str = "floor") -> "MXTensor":
+        """Rebuild an MXTensor from :meth:`pack` output and its scales."""
+        f = get_format(fmt)
+        codes = unpack_codes(packed, f.bits, shape[-1], signed=f.family == "mxint")
+        return cls(codes.reshape(shape), scales, f, block_size, dtype, biases, scale_rule)
+
+    def to(self, device: torch.device | str) -> "MXTensor":
+        """Move codes and scales to a device."""
+        b = None if self.biases is None else self.biases.to(device)
+        return MXTensor(self.codes.to(device), self.scales.to(device), self.fmt, self.block_size,
+                        self.dtype, b, self.scale_rule)
+
+    def __repr__(self) -> str:
+        return (f"MXTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "
+                f"block_size={self.block_size}, dtype={self.dtype})")

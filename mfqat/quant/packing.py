@@ -1,0 +1,58 @@
+"""Dense bit-stream packing of element codes along the last axis.
+
+Codes of ``bits`` bits are laid out LSB-first: element i occupies bits [i*bits, (i+1)*bits) of
+the row's byte stream, so two 4-bit codes share a byte with element 0 in the low nibble and four
+6-bit codes fill three bytes (DESIGN.md §2). Read as little-endian uint32 words this is also the
+MLX affine layout.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _check_row(n: int, bits: int) -> None:
+    if (n * bits) % 8:
+        raise ValueError(f"cannot pack a last dimension of {n} codes of {bits} bits into whole bytes")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (..., n) -> uint8 (..., n * bits // 8); only the low ``bits`` bits are kept."""
+    n = codes.shape[-1]
+    _check_row(n, bits)
+    c = codes.to(torch.int32) & ((1 << bits) - 1)
+    if bits == 8:
+        return c.to(torch.uint8)
+    if bits == 4:
+        pairs = c.reshape(*c.shape[:-1], n // 2, 2)
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    shifts = torch.arange(bits, device=c.device, dtype=torch.int32)
+    stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*c.shape[:-1], n * bits // 8, 8)
+    weights = torch.arange(8, device=c.device, dtype=torch.int32)
+    return (stream << weights).sum(dim=-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int, signed: bool) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 (..., n * bits // 8) -> codes (..., n).
+
+    Signed codes (MXINT) are sign-extended and returned as int8; others as uint8.
+    """
+    _check_row(n, bits)
+    if packed.shape[-1] != n * bits // 8:
+        raise ValueError(
+            f"packed last dimension is {packed.shape[-1]} bytes, expected {n * bits // 8} "
+            f"for {n} codes of {bits} bits"
+        )
+    p = packed.to(torch.int32)
+    if bits == 8:
+        c = p
+    elif bits == 4:
+        c = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], n)
+    else:
+        weights = torch.arange(8, device=p.device, dtype=torch.int32)
+        stream = ((p.unsqueeze(-1) >> weights) & 1).reshape(*p.shape[:-1], n, bits)
+        shifts = torch.arange(bits, device=p.device, dtype=torch.int32)
+        c = (stream << shifts).sum(dim=-1)
+    if signed:
+        c = torch.where(c >= (1 << (bits - 1)), c - (1 << bits), c)
+        return c.to(torch.int8)
+    return c.to(torch.uint8)

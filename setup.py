@@ -1,0 +1,60 @@
+"""mfqat: multi-format quantization-aware training (OCP Microscaling) with an MLX export path."""
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+MLX = "mlx[cpu]>=0.32" if sys.platform.startswith("linux") else "mlx>=0.32"
+
+
+def cpp_extensions():
+    """Build csrc/ as torch custom ops when torch and a compiler are present (never fatal)."""
+    if os.environ.get("MFQAT_NO_EXT") == "1" or not os.path.isdir("csrc"):
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception:  # torch not importable at build time: the pure-PyTorch path is used
+        return [], {}
+    sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp"))
+    if not sources:
+        return [], {}
+    ext = CppExtension("mfqat._C", sources,
+                       extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-std=c++17"],
+                       extra_link_args=["-fopenmp"])
+    return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+
+
+ext_modules, cmdclass = cpp_extensions()
+
+setup(
+    name="mfqat",
+    version="0.1.0",
+    description="Multi-format quantization-aware training in MX formats, with Slice-and-Scale and MLX export",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["mfqat", "mfqat.*"]),
+    package_data={"mfqat": ["configs/*.yaml", "configs/accelerate/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "safetensors>=0.4",
+        "transformers>=4.46",
+        "accelerate>=1.0",
+        "peft>=0.13",
+        "tqdm",
+        "PyYAML",
+        "matplotlib",
+        "numpy",
+        "gguf>=0.10",
+    ],
+    extras_require={
+        "mlx": [MLX, "mlx-lm>=0.30"],
+        "kernels": ["triton>=3.0"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "torchao>=0.10", "bitsandbytes>=0.45", "triton>=3.0"],
+        "all": [MLX, "mlx-lm>=0.30", "triton>=3.0", "bitsandbytes>=0.45", "torchao>=0.10"],
+    },
+    entry_points={"console_scripts": ["mfqat=mfqat.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
