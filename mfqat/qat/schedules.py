@@ -1,0 +1,90 @@
+"""Format schedules: which format the MF-QAT modules use at a given training step.
+
+Plain Python, no torch: the MLX runtime shares this module (DESIGN.md §7).
+"""
+from __future__ import annotations
+
+import random
+from typing import List, Sequence
+
+from ..formats import canonical_name, get_format
+
+SCHEDULES = ("progressive", "cyclic", "random", "fixed")
+
+
+class Schedule:
+    """Base class: ``format_at(step, total_steps)`` names the format for a step."""
+
+    def __init__(self, formats: Sequence[str]):
+        if not formats:
+            raise ValueError("a schedule needs at least one format")
+        self.formats: List[str] = [canonical_name(f) for f in formats]
+        for f in self.formats:
+            if not get_format(f).is_mx:
+                raise ValueError(f"MF-QAT schedules take MX formats; '{f}' is not one")
+
+    def format_at(self, step: int, total_steps: int) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.formats})"
+
+
+class ProgressiveSchedule(Schedule):
+    """The MF-QAT paper's order: formats sorted low to high bits, equal shares of the steps.
+
+    ``repeats=N`` runs the ramp N times (each ramp takes total_steps / N steps).
+    """
+
+    def __init__(self, formats: Sequence[str], repeats: int = 1):
+        super().__init__(formats)
+        self.formats.sort(key=lambda f: (get_format(f).bits, f))
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        self.repeats = repeats
+
+    def format_at(self, step: int, total_steps: int) -> str:
+        total = max(int(total_steps), 1)
+        ramp = max(total / self.repeats, 1e-9)
+        pos = (min(max(step, 0), total - 1) % ramp) / ramp
+        return self.formats[min(int(pos * len(self.formats)), len(self.formats) - 1)]
+
+
+class CyclicSchedule(Schedule):
+    """Round robin: one format per step, in the given order."""
+
+    def format_at(self, step: int, total_steps: int) -> str:
+        return self.formats[step % len(self.formats)]
+
+
+class RandomSchedule(Schedule):
+    """A seeded, reproducible random format per step (the same on every rank)."""
+
+    def __init__(self, formats: Sequence[str], seed: int = 0):
+        super().__init__(formats)
+        self.seed = seed
+
+    def format_at(self, step: int, total_steps: int) -> str:
+        return random.Random(self.seed * 1_000_003 + step).choice(self.formats)
+
+
+class FixedSchedule(Schedule):
+    """Single-format QAT (the baseline)."""
+
+    def format_at(self, step: int, total_steps: int) -> str:
+        return self.formats[0]
+
+
+def make_schedule(kind: str, formats: Sequence[str], seed: int = 0, repeats: int = 1) -> Schedule:
+    """Build a schedule by name."""
+    if kind == "progressive":
+        return ProgressiveSchedule(formats, repeats)
+    if kind == "cyclic":
+        return CyclicSchedule(formats)
+    if kind == "random":
+        return RandomSchedule(formats, seed)
+    if kind == "fixed":
+        if len(formats) != 1:
+            raise ValueError(f"the fixed schedule takes exactly one format, got {list(formats)}")
+        return FixedSchedule(formats)
+    raise ValueError(f"unknown schedule '{kind}'; choose one of {SCHEDULES}")

@@ -1,0 +1,73 @@
+"""Slice-and-Scale: turn an MX anchor into a lower format of the same family, no re-training.
+
+MXINT a -> b (r = a - b): ``P_b = clamp(round_half_even(P_a / 2^r), ±(2^(b-1)-1))``, the shared
+exponent unchanged (a rounded right shift). MXFP high -> low: ``s_low = s_high + (emax_high -
+emax_low)`` and each element re-rounded to the low grid from ``P_high / 2^(emax_high - emax_low)``,
+round half to even, saturating, subnormals kept (DESIGN.md §3).
+
+The contract every test checks: the result equals direct quantization (floor rule) of the
+anchor's dequantized values, bit for bit. For MXFP this needs one refinement of the §3 formula,
+applied here: a block whose anchor exponent was clamped at -127 (values below 2^-127) takes the
+exponent that direct quantization would, ``clamp(floor(log2 max|P_high|) + s_high - emax_low)``,
+which equals ``s_high + emax_high - emax_low`` for every block that was not clamped.
+"""
+from __future__ import annotations
+
+import torch
+
+from .formats import FormatLike, get_format
+from .quant.mxtensor import MXTensor
+from .quant.reference import (E8M0_BIAS, E8M0_NAN, exp2i, floor_log2, mx_codes_to_values,
+                              mx_round_elements, mx_values_to_codes)
+
+
+def check_sliceable(src: FormatLike, dst: FormatLike, name: str = "tensor") -> None:
+    """Raise ValueError unless ``dst`` is reachable from ``src`` by Slice-and-Scale."""
+    s, d = get_format(src), get_format(dst)
+    if not (s.is_mx and d.is_mx) or s.family != d.family:
+        raise ValueError(
+            f"{name}: cannot slice {s.name} to {d.name}: Slice-and-Scale stays inside one MX "
+            f"family (mxint -> mxint, mxfp -> mxfp); save an anchor in the {d.family} family instead"
+        )
+    if d.bits > s.bits:
+        raise ValueError(
+            f"{name}: cannot slice {s.name} up to {d.name}: an anchor gives formats at or below "
+            f"its own {s.bits} bits"
+        )
+
+
+def slice_and_scale(q: MXTensor, fmt: FormatLike) -> MXTensor:
+    """Convert an MX tensor to a lower format of its family (see module docs); exact and vectorised."""
+    dst = get_format(fmt)
+    check_sliceable(q.fmt, dst)
+    if dst == q.fmt:
+        return MXTensor(q.codes.clone(), q.scales.clone(), dst, q.block_size, q.dtype, None, q.scale_rule)
+    bs = q.block_size
+    codes = q.codes.reshape(*q.shape[:-1], q.shape[-1] // bs, bs)
+    if dst.family == "mxint":
+        r = q.fmt.bits - dst.bits
+        new = torch.round(codes.to(torch.float32) / float(2 ** r)).clamp(dst.code_min, dst.code_max)
+        return MXTensor(new.to(torch.int8).reshape(q.shape), q.scales.clone(), dst, bs, q.dtype, None, q.scale_rule)
+    values = mx_codes_to_values(codes, q.fmt)
+    nan_block = q.scales == E8M0_NAN
+    s_high = q.scales.to(torch.int32) - E8M0_BIAS
+    amax = values.abs().amax(dim=-1)
+    s_low = (floor_log2(amax) + s_high - dst.emax).clamp(-127, 127)
+    s_low = torch.where(amax == 0, torch.full_like(s_low, -127), s_low)
+    s_low = torch.where(nan_block, s_high, s_low)
+    y = values * exp2i((s_high - s_low).clamp(-149, 127)).unsqueeze(-1)
+    rounded, _ = mx_round_elements(y, dst)
+    new_codes = mx_values_to_codes(rounded, dst)
+    new_codes = torch.where(nan_block.unsqueeze(-1), torch.zeros_like(new_codes), new_codes)
+    scales = torch.where(nan_block, q.scales.to(torch.int32), s_low + E8M0_BIAS).to(torch.uint8)
+    return MXTensor(new_codes.reshape(q.shape), scales, dst, bs, q.dtype, None, q.scale_rule)
+
+
+def double_rounding_fraction(x: torch.Tensor, anchor_fmt: FormatLike, fmt: FormatLike,
+                             block_size: int = 32) -> float:
+    """Fraction of elements where Slice-and-Scale from an anchor differs from direct quantization of x."""
+    from .quant.api import quantize
+
+    sliced = slice_and_scale(quantize(x, anchor_fmt, block_size), fmt).dequantize(torch.float32)
+    direct = quantize(x, fmt, block_size).dequantize(torch.float32)
+    return (sliced != direct).float().mean().item()
