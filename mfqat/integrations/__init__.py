@@ -1,0 +1,1 @@
+"""Integrations: Hugging Face Trainer callback, accelerate training loop."""

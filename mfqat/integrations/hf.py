@@ -1,0 +1,94 @@
+"""MFQATCallback: drive MF-QAT from a transformers Trainer."""
+from __future__ import annotations
+
+import math
+import os
+from typing import List, Optional
+
+import torch
+from transformers import TrainerCallback
+
+from ..anchor import save_anchor
+from ..formats import canonical_name, get_format
+from ..qat.prepare import MFQATController, set_format
+
+
+def find_controller(model) -> MFQATController:
+    """The MFQATController of a prepared model (also through DDP / PEFT / accelerate wrappers)."""
+    seen = model
+    for _ in range(6):
+        ctl = getattr(seen, "mfqat_controller", None) if hasattr(seen, "__dict__") else None
+        if ctl is None and hasattr(seen, "__dict__"):
+            ctl = seen.__dict__.get("mfqat_controller")
+        if ctl is not None:
+            return ctl
+        seen = getattr(seen, "module", None) or getattr(seen, "base_model", None) or getattr(seen, "model", None)
+        if seen is None:
+            break
+    raise ValueError("MFQATCallback: the model was not prepared; call mfqat.prepare(model, config) first")
+
+
+class MFQATCallback(TrainerCallback):
+    """Drives the format schedule from ``state.global_step``, logs the active format, evaluates
+    the eval set at several formats (elastic evaluation) and saves an anchor with each checkpoint.
+
+    Args:
+        eval_formats: formats evaluated at each evaluation (``eval_{fmt}_loss`` / ``_ppl`` metrics).
+        anchor_format: format of the anchor saved into each checkpoint (None: no anchors).
+        tokenizer: saved into the anchor directories.
+        max_eval_batches: cap on batches per format (None: the whole eval set).
+    """
+
+    def __init__(self, eval_formats: Optional[List[str]] = None, anchor_format: Optional[str] = "mxint8",
+                 tokenizer=None, max_eval_batches: Optional[int] = None):
+        self.eval_formats = [canonical_name(f) for f in (eval_formats or [])]
+        self.anchor_format = anchor_format
+        self.tokenizer = tokenizer
+        self.max_eval_batches = max_eval_batches
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
+        find_controller(model).set_step(model, state.global_step, max(state.max_steps, 1))
+
+    def on_log(self, args, state, control, logs=None, model=None, **kw):
+        if logs is not None and model is not None:
+            fmt = find_controller(model).current_format()
+            extra = {"mfqat_format": fmt, "mfqat_bits": get_format(fmt).bits}
+            logs.update(extra)  # reporters (TensorBoard, W&B) see it
+            if state.log_history:  # and so does trainer.state.log_history
+                state.log_history[-1].update(extra)
+
+    @torch.no_grad()
+    def on_evaluate(self, args, state, control, metrics=None, model=None, eval_dataloader=None, **kw):
+        if not self.eval_formats or eval_dataloader is None or metrics is None:
+            return
+        ctl = find_controller(model)
+        was_training = model.training
+        model.eval()
+        for fmt in self.eval_formats:
+            set_format(model, fmt)
+            total, n = 0.0, 0
+            for i, batch in enumerate(eval_dataloader):
+                if self.max_eval_batches is not None and i >= self.max_eval_batches:
+                    break
+                batch = {k: v.to(args.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                total += model(**batch).loss.item()
+                n += 1
+            loss = total / max(n, 1)
+            extra = {f"eval_{fmt}_loss": loss, f"eval_{fmt}_ppl": math.exp(min(loss, 50))}
+            metrics.update(extra)
+            # Trainer logs the metrics before calling on_evaluate: add ours to that log entry too
+            if state.log_history and any(k.startswith("eval_") for k in state.log_history[-1]):
+                state.log_history[-1].update(extra)
+        ctl.set_step(model, state.global_step, max(state.max_steps, 1))
+        model.train(was_training)
+
+    def on_save(self, args, state, control, model=None, **kw):
+        if self.anchor_format is None or not state.is_world_process_zero:
+            return
+        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "mfqat_anchor")
+        ctl = find_controller(model)
+        base = model
+        while hasattr(base, "module"):
+            base = base.module
+        save_anchor(base, ckpt, self.anchor_format, tokenizer=self.tokenizer, step=state.global_step,
+                    schedule=ctl.config.to_dict())

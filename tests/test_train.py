@@ -1,0 +1,90 @@
+"""Training integrations: accelerate loop (1 and 2 ranks), resume, HF Trainer callback."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mfqat
+from mfqat.data import tiny_llama
+from mfqat.integrations.hf import MFQATCallback
+from mfqat.integrations.train_loop import main as train_main
+from mfqat.qat import QATConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_single_process_training_saves_anchor(tmp_path):
+    out = tmp_path / "run"
+    summary = train_main(["--model", "tiny", "--steps", "8", "--seq-len", "32", "--out", str(out),
+                          "--eval-formats", "mxint8,mxint4", "--lr", "1e-3"])
+    assert summary["formats"] == ["mxint2"] * 2 + ["mxint4"] * 2 + ["mxint6"] * 2 + ["mxint8"] * 2
+    assert summary["losses"][-1] < summary["losses"][0]
+    meta = json.loads((out / "anchor" / "mfqat.json").read_text())
+    assert meta["anchor_format"] == "mxint8" and meta["step"] == 8
+    assert (out / "loss.png").stat().st_size > 1000
+    mfqat.load_anchor(out / "anchor", "mxint4")
+
+
+def test_resume_from_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(out), "--save-every", "3"])
+    ck = out / "checkpoint-3"
+    assert (ck / "mfqat_anchor" / "mfqat.json").is_file()
+    s = train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(out / "resumed"),
+                    "--resume", str(ck)])
+    assert len(s["losses"]) == 3 and s["formats"] == ["mxint6", "mxint6", "mxint8"]
+
+
+def test_accelerate_ddp_two_ranks_same_weights(tmp_path):
+    dump = tmp_path / "w"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(ROOT / "scripts" / "train.py"), "--model", "tiny",
+           "--steps", "4", "--seq-len", "32", "--out", str(tmp_path / "ddp"), "--dump-weights", str(dump)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    w0, w1 = (Path(f"{dump}.rank{i}").read_text() for i in (0, 1))
+    assert w0 == w1
+    assert (tmp_path / "ddp" / "anchor" / "mfqat.json").is_file()
+
+
+def test_hf_trainer_callback(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama()
+    mfqat.prepare(model, QATConfig(formats=["mxint4", "mxint8"], schedule="cyclic"))
+    ids = torch.randint(0, 256, (16, 32))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                             logging_steps=1, eval_strategy="steps", eval_steps=4, save_steps=4,
+                             report_to=[], use_cpu=True, learning_rate=1e-3)
+    seen = []
+
+    class Spy(MFQATCallback):
+        def on_step_begin(self, a, state, control, model=None, **kw):
+            super().on_step_begin(a, state, control, model=model, **kw)
+            seen.append(model.model.layers[0].mlp.up_proj.fmt)
+
+    cb = Spy(eval_formats=["mxint4", "mxint8"], anchor_format="mxint8")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, eval_dataset=ds[:4], callbacks=[cb])
+    trainer.train()
+    assert seen == ["mxint4", "mxint8", "mxint4", "mxint8"]
+    logs = trainer.state.log_history
+    assert any(l.get("mfqat_format") in ("mxint4", "mxint8") for l in logs)
+    ev = [l for l in logs if "eval_mxint4_loss" in l]
+    assert ev and ev[0]["eval_mxint4_loss"] > 0 and "eval_mxint8_ppl" in ev[0]
+    anchor = tmp_path / "checkpoint-4" / "mfqat_anchor"
+    assert json.loads((anchor / "mfqat.json").read_text())["step"] == 4
+    mfqat.load_anchor(anchor, "mxint4")
