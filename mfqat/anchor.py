@@ -73,7 +73,7 @@ class Anchor:
         return sd
 
 
-def _default_targets(model: nn.Module, block_size: int) -> List[str]:
+def default_targets(model: nn.Module, block_size: int) -> List[str]:
     """PTQ targets for a plain model: decoder-block Linear weights whose rows divide into blocks."""
     pat = re.compile(DEFAULT_TARGETS)
     return [f"{n}.weight" for n, m in model.named_modules()
@@ -145,7 +145,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
         raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
     if targets is None:
         prepared = [f"{n}.weight" for n, m in qat_modules(model)]
-        targets = prepared or _default_targets(model, block_size)
+        targets = prepared or default_targets(model, block_size)
         block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
     tensors: Dict[str, torch.Tensor] = {}
     entries: Dict[str, dict] = {}

@@ -1,0 +1,39 @@
+"""Elastic evaluation: one model, many formats, by Slice-and-Scale from an anchor or by PTQ."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..anchor import Anchor, default_targets
+from ..formats import get_format
+from ..quant.api import quantize
+from .perplexity import perplexity
+
+
+def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optional[List[str]] = None
+              ) -> Dict[str, torch.Tensor]:
+    """Direct (post-training) quantization of the model's target weights to ``fmt``."""
+    sd = model.state_dict()
+    names = targets or default_targets(model, block_size)
+    return {k: quantize(sd[k].float(), fmt, block_size).dequantize(sd[k].dtype) for k in names}
+
+
+def anchor_state(anchor: Anchor, fmt: Optional[str], dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """The anchor's quantized weights in ``fmt`` (Slice-and-Scale), dequantized."""
+    return {k: q.dequantize(dtype) for k, q in anchor.in_format(fmt).items()}
+
+
+def evaluate_formats(model: nn.Module, states: Dict[str, Dict[str, torch.Tensor]], blocks: torch.Tensor,
+                     block_size: int = 32, batch_size: int = 4) -> List[dict]:
+    """Perplexity of ``model`` with each partial state dict loaded; rows with bits/weight."""
+    original = {k: v.clone() for k, v in model.state_dict().items()
+                if any(k in s for s in states.values())}
+    rows = []
+    for fmt, state in states.items():
+        model.load_state_dict(state, strict=False)
+        bpw = get_format(fmt).bits_per_weight(block_size) if fmt != "fp" else 16.0
+        rows.append({"format": fmt, "bits/weight": bpw, "perplexity": perplexity(model, blocks, batch_size, desc=f"ppl {fmt}")})
+    model.load_state_dict(original, strict=False)
+    return rows

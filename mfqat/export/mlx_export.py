@@ -1,0 +1,210 @@
+"""Export an anchor (or a plain HF model, post-training) to an MLX model directory.
+
+Codes are carried over code-for-code, never re-quantized by MLX (DESIGN.md §6):
+
+| source format                          | MLX storage                                  |
+|----------------------------------------|----------------------------------------------|
+| mxfp4                                  | mode "mxfp4" (uint32 words, uint8 E8M0)      |
+| mxfp8_e4m3, mxfp6_e2m3, mxfp6_e3m2     | mode "mxfp8" (E4M3 bytes hold every value)   |
+| mxint k                                | mode "affine", bits k (7 -> 8), group 32,    |
+|                                        | q_u = q + 2^(k-1), scale = 2^(s-(k-2)),      |
+|                                        | bias = -2^(k-1) * scale                      |
+| mxfp8_e5m2                             | bfloat16 (exact: every E5M2 value fits)      |
+
+Packing is done here in torch/numpy; MLX is only used afterwards to verify every tensor.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from ..anchor import Anchor, read_anchor, save_anchor
+from ..formats import get_format
+from ..io import atomic_directory, write_json
+from ..quant.api import quantize
+from ..quant.mxtensor import MXTensor
+from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
+from ..slice import check_sliceable, slice_and_scale
+from .recipes import Plan, build_plan
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}
+
+
+@dataclass
+class MLXTensor:
+    """One module's MLX storage."""
+    weight: np.ndarray
+    scales: Optional[np.ndarray]
+    biases: Optional[np.ndarray]
+    mode: Optional[str]
+    bits: Optional[int]
+    exact: bool
+
+
+def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
+    """Lay one MX tensor out as MLX stores it (see module table)."""
+    f = q.fmt
+    rows = q.shape[:-1]
+    if f.family == "mxint":
+        bits = AFFINE_BITS[f.bits]
+        qu = q.codes.to(torch.int32) + 2 ** (bits - 1)
+        from ..quant.packing import pack_codes
+        words = pack_codes(qu, bits).numpy().view(np.uint32)
+        s = q.scales.to(torch.int32) - E8M0_BIAS
+        scale = exp2i((s - f.int_shift).clamp(-149, 127))  # the format's element scale 2^-(k-2)
+        bias = -(2.0 ** (bits - 1)) * scale
+        return MLXTensor(words, scale.numpy(), bias.numpy(), "affine", bits, True)
+    if f.name == "mxfp4_e2m1":
+        return MLXTensor(q.pack().numpy().view(np.uint32), q.scales.numpy(), None, "mxfp4", 4, True)
+    if f.name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2"):
+        vals = mx_codes_to_values(q.codes, f)
+        e4m3 = mx_values_to_codes(vals, get_format("mxfp8_e4m3"))
+        return MLXTensor(e4m3.numpy().view(np.uint32).reshape(*rows, -1), q.scales.numpy(), None, "mxfp8", 8, True)
+    # mxfp8_e5m2: dequantize to bf16 (every E5M2 value times a power of two fits bf16)
+    return MLXTensor(q.dequantize(torch.float32).numpy(), None, None, None, None, True)
+
+
+def _config_for_mlx(config: dict, plan: Plan) -> dict:
+    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "torch_dtype", "dtype")}
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    cfg["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    quant = {"group_size": 32, "bits": plan.base_bits, "mode": plan.base_mode}
+    for module, entry in plan.module_entries().items():
+        quant[module] = entry
+    cfg["quantization"] = quant
+    cfg["quantization_config"] = quant
+    return cfg
+
+
+def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
+    """The PyTorch weights that the export must reproduce (float32)."""
+    sd = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() else v) for k, v in anchor.plain.items()}
+    for name, q in plan.tensors(anchor).items():
+        sd[name] = q.dequantize(torch.float32)
+    for name in plan.kept16:
+        if name in anchor.quantized:
+            sd[name] = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
+    return sd
+
+
+def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
+           calib_text: Optional[str] = None, prompt: str = "The Python language is") -> dict:
+    """Export an anchor directory (or a plain HF model folder, quantized to an MXINT8 anchor first).
+
+    Writes ``out_dir`` atomically: it appears only after every tensor has been checked against
+    the PyTorch dequantization and ``mlx_lm.load`` has loaded it. Returns the export report.
+    """
+    import tempfile
+    import time
+
+    t0 = time.perf_counter()
+    src = Path(source)
+    tmp_anchor = None
+    if not (src / "mfqat.json").is_file():
+        from ..data import load_model
+        model, tok = load_model(str(source))
+        tmp_anchor = Path(tempfile.mkdtemp(prefix="mfqat-ptq-")) / "anchor"
+        save_anchor(model, tmp_anchor, "mxint8", tok)
+        src = tmp_anchor
+    anchor = read_anchor(src)
+    plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text)
+    config = json.loads((src / "config.json").read_text())
+    report = {"source": str(source), "recipe": recipe, "tensors": {}}
+    try:
+        with atomic_directory(out_dir) as tmp:
+            _write(anchor, plan, config, src, tmp, report)
+            if verify:
+                report["verify"] = verify_export(tmp, anchor, plan, prompt)
+            report["bits_per_weight"] = plan.bits_per_weight(anchor)
+            report["seconds"] = time.perf_counter() - t0
+            write_json(tmp / "mfqat_export.json", report)
+    finally:
+        if tmp_anchor is not None:
+            shutil.rmtree(tmp_anchor.parent, ignore_errors=True)
+    return report
+
+
+def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, report: dict) -> None:
+    import mlx.core as mx
+
+    arrays: Dict[str, "mx.array"] = {}
+    for name, v in anchor.plain.items():
+        arrays[name] = mx.array(v.float().numpy()).astype(mx.bfloat16) if v.is_floating_point() else mx.array(v.numpy())
+    for name in plan.kept16:
+        if name in anchor.quantized:
+            arrays[name] = mx.array(anchor.quantized[name].dequantize(torch.float32).numpy()).astype(mx.bfloat16)
+            report["tensors"][name] = {"source": anchor.format, "mlx": "bfloat16", "bits_per_weight": 16, "exact": False}
+    for name, q in plan.tensors(anchor).items():
+        st = to_mlx_storage(q)
+        module = name[: -len(".weight")]
+        if st.mode is None:
+            arrays[name] = mx.array(st.weight).astype(mx.bfloat16)
+        else:
+            arrays[name] = mx.array(st.weight)
+            arrays[f"{module}.scales"] = mx.array(st.scales)
+            if st.biases is not None:
+                arrays[f"{module}.biases"] = mx.array(st.biases)
+        report["tensors"][name] = {"source": plan.formats[name], "origin": plan.origin[name],
+                                   "mlx": st.mode or "bfloat16", "bits": st.bits,
+                                   "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(32),
+                                   "exact": st.exact}
+    mx.save_safetensors(str(tmp / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan), indent=2))
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp / f)
+
+
+def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
+    """Every tensor dequantized by MLX equals the PyTorch dequantization; logits compared."""
+    import mlx.core as mx
+
+    weights = mx.load(str(out / "model.safetensors"))
+    for name, q in plan.tensors(anchor).items():
+        module = name[: -len(".weight")]
+        expect = q.dequantize(torch.float32).numpy()
+        if f"{module}.scales" in weights:
+            mode = "mxfp8" if plan.formats[name] != "mxfp4_e2m1" and get_format(plan.formats[name]).family == "mxfp" else None
+            mode = "mxfp4" if plan.formats[name] == "mxfp4_e2m1" else mode or "affine"
+            bits = {"mxfp4": 4, "mxfp8": 8}.get(mode) or AFFINE_BITS[get_format(plan.formats[name]).bits]
+            got = mx.dequantize(weights[name], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
+                                group_size=32, bits=bits, mode=mode)
+        else:
+            got = weights[name]
+        got = np.array(got.astype(mx.float32))
+        if not np.array_equal(got, expect):
+            bad = int((got != expect).sum())
+            raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
+                               f"dequantization ({plan.formats[name]}); nothing was written")
+    return compare_logits(out, anchor, plan, prompt)
+
+
+def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
+    """Load with mlx_lm and compare logits on ``prompt`` with the PyTorch model in the same format."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model, tok = mlx_load(str(out))
+    ids = tok.encode(prompt)
+    mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
+    config = AutoConfig.from_pretrained(str(anchor.path))
+    pt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    pt.load_state_dict(reference_state(anchor, plan), strict=False)
+    pt.tie_weights()
+    with torch.no_grad():
+        pt_logits = pt(torch.tensor([ids])).logits.numpy()
+    diff = float(np.abs(mlx_logits - pt_logits).max())
+    agree = float((mlx_logits.argmax(-1) == pt_logits.argmax(-1)).mean())
+    return {"weights_bit_exact": True, "max_abs_logit_diff": diff, "argmax_agreement": agree,
+            "prompt_tokens": len(ids)}

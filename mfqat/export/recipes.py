@@ -1,0 +1,148 @@
+"""Per-tensor format plans for export: ``uniform:FMT`` and ``seed`` (DESIGN.md §6).
+
+Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"); 2-D
+weights the anchor keeps in full precision (embeddings, an untied lm_head) are quantized
+directly when the plan names a format for them (origin "ptq"), else kept in bfloat16.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+import torch
+
+from ..anchor import Anchor
+from ..formats import canonical_name, get_format
+from ..quant.api import quantize
+from ..quant.mxtensor import MXTensor
+from ..slice import check_sliceable, slice_and_scale
+
+FAMILY_BY_BITS = {
+    "mxint": {b: f"mxint{b}" for b in range(2, 9)},
+    "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
+}
+RECIPES = ("uniform:FMT", "seed")
+
+
+@dataclass
+class Plan:
+    """{tensor name: format}, where each comes from, what stays 16-bit, the top-level entry."""
+    formats: Dict[str, str] = field(default_factory=dict)
+    origin: Dict[str, str] = field(default_factory=dict)
+    kept16: Set[str] = field(default_factory=set)
+    base_bits: int = 4
+    base_mode: str = "affine"
+
+    def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
+        """Every planned tensor as an MXTensor in its planned format."""
+        out = {}
+        for name, fmt in self.formats.items():
+            if self.origin[name] == "anchor":
+                out[name] = slice_and_scale(anchor.quantized[name], fmt)
+            else:
+                out[name] = quantize(anchor.plain[name].float(), fmt, 32)
+        return out
+
+    def module_entries(self) -> Dict[str, object]:
+        """Per-module quantization entries that differ from the top level; False for 16-bit ones."""
+        from .mlx_export import AFFINE_BITS
+
+        entries: Dict[str, object] = {}
+        for name, fmt in self.formats.items():
+            f = get_format(fmt)
+            if f.family == "mxint":
+                e = {"group_size": 32, "bits": AFFINE_BITS[f.bits], "mode": "affine"}
+            elif f.name == "mxfp4_e2m1":
+                e = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+            elif f.name == "mxfp8_e5m2":
+                entries[name[: -len(".weight")]] = False
+                continue
+            else:
+                e = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+            if (e["bits"], e["mode"]) != (self.base_bits, self.base_mode):
+                entries[name[: -len(".weight")]] = e
+        for name in self.kept16:
+            entries[name[: -len(".weight")]] = False
+        return entries
+
+    def bits_per_weight(self, anchor: Anchor) -> float:
+        """Average bits per weight over the Linear/Embedding weights (16 for kept ones)."""
+        total_bits, total = 0.0, 0
+        shapes = {**{k: q.shape for k, q in anchor.quantized.items()}, **{k: v.shape for k, v in anchor.plain.items()}}
+        for name in list(self.formats) + sorted(self.kept16):
+            n = int(torch.Size(shapes[name]).numel())
+            bpw = get_format(self.formats[name]).bits_per_weight(32) if name in self.formats else 16.0
+            total_bits += bpw * n
+            total += n
+        return total_bits / max(total, 1)
+
+
+def _matrix_weights(anchor: Anchor) -> List[str]:
+    """Plain 2-D weights that MLX can quantize (embeddings, untied lm_head), in-features % 32 == 0."""
+    return [k for k, v in anchor.plain.items()
+            if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % 32 == 0]
+
+
+def _fmt_for_bits(family: str, bits: int, anchor_bits: int) -> str:
+    table = FAMILY_BY_BITS[family]
+    bits = max(min(bits, anchor_bits, max(table)), min(table))
+    while bits not in table:
+        bits += 1
+    return table[bits]
+
+
+def seed_bits(name: str, base: int, tied: bool) -> Optional[int]:
+    """The seed table: embeddings +2 (lm_head +3; tied: the shared table counts as lm_head),
+    attention q/k/v +2, down_proj +1, gate/up base, o_proj kept at 8 bits."""
+    if "embed" in name:
+        return base + (3 if tied else 2)
+    if "lm_head" in name:
+        return base + 3
+    if re.search(r"\.(q_proj|k_proj|v_proj)\.", name):
+        return base + 2
+    if ".down_proj." in name:
+        return base + 1
+    if ".o_proj." in name:
+        return 8
+    return base
+
+
+def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None) -> Plan:
+    """A per-tensor plan from a recipe name; checks everything before anything is written."""
+    family = get_format(anchor.format).family
+    plan = Plan()
+    tied = bool(anchor.meta.get("tied"))
+    if recipe.startswith("uniform:"):
+        fmt = canonical_name(recipe.split(":", 1)[1])
+        check_sliceable(anchor.format, fmt, name=str(anchor.path))
+        for name in anchor.quantized:
+            plan.formats[name], plan.origin[name] = fmt, "anchor"
+        for name in _matrix_weights(anchor):
+            plan.formats[name], plan.origin[name] = fmt, "ptq"
+        top = get_format(fmt)
+    elif recipe == "seed":
+        for name in list(anchor.quantized) + _matrix_weights(anchor):
+            bits = seed_bits(name, base_bits, tied)
+            plan.formats[name] = _fmt_for_bits(family, bits, get_format(anchor.format).bits)
+            plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
+        top = get_format(_fmt_for_bits(family, base_bits, 8))
+    else:
+        raise ValueError(f"unknown recipe '{recipe}'; choose one of {RECIPES}")
+    for name in _matrix_weights(anchor):
+        if name not in plan.formats:
+            plan.kept16.add(name)
+    for name, fmt in plan.formats.items():
+        shape = anchor.quantized[name].shape if name in anchor.quantized else anchor.plain[name].shape
+        if shape[-1] % 32:
+            raise ValueError(f"{name}: shape {tuple(shape)} is not divisible by the MLX group size 32")
+        if plan.origin[name] == "anchor":
+            check_sliceable(anchor.format, fmt, name=name)
+    if top.family == "mxint":
+        from .mlx_export import AFFINE_BITS
+        plan.base_bits, plan.base_mode = AFFINE_BITS[top.bits], "affine"
+    elif top.name == "mxfp4_e2m1":
+        plan.base_bits, plan.base_mode = 4, "mxfp4"
+    else:
+        plan.base_bits, plan.base_mode = 8, "mxfp8"
+    return plan
