@@ -96,3 +96,17 @@ def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: 
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                       max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=10000.0)
     return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_tokenizer(vocab_size: int = 256):
+    """A small byte-level BPE tokenizer trained on pydoc text (for tests that need mlx_lm.load)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([pydoc_text()[:20000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
