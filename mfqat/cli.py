@@ -1,0 +1,121 @@
+"""The `mfqat` command: train, convert, eval, export-mlx, demo, bench."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+
+def _convert(a) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from .anchor import load_anchor
+    from .io import atomic_directory
+
+    model = load_anchor(a.anchor, a.to)
+    with atomic_directory(a.out) as tmp:
+        model.save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(a.anchor).save_pretrained(tmp)
+        except Exception:
+            print(f"[mfqat] {a.anchor}: no tokenizer saved with the anchor; wrote weights only")
+    print(f"wrote {a.out} ({a.to or 'anchor format'}, dequantized, from_pretrained-loadable)")
+
+
+def _eval(a) -> None:
+    from .anchor import read_anchor
+    from .data import load_model, load_text, split_text, token_blocks
+    from .eval.elastic import anchor_state, evaluate_formats, ptq_state
+    from .eval.perplexity import perplexity
+    from .eval.report import format_table, plot_ppl_vs_bpw
+    from .formats import get_format
+
+    formats = a.formats.split(",")
+    is_anchor = (Path(a.model) / "mfqat.json").is_file()
+    if is_anchor:
+        from .anchor import load_anchor
+        from transformers import AutoTokenizer
+        model, tok = load_anchor(a.model), AutoTokenizer.from_pretrained(a.model)
+    else:
+        model, tok = load_model(a.model)
+    text = load_text(a.text) if a.text else split_text(load_text(None))[1]
+    blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
+    base_ppl = perplexity(model, blocks, desc="ppl base")
+    if is_anchor:
+        anchor = read_anchor(a.model)
+        rows = evaluate_formats(model, {f: anchor_state(anchor, f) for f in formats}, blocks)
+    else:
+        rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
+    for r in rows:
+        r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
+    series = {"Slice-and-Scale from anchor" if is_anchor else "PTQ": [(r["bits/weight"], r["perplexity"], r["format"]) for r in rows]}
+    if a.compare and is_anchor:
+        print("[mfqat] --compare needs the full-precision model too: direct quantization of the anchor's dequantized base")
+    print(f"base ({'anchor format' if is_anchor else 'full precision'}) perplexity: {base_ppl:.3f}")
+    print(format_table(rows, ["format", "bits/weight", "perplexity", "delta vs base"]))
+    png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl)
+    print(f"plot: {png}")
+
+
+def _export(a) -> None:
+    from .export import to_mlx
+
+    rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify)
+    v = rep.get("verify", {})
+    print(f"wrote {a.out}: recipe {a.recipe}, {rep['bits_per_weight']:.3f} bits/weight, "
+          f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
+          f"max |logit diff| {v.get('max_abs_logit_diff')}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point of the `mfqat` console script."""
+    p = argparse.ArgumentParser(prog="mfqat", description="Multi-format QAT, anchors, Slice-and-Scale, MLX export")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("train", help="MF-QAT fine-tune (arguments of scripts/train.py)", add_help=False)
+    c = sub.add_parser("convert", help="anchor -> plain HF checkpoint in a chosen format")
+    c.add_argument("anchor")
+    c.add_argument("--to", default=None)
+    c.add_argument("--out", required=True)
+    e = sub.add_parser("eval", help="perplexity table + PNG over formats")
+    e.add_argument("model", help="anchor directory, HF folder, .gguf, or 'smollm2'")
+    e.add_argument("--formats", default="mxint8,mxint6,mxint5,mxint4,mxint3,mxint2")
+    e.add_argument("--text", default=None, help="default: held-out pydoc text")
+    e.add_argument("--blocks", type=int, default=16)
+    e.add_argument("--seq-len", type=int, default=128)
+    e.add_argument("--compare", action="store_true")
+    e.add_argument("--plot", default="ppl_vs_bpw.png")
+    x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
+    x.add_argument("anchor")
+    x.add_argument("--out", required=True)
+    x.add_argument("--recipe", default="uniform:mxint4", help="uniform:FMT | seed")
+    x.add_argument("--base-bits", type=int, default=4)
+    x.add_argument("--no-verify", action="store_true")
+    d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")
+    from .demo import build_parser as demo_parser
+    demo_parser(d)
+    sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "train":
+        from .integrations.train_loop import main as train_main
+        train_main(rest)
+    elif args.cmd == "bench":
+        script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
+        sys.exit(subprocess.call([sys.executable, str(script), *rest]))
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif args.cmd == "convert":
+        _convert(args)
+    elif args.cmd == "eval":
+        _eval(args)
+    elif args.cmd == "export-mlx":
+        _export(args)
+    elif args.cmd == "demo":
+        from .demo import run_demo
+        run_demo(args.out, args.steps, args.eval_blocks, model_name=args.model, force=args.force, skip_mlx=args.skip_mlx)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune -> anchor -> elastic formats
+by Slice-and-Scale -> MLX exports that mlx_lm loads and generates from. Re-runs reuse finished
+stages (OUT/stages/*.json) unless --force."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from .anchor import read_anchor
+from .data import load_model, load_text, split_text, token_blocks
+from .eval.elastic import anchor_state, evaluate_formats, ptq_state
+from .eval.perplexity import perplexity
+from .eval.report import format_table, plot_ppl_vs_bpw
+from .formats import get_format
+
+ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
+PROMPT = "The Python language is"
+
+
+def _stage(out: Path, name: str, force: bool, fn):
+    path = out / "stages" / f"{name}.json"
+    if path.is_file() and not force:
+        print(f"[demo] {name}: reusing {path}")
+        return json.loads(path.read_text())
+    t = time.perf_counter()
+    result = fn()
+    result["seconds"] = time.perf_counter() - t
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_len: int = 128,
+             model_name: Optional[str] = None, force: bool = False, skip_mlx: bool = False) -> dict:
+    """Run every stage; print the final table; write OUT/ppl_vs_bpw.png and OUT/summary.json."""
+    out_dir = Path(out)
+    if force and out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(model_name)
+    _, held_text = split_text(load_text(None))
+    held = token_blocks(tok, held_text, seq_len, max_blocks=eval_blocks)
+    print(f"[demo] held-out: {held.numel()} tokens; model: {type(model).__name__} "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params")
+
+    fp = _stage(out_dir, "fp", force, lambda: {"perplexity": perplexity(model, held, desc="ppl fp")})
+    ptq = _stage(out_dir, "ptq", force, lambda: {"rows": evaluate_formats(
+        model, {f: ptq_state(model, f) for f in ELASTIC}, held)})
+
+    def train():
+        from .integrations.train_loop import main as train_main
+        argv = ["--steps", str(steps), "--seq-len", str(seq_len), "--out", str(out_dir / "train"),
+                "--eval-blocks", str(eval_blocks), "--lr", "2e-5"]
+        if model_name:
+            argv += ["--model", model_name]
+        s = train_main(argv)
+        return {"anchor": s["anchor"], "final_loss": s["final_loss"], "train_seconds": s["train_seconds"]}
+    trained = _stage(out_dir, "train", force, train)
+    anchor = read_anchor(trained["anchor"])
+    mfqat_rows = _stage(out_dir, "elastic", force, lambda: {"rows": evaluate_formats(
+        model, {f: anchor_state(anchor, f) for f in ELASTIC}, held)})
+
+    exports = {}
+    if not skip_mlx:
+        def export():
+            from .export import to_mlx
+            from mlx_lm import generate, load as mlx_load
+            res = {}
+            for recipe in ("uniform:mxint4", "seed"):
+                d = out_dir / ("mlx-" + recipe.replace(":", "-"))
+                rep = to_mlx(trained["anchor"], d, recipe=recipe, prompt=PROMPT)
+                m, t = mlx_load(str(d))
+                text = generate(m, t, prompt=PROMPT, max_tokens=24)
+                res[recipe] = {"dir": str(d), "bits_per_weight": rep["bits_per_weight"],
+                               "max_abs_logit_diff": rep["verify"]["max_abs_logit_diff"],
+                               "argmax_agreement": rep["verify"]["argmax_agreement"], "completion": text}
+            return res
+        exports = _stage(out_dir, "export", force, export)
+
+    rows = []
+    ptq_by = {r["format"]: r["perplexity"] for r in ptq["rows"]}
+    for r in mfqat_rows["rows"]:
+        f = r["format"]
+        rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "PTQ ppl": ptq_by[f],
+                     "MF-QAT ppl": r["perplexity"],
+                     "MF-QAT vs PTQ": f"{100 * (r['perplexity'] / ptq_by[f] - 1):+.1f}%"})
+    plot = plot_ppl_vs_bpw({
+        "PTQ (direct, original model)": [(get_format(f).bits_per_weight(32), p, f) for f, p in ptq_by.items()],
+        "MF-QAT anchor + Slice-and-Scale": [(get_format(r["format"]).bits_per_weight(32), r["perplexity"], r["format"])
+                                            for r in mfqat_rows["rows"]],
+    }, out_dir / "ppl_vs_bpw.png", title="SmolLM2-135M on held-out pydoc text", fp_ppl=fp["perplexity"])
+    summary = {"fp_perplexity": fp["perplexity"], "rows": rows, "exports": exports, "plot": str(plot),
+               "steps": steps}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print()
+    print(f"full precision perplexity: {fp['perplexity']:.3f}")
+    print(format_table(rows, ["format", "bits/weight", "PTQ ppl", "MF-QAT ppl", "MF-QAT vs PTQ"]))
+    for recipe, e in exports.items():
+        if not isinstance(e, dict):
+            continue
+        print(f"\nMLX {recipe}: {e['bits_per_weight']:.2f} bits/weight, weights bit-exact, "
+              f"max |logit diff| vs PyTorch {e['max_abs_logit_diff']:.2e}, argmax agreement {e['argmax_agreement']:.2f}")
+        print(f"  {PROMPT} ...{e['completion']}")
+    print(f"\nplot: {plot}\nsummary: {out_dir / 'summary.json'}")
+    return summary
+
+
+def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default="out/demo")
+    p.add_argument("--steps", type=int, default=60, help="MF-QAT fine-tuning steps (about 4 s each on 2 cores)")
+    p.add_argument("--eval-blocks", type=int, default=24, help="held-out blocks of 128 tokens")
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--force", action="store_true", help="redo every stage")
+    p.add_argument("--skip-mlx", action="store_true")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    a = build_parser().parse_args(argv)
+    return run_demo(a.out, a.steps, a.eval_blocks, model_name=a.model, force=a.force, skip_mlx=a.skip_mlx)
+
+
+if __name__ == "__main__":
+    main()

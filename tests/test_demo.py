@@ -1,0 +1,46 @@
+"""A fast smoke run of every demo stage on a tiny Llama saved as an HF folder, plus the CLI."""
+import json
+
+import pytest
+
+from mfqat.cli import main as cli
+from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.demo import run_demo
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    tok = tiny_tokenizer()
+    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_demo_smoke(tiny_dir, tmp_path, capsys):
+    s = run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
+    assert [r["format"] for r in s["rows"]] == ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
+    assert (tmp_path / "demo" / "ppl_vs_bpw.png").stat().st_size > 5000
+    assert set(s["exports"]) >= {"uniform:mxint4", "seed"}
+    out = capsys.readouterr().out
+    assert "MF-QAT ppl" in out and "MLX seed" in out
+    # a re-run reuses every stage
+    run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
+    assert "reusing" in capsys.readouterr().out
+
+
+def test_cli_convert_eval_export(tiny_dir, tmp_path, capsys):
+    import mfqat
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    anchor = mfqat.save_anchor(model, tmp_path / "anchor", "mxint8", AutoTokenizer.from_pretrained(tiny_dir))
+    cli(["convert", str(anchor), "--to", "mxint4", "--out", str(tmp_path / "hf4")])
+    m4 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf4")
+    ref = mfqat.load_anchor(anchor, "mxint4")
+    assert (m4.model.layers[0].mlp.up_proj.weight == ref.model.layers[0].mlp.up_proj.weight).all()
+    cli(["eval", str(anchor), "--formats", "mxint8,mxint4", "--blocks", "2", "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert "mxint4" in out and (tmp_path / "p.png").is_file()
+    cli(["export-mlx", str(anchor), "--out", str(tmp_path / "mlx"), "--recipe", "seed"])
+    assert json.loads((tmp_path / "mlx" / "mfqat_export.json").read_text())["verify"]["weights_bit_exact"]
