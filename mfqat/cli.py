@@ -52,10 +52,18 @@ def _eval(a) -> None:
     for r in rows:
         r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
     series = {"Slice-and-Scale from anchor" if is_anchor else "PTQ": [(r["bits/weight"], r["perplexity"], r["format"]) for r in rows]}
-    if a.compare and is_anchor:
-        print("[mfqat] --compare needs the full-precision model too: direct quantization of the anchor's dequantized base")
+    if a.compare:
+        if not (is_anchor and a.fp_model):
+            raise SystemExit("mfqat eval --compare: give an anchor and --fp-model (the full-precision model "
+                             "whose direct quantization is compared with Slice-and-Scale)")
+        fp_model, _ = load_model(a.fp_model)
+        direct = evaluate_formats(fp_model, {f: ptq_state(fp_model, f) for f in formats}, blocks)
+        for r, d in zip(rows, direct):
+            r["direct ppl"] = d["perplexity"]
+        series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]
     print(f"base ({'anchor format' if is_anchor else 'full precision'}) perplexity: {base_ppl:.3f}")
-    print(format_table(rows, ["format", "bits/weight", "perplexity", "delta vs base"]))
+    cols = ["format", "bits/weight", "perplexity", "delta vs base"] + (["direct ppl"] if a.compare else [])
+    print(format_table(rows, cols))
     png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl)
     print(f"plot: {png}")
 
@@ -85,7 +93,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     e.add_argument("--text", default=None, help="default: held-out pydoc text")
     e.add_argument("--blocks", type=int, default=16)
     e.add_argument("--seq-len", type=int, default=128)
-    e.add_argument("--compare", action="store_true")
+    e.add_argument("--compare", action="store_true", help="add direct quantization of --fp-model")
+    e.add_argument("--fp-model", default=None, help="full-precision model for --compare")
     e.add_argument("--plot", default="ppl_vs_bpw.png")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     x.add_argument("anchor")

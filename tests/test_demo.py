@@ -39,8 +39,9 @@ def test_cli_convert_eval_export(tiny_dir, tmp_path, capsys):
     m4 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf4")
     ref = mfqat.load_anchor(anchor, "mxint4")
     assert (m4.model.layers[0].mlp.up_proj.weight == ref.model.layers[0].mlp.up_proj.weight).all()
-    cli(["eval", str(anchor), "--formats", "mxint8,mxint4", "--blocks", "2", "--plot", str(tmp_path / "p.png")])
+    cli(["eval", str(anchor), "--formats", "mxint8,mxint4", "--blocks", "2", "--plot", str(tmp_path / "p.png"),
+         "--compare", "--fp-model", str(tiny_dir)])
     out = capsys.readouterr().out
-    assert "mxint4" in out and (tmp_path / "p.png").is_file()
+    assert "mxint4" in out and "direct ppl" in out and (tmp_path / "p.png").is_file()
     cli(["export-mlx", str(anchor), "--out", str(tmp_path / "mlx"), "--recipe", "seed"])
     assert json.loads((tmp_path / "mlx" / "mfqat_export.json").read_text())["verify"]["weights_bit_exact"]
