@@ -19,7 +19,7 @@ def cpp_extensions():
     if not sources:
         return [], {}
     ext = CppExtension("mfqat._C", sources,
-                       extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-std=c++17"],
+                       extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-std=c++20"],
                        extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..anchor import save_anchor
 from ..data import load_model, load_text, split_text, token_blocks, tiny_llama
+from ..eval.elastic import evaluate_formats, ptq_state
 from ..eval.perplexity import perplexity
 from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
@@ -164,11 +165,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
             summary["anchor"] = str(out / "anchor")
         rows = []
         for f in [x for x in args.eval_formats.split(",") if x]:
-            if cfg:
+            if cfg:  # the QAT forward in format f: fake-quant of the master weights
                 set_format(base, f)
                 ppl = perplexity(base, held, desc=f"eval {f}")
-            else:
-                ppl = float("nan")
+            else:  # plain fine-tune: post-training quantization of the fine-tuned weights
+                ppl = evaluate_formats(base, {f: ptq_state(base, f)}, held)[0]["perplexity"]
             rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "perplexity": ppl})
         if cfg:
             set_format(base, None)

@@ -51,6 +51,11 @@ def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
         An :class:`MXTensor` with unpacked codes and per-block scales.
     """
     f, bs = validate(x, fmt, block_size, scale_rule)
+    if f.is_mx:
+        from .kernels import mx_quantize_dispatch
+
+        codes, scales = mx_quantize_dispatch(x.detach(), f, bs, scale_rule)
+        return MXTensor(codes, scales, f, bs, x.dtype, None, scale_rule)
     codes, scales, biases = quantize_blocks(to_blocks(x.detach(), bs), f, scale_rule)
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, biases, scale_rule)
 

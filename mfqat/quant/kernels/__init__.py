@@ -1,35 +1,92 @@
-"""Backend dispatch for fake quantization.
+"""Backend dispatch for MX fake quantization and quantization.
 
-Picks the fastest available path per device, with ``MFQAT_BACKEND=reference|triton|cpp``
-as an override (used by the tests). Every path is bit-exact with :mod:`mfqat.quant.reference`.
+Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
+
+* ``triton`` - fused Triton kernels (CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
+  which the tests use and ``auto`` never picks);
+* ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built;
+* ``reference`` - pure PyTorch, every device, every format.
+
+``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
+environment variable ``MFQAT_BACKEND=reference|triton|cpp`` forces one (an error says so when the
+forced backend cannot run on the tensor's device). NF4 and affine formats always use the reference.
 """
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from ...formats import ElementFormat
-from ..reference import fake_quantize_reference
+from ..reference import fake_quantize_reference, mx_quantize_blocks, to_blocks
+from . import cpp, triton_mx
 
 BACKENDS = ("reference", "cpp", "triton")
 
 
 def requested_backend() -> str:
     """The backend forced by ``MFQAT_BACKEND``, or "auto"."""
-    name = os.environ.get("MFQAT_BACKEND", "auto").strip().lower()
+    name = os.environ.get("MFQAT_BACKEND", "auto").strip().lower() or "auto"
     if name not in BACKENDS + ("auto",):
         raise ValueError(f"MFQAT_BACKEND='{name}' is unknown; choose one of {BACKENDS} or auto")
     return name
 
 
-def fake_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str,
-                           need_mask: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize-dequantize with the chosen backend -> (output in x's dtype, saturated mask)."""
-    return fake_quantize_reference(x, fmt, block_size, scale_rule)
-
-
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
-    """Backends that can run on ``device``, fastest first."""
-    return ["reference"]
+    """Backends that can run MX formats on ``device`` (the interpreted Triton path included)."""
+    device = torch.device(device)
+    found = []
+    if device.type == "cpu" and cpp.AVAILABLE:
+        found.append("cpp")
+    if triton_mx.usable_on(device):
+        found.append("triton")
+    return found + ["reference"]
+
+
+def auto_backend(device: torch.device | str) -> str:
+    """The fastest backend for ``device``: triton on CUDA, cpp on CPU, else reference."""
+    device = torch.device(device)
+    if device.type == "cuda" and triton_mx.usable_on(device):
+        return "triton"
+    if device.type == "cpu" and cpp.AVAILABLE:
+        return "cpp"
+    return "reference"
+
+
+def select_backend(x: torch.Tensor, fmt: ElementFormat) -> str:
+    """The backend that will handle ``x`` in ``fmt`` (honours ``MFQAT_BACKEND``)."""
+    if not fmt.is_mx:
+        return "reference"
+    name = requested_backend()
+    if name == "auto":
+        return auto_backend(x.device)
+    if name not in available_backends(x.device):
+        why = {"cpp": f"the C++ extension is not built ({cpp.LOAD_ERROR}); reinstall with a C++ compiler",
+               "triton": "Triton needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU) and the triton package"}
+        raise RuntimeError(f"MFQAT_BACKEND={name} cannot run on {x.device}: {why.get(name, '')}")
+    return name
+
+
+def fake_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
+                           need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Quantize-dequantize with the selected backend -> (output in x's dtype, saturated mask or None)."""
+    backend = select_backend(x, fmt)
+    if backend == "cpp":
+        return cpp.fake_quantize_cpp(x, fmt, block_size, scale_rule, need_mask)
+    if backend == "triton":
+        return triton_mx.fake_quantize_triton(x, fmt, block_size, scale_rule, need_mask)
+    out, mask = fake_quantize_reference(x, fmt, block_size, scale_rule)
+    return out, (mask if need_mask else None)
+
+
+def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor"
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MX codes (x's shape; int8 MXINT, uint8 MXFP bit patterns) and E8M0 bytes (..., K // block_size)."""
+    backend = select_backend(x, fmt)
+    if backend == "cpp":
+        return cpp.quantize_cpp(x, fmt, block_size, scale_rule)
+    if backend == "triton":
+        return triton_mx.quantize_triton(x, fmt, block_size, scale_rule)
+    codes, scales = mx_quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
+    return codes.reshape(x.shape), scales

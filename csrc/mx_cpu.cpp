@@ -1,0 +1,286 @@
+// mfqat CPU kernels: fused MX fake-quantization and quantize-to-codes as torch custom ops.
+//
+// Bit-exact with mfqat/quant/reference.py (DESIGN.md §2):
+//   * the block maximum is taken over the absolute float32 *bit patterns* (an integer max: for
+//     non-negative IEEE floats, bit order == value order, and NaN/Inf patterns sort above every
+//     finite value), so floor(log2(amax)) and the non-finite test come straight from its bits;
+//   * powers of two are built from exponent bits (exp2i), every scaling is a multiplication by an
+//     exact power of two, and rounding is round-half-to-even via the 1.5*2^23 trick (valid for
+//     |t| < 2^22, which the element grids guarantee), with the sign of zero restored by copysign;
+//   * no -ffast-math: the compiler keeps IEEE semantics (subnormals, NaN propagation).
+// One pass over the tensor: read once, write once; blocks are split over threads by
+// at::parallel_for.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace mfqat {
+namespace {
+
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
+
+inline uint32_t float_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+inline float bits_float(uint32_t b) {
+  float v;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+// Exact float32 2^e for e in [-149, 127].
+inline float exp2i(int32_t e) {
+  if (e >= -126) return bits_float(static_cast<uint32_t>(e + 127) << 23);
+  return bits_float(1u << (e + 149));
+}
+
+// Exact 2^e for e in the normal range [-126, 127] (no branch, so loops vectorise).
+inline float exp2i_normal(int32_t e) { return bits_float(static_cast<uint32_t>(e + 127) << 23); }
+
+// Round half to even for |t| < 2^22, keeping the sign of zero like nearbyint.
+inline float round_half_even(float t) {
+  float r = (t + kRoundMagic) - kRoundMagic;
+  return std::copysign(r, t);
+}
+
+struct MXParams {
+  bool is_int;
+  int32_t emax;
+  int32_t emin;
+  int32_t mbits;
+  float step;       // MXINT: 2^int_shift
+  float inv_step;   // MXINT: 2^-int_shift
+  float code_min;   // MXINT code range
+  float code_max;
+  float max_normal;
+  bool ceil_rule;
+};
+
+struct BlockScale {
+  int32_t s;
+  bool nonfinite;
+};
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+template <>
+inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
+  return bits_float(static_cast<uint32_t>(p[i].x) << 16);
+}
+
+template <typename T>
+inline T store(float v) {
+  return static_cast<T>(v);
+}
+
+// float32 -> bfloat16 with round-half-even and NaN -> 0x7fc0, the same rule as c10 (and so as
+// tensor.to(torch.bfloat16)), written branch-free so that the loops vectorise.
+template <>
+inline c10::BFloat16 store<c10::BFloat16>(float v) {
+  uint32_t b = float_bits(v);
+  uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  uint16_t out = static_cast<uint16_t>(v != v ? 0x7fc0u : rounded);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
+
+// Shared exponent of one block (reference: mx_shared_exponent).
+template <typename T>
+inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, float* buf) {
+  uint32_t max_bits = 0;
+  for (int64_t i = 0; i < bs; ++i) {
+    float v = load(in, i);
+    buf[i] = v;
+    uint32_t b = float_bits(v) & 0x7fffffffu;
+    max_bits = b > max_bits ? b : max_bits;
+  }
+  BlockScale out{0, max_bits >= 0x7f800000u};
+  uint32_t amax_bits = out.nonfinite ? 0u : max_bits;
+  int32_t s = static_cast<int32_t>(amax_bits >> 23) - 127 - p.emax;
+  if (p.ceil_rule) {
+    int32_t k = -s;
+    k = k < -149 ? -149 : (k > 127 ? 127 : k);
+    float scaled = bits_float(amax_bits) * exp2i(k);
+    if (scaled > p.max_normal) s += 1;
+  }
+  out.s = s < -127 ? -127 : (s > 127 ? 127 : s);
+  return out;
+}
+
+// Element rounding (reference: mx_round_elements); returns the element-grid value.
+inline float round_int_element(float y, const MXParams& p) {
+  float r = round_half_even(y * p.step);
+  r = r < p.code_min ? p.code_min : (r > p.code_max ? p.code_max : r);
+  return r * p.inv_step;
+}
+
+inline float round_fp_element(float y, const MXParams& p) {
+  float a = std::fabs(y);
+  int32_t e = static_cast<int32_t>(float_bits(a) >> 23) - 127;
+  e = e < p.emin ? p.emin : e;  // e in [emin, emax + 1]: both powers below are normal
+  float q = round_half_even(a * exp2i_normal(p.mbits - e)) * exp2i_normal(e - p.mbits);
+  q = q < p.max_normal ? q : p.max_normal;
+  return std::copysign(q, y);
+}
+
+template <typename T>
+void fake_quant_kernel(const T* x, T* out, bool* mask, int64_t n_blocks, int64_t bs, const MXParams& p) {
+  const float nan = std::nanf("");
+  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
+    float buf[256];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const T* in = x + blk * bs;
+      T* o = out + blk * bs;
+      bool* m = mask ? mask + blk * bs : nullptr;
+      BlockScale sc = block_exponent(in, bs, p, buf);
+      if (sc.nonfinite) {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
+        if (m) std::memset(m, 0, bs);
+        continue;
+      }
+      const float to_grid = exp2i(-sc.s);
+      const float from_grid = exp2i(sc.s);
+      if (p.is_int) {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_int_element(buf[i] * to_grid, p) * from_grid);
+      } else {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_fp_element(buf[i] * to_grid, p) * from_grid);
+      }
+      if (m) {
+        for (int64_t i = 0; i < bs; ++i) m[i] = std::fabs(buf[i] * to_grid) > p.max_normal;
+      }
+    }
+  });
+}
+
+// Element-grid value -> stored code (reference: mx_values_to_codes).
+inline uint8_t fp_code(float q, const MXParams& p, int32_t bias, int32_t ebits) {
+  float a = std::fabs(q);
+  uint32_t sign = std::signbit(q) ? 1u : 0u;
+  int32_t e = static_cast<int32_t>(float_bits(a) >> 23) - 127;
+  e = e < p.emin ? p.emin : e;
+  bool subnormal = a < exp2i(p.emin);
+  uint32_t exp_field = subnormal ? 0u : static_cast<uint32_t>(e + bias);
+  uint32_t mant = static_cast<uint32_t>(a * exp2i(p.mbits - e));
+  if (!subnormal) mant -= (1u << p.mbits);
+  return static_cast<uint8_t>((sign << (ebits + p.mbits)) | (exp_field << p.mbits) | mant);
+}
+
+template <typename T>
+void quantize_kernel(const T* x, uint8_t* codes, uint8_t* scales, int64_t n_blocks, int64_t bs,
+                     const MXParams& p, int32_t bias, int32_t ebits) {
+  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
+    float buf[256];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      BlockScale sc = block_exponent(x + blk * bs, bs, p, buf);
+      uint8_t* c = codes + blk * bs;
+      scales[blk] = sc.nonfinite ? 255 : static_cast<uint8_t>(sc.s + 127);
+      if (sc.nonfinite) {
+        std::memset(c, 0, bs);
+        continue;
+      }
+      const float to_grid = exp2i(-sc.s);
+      if (p.is_int) {
+        for (int64_t i = 0; i < bs; ++i) {
+          float q = round_int_element(buf[i] * to_grid, p);
+          c[i] = static_cast<uint8_t>(static_cast<int8_t>(q * p.step));
+        }
+      } else {
+        for (int64_t i = 0; i < bs; ++i) c[i] = fp_code(round_fp_element(buf[i] * to_grid, p), p, bias, ebits);
+      }
+    }
+  });
+}
+
+MXParams make_params(bool is_int, int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift,
+                     int64_t code_min, int64_t code_max, double max_normal, bool ceil_rule) {
+  MXParams p;
+  p.is_int = is_int;
+  p.emax = static_cast<int32_t>(emax);
+  p.emin = static_cast<int32_t>(emin);
+  p.mbits = static_cast<int32_t>(mbits);
+  p.step = exp2i(static_cast<int32_t>(int_shift));
+  p.inv_step = exp2i(-static_cast<int32_t>(int_shift));
+  p.code_min = static_cast<float>(code_min);
+  p.code_max = static_cast<float>(code_max);
+  p.max_normal = static_cast<float>(max_normal);
+  p.ceil_rule = ceil_rule;
+  return p;
+}
+
+void check_input(const at::Tensor& x, int64_t block_size) {
+  TORCH_CHECK(x.device().is_cpu(), "mfqat CPU op: expected a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "mfqat CPU op: dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  TORCH_CHECK(block_size > 0 && block_size <= 256, "mfqat CPU op: block_size ", block_size, " not in [1, 256]");
+  TORCH_CHECK(x.dim() > 0 && x.size(-1) % block_size == 0, "mfqat CPU op: last dimension ",
+              x.dim() > 0 ? x.size(-1) : 0, " is not a multiple of block_size ", block_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> fake_quant_mx(const at::Tensor& x_in, int64_t block_size, bool is_int,
+                                                 int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift,
+                                                 int64_t code_min, int64_t code_max, double max_normal,
+                                                 bool ceil_rule, bool need_mask) {
+  check_input(x_in, block_size);
+  at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor mask = need_mask ? at::empty(x.sizes(), x.options().dtype(at::kBool)) : at::empty({0}, x.options().dtype(at::kBool));
+  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, ceil_rule);
+  const int64_t n_blocks = x.numel() / block_size;
+  bool* m = need_mask ? mask.data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_fake_quant_mx", [&] {
+    fake_quant_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, n_blocks, block_size, p);
+  });
+  return {out, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_mx(const at::Tensor& x_in, int64_t block_size, bool is_int,
+                                               int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift,
+                                               int64_t code_min, int64_t code_max, double max_normal,
+                                               bool ceil_rule, int64_t bias, int64_t ebits) {
+  check_input(x_in, block_size);
+  at::Tensor x = x_in.contiguous();
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  auto scale_shape = x.sizes().vec();
+  scale_shape.back() /= block_size;
+  at::Tensor scales = at::empty(scale_shape, x.options().dtype(at::kByte));
+  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, ceil_rule);
+  const int64_t n_blocks = x.numel() / block_size;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_quantize_mx", [&] {
+    quantize_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+                              n_blocks, block_size, p, static_cast<int32_t>(bias), static_cast<int32_t>(ebits));
+  });
+  if (is_int) codes = codes.view(at::kChar);
+  return {codes, scales};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mfqat, m) {
+  m.def("fake_quant_mx(Tensor x, int block_size, bool is_int, int emax, int emin, int mbits, int int_shift, "
+        "int code_min, int code_max, float max_normal, bool ceil_rule, bool need_mask) -> (Tensor, Tensor)");
+  m.def("quantize_mx(Tensor x, int block_size, bool is_int, int emax, int emin, int mbits, int int_shift, "
+        "int code_min, int code_max, float max_normal, bool ceil_rule, int bias, int ebits) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
+  m.impl("fake_quant_mx", &fake_quant_mx);
+  m.impl("quantize_mx", &quantize_mx);
+}
+
+}  // namespace mfqat
+
+// A Python module so that `import mfqat._C` loads the library (and registers the ops).
+#include <Python.h>
+static struct PyModuleDef mfqat_c_module = {PyModuleDef_HEAD_INIT, "_C", "mfqat C++ ops (torch.library)", -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&mfqat_c_module); }

@@ -1,0 +1,57 @@
+"""The C++ CPU path (``csrc/mx_cpu.cpp``, built by setup.py as ``mfqat._C``).
+
+The ops are ``torch.ops.mfqat.fake_quant_mx`` and ``torch.ops.mfqat.quantize_mx``; fake (meta)
+implementations are registered here so that ``torch.compile`` traces them. Importing this module
+never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ...formats import ElementFormat
+
+AVAILABLE = False
+LOAD_ERROR: Optional[str] = None
+try:  # the extension is optional: a missing compiler at install time leaves the reference path
+    from ... import _C  # noqa: F401  (loading it registers the ops)
+
+    AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
+except Exception as exc:  # pragma: no cover - depends on the build
+    LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def _format_args(fmt: ElementFormat, scale_rule: str) -> tuple:
+    """The format as the op's scalar arguments (is_int ... ceil_rule)."""
+    return (fmt.family == "mxint", fmt.emax, fmt.emin, fmt.mbits, fmt.int_shift if fmt.family == "mxint" else 0,
+            fmt.code_min, fmt.code_max, float(fmt.max_normal), scale_rule == "ceil")
+
+
+if AVAILABLE:
+    @torch.library.register_fake("mfqat::fake_quant_mx")
+    def _fake_quant_mx_meta(x, block_size, is_int, emax, emin, mbits, int_shift, code_min, code_max,
+                            max_normal, ceil_rule, need_mask):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        mask = x.new_empty(x.shape if need_mask else (0,), dtype=torch.bool)
+        return out, mask
+
+    @torch.library.register_fake("mfqat::quantize_mx")
+    def _quantize_mx_meta(x, block_size, is_int, emax, emin, mbits, int_shift, code_min, code_max,
+                          max_normal, ceil_rule, bias, ebits):
+        codes = x.new_empty(x.shape, dtype=torch.int8 if is_int else torch.uint8)
+        scales = x.new_empty((*x.shape[:-1], x.shape[-1] // block_size), dtype=torch.uint8)
+        return codes, scales
+
+
+def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
+                      need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Fused quantize-dequantize of an MX format on CPU -> (output in x's dtype, mask or None)."""
+    out, mask = torch.ops.mfqat.fake_quant_mx(x, block_size, *_format_args(fmt, scale_rule), need_mask)
+    return out, (mask if need_mask else None)
+
+
+def quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor"
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MX codes (int8 MXINT / uint8 MXFP bit patterns, x's shape) and E8M0 scale bytes."""
+    return torch.ops.mfqat.quantize_mx(x, block_size, *_format_args(fmt, scale_rule), fmt.bias, fmt.ebits)
