@@ -9,7 +9,6 @@ from typing import List, Optional
 
 
 def _convert(a) -> None:
-    import torch
     from transformers import AutoTokenizer
 
     from .anchor import load_anchor
@@ -31,7 +30,6 @@ def _eval(a) -> None:
     from .eval.elastic import anchor_state, evaluate_formats, ptq_state
     from .eval.perplexity import perplexity
     from .eval.report import format_table, plot_ppl_vs_bpw
-    from .formats import get_format
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
@@ -78,6 +76,16 @@ def _export(a) -> None:
           f"max |logit diff| {v.get('max_abs_logit_diff')}")
 
 
+def _mlx() -> None:
+    """Exit with a clear message when MLX / mlx-lm are not installed."""
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"mfqat: this command runs on MLX, which is not installed ({exc}). "
+                 "Install it with: pip install 'mfqat[mlx]' (mlx[cpu] on Linux, mlx on macOS)")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point of the `mfqat` console script."""
     p = argparse.ArgumentParser(prog="mfqat", description="Multi-format QAT, anchors, Slice-and-Scale, MLX export")
@@ -106,10 +114,24 @@ def main(argv: Optional[List[str]] = None) -> None:
     from .demo import build_parser as demo_parser
     demo_parser(d)
     sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)
+    sub.add_parser("mlx-train", help="MF-QAT or LoRA fine-tune on MLX (mfqat mlx-train --help)", add_help=False)
+    g = sub.add_parser("generate", help="complete a prompt with an MLX model directory (mlx-lm)")
+    g.add_argument("model")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--adapter-path", default=None)
+    v = sub.add_parser("serve", help="OpenAI-style HTTP server over an MLX model directory (mlx-lm)")
+    v.add_argument("model")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8080)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "train":
         from .integrations.train_loop import main as train_main
         train_main(rest)
+    elif args.cmd == "mlx-train":
+        _mlx()
+        from .mlx.train import main as mlx_train_main
+        mlx_train_main(rest)
     elif args.cmd == "bench":
         script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
         sys.exit(subprocess.call([sys.executable, str(script), *rest]))
@@ -121,6 +143,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         _eval(args)
     elif args.cmd == "export-mlx":
         _export(args)
+    elif args.cmd == "generate":
+        _mlx()
+        from .mlx.serve import generate
+        print(generate(args.model, args.prompt, args.max_tokens, args.adapter_path))
+    elif args.cmd == "serve":
+        _mlx()
+        from .mlx.serve import serve
+        serve(args.model, args.host, args.port)
     elif args.cmd == "demo":
         from .demo import run_demo
         run_demo(args.out, args.steps, args.eval_blocks, model_name=args.model, force=args.force, skip_mlx=args.skip_mlx)

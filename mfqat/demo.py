@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-import torch
 
 from .anchor import read_anchor
 from .data import load_model, load_text, split_text, token_blocks

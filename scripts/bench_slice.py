@@ -8,7 +8,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 import mfqat
 from mfqat.anchor import default_targets

@@ -27,10 +27,8 @@ import torch
 from ..anchor import Anchor, read_anchor, save_anchor
 from ..formats import get_format
 from ..io import atomic_directory, write_json
-from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from ..slice import check_sliceable, slice_and_scale
 from .recipes import Plan, build_plan
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import time
 from pathlib import Path
 from typing import List, Optional

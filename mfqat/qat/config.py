@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Union
@@ -12,6 +13,16 @@ from ..formats import canonical_name
 from .schedules import SCHEDULES, Schedule, make_schedule
 
 DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
+
+
+def _patterns(p: Union[str, List[str], None]) -> List[re.Pattern]:
+    if p is None:
+        return []
+    return [re.compile(x) for x in ([p] if isinstance(p, str) else p)]
+
+
+def _matches(name: str, pats: List[re.Pattern]) -> bool:
+    return any(p.search(name) for p in pats)
 
 
 @dataclass
@@ -56,6 +67,19 @@ class QATConfig:
             self.activation_format = "mxfp8_e4m3"
         self.layer_formats = {k: [canonical_name(f) for f in v] for k, v in self.layer_formats.items()}
         self.make_schedule()  # validates the formats early
+
+    def excludes(self, name: str) -> bool:
+        """True when the module ``name`` matches ``exclude``."""
+        return _matches(name, _patterns(self.exclude))
+
+    def selects(self, name: str) -> bool:
+        """True when the module ``name`` is targeted and not excluded (shared by PyTorch and MLX)."""
+        return _matches(name, _patterns(self.targets)) and not self.excludes(name)
+
+    def schedule_for(self, name: str) -> Schedule:
+        """The schedule of module ``name``: its ``layer_formats`` entry if one matches, else the global one."""
+        fmts = next((v for k, v in self.layer_formats.items() if re.search(k, name)), None)
+        return self.make_schedule(fmts)
 
     def make_schedule(self, formats: Optional[List[str]] = None) -> Schedule:
         """The schedule object for the global (or a per-layer) format list."""

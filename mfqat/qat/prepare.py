@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from torch import nn
 
@@ -11,16 +11,6 @@ from ..formats import canonical_name
 from .config import QATConfig
 from .modules import MFQATEmbedding, MFQATLinear, MFQATMixin
 from .schedules import Schedule
-
-
-def _patterns(p: Union[str, List[str], None]) -> List[re.Pattern]:
-    if p is None:
-        return []
-    return [re.compile(x) for x in ([p] if isinstance(p, str) else p)]
-
-
-def _matches(name: str, pats: List[re.Pattern]) -> bool:
-    return any(p.search(name) for p in pats)
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -75,16 +65,14 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     schedule's step 0.
     """
     config = config or QATConfig()
-    targets, exclude = _patterns(config.targets), _patterns(config.exclude)
-    layer_pats = [(re.compile(k), v) for k, v in config.layer_formats.items()]
     schedules: Dict[str, Schedule] = {}
     skipped: List[str] = []
     for name, m in list(model.named_modules()):
         is_linear = type(m) is nn.Linear
         is_emb = type(m) is nn.Embedding and config.quantize_embeddings
-        if not (is_linear or is_emb) or _matches(name, exclude):
+        if not (is_linear or is_emb) or config.excludes(name):
             continue
-        if is_linear and not _matches(name, targets):
+        if is_linear and not config.selects(name):
             continue
         width = m.in_features if is_linear else m.embedding_dim
         if width % config.block_size:
@@ -95,8 +83,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
                if is_linear else
                MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated))
         _set_submodule(model, name, new)
-        fmts = next((v for p, v in layer_pats if p.search(name)), None)
-        schedules[name] = config.make_schedule(fmts)
+        schedules[name] = config.schedule_for(name)
     if skipped:
         warnings.warn("mfqat.prepare skipped layers (kept full precision): " + ", ".join(skipped))
     if not schedules:

