@@ -87,14 +87,14 @@ def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.fl
 
 
 def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: int = 2,
-               intermediate: int = 128, seed: int = 0, tie: bool = False):
+               intermediate: int = 128, seed: int = 0, tie: bool = False, rope_theta: float = 10000.0):
     """A tiny random Llama (every Linear's in_features a multiple of 32), for tests and smoke runs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                      max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=10000.0)
+                      max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=rope_theta)
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -101,7 +101,8 @@ def tiny_dir(tmp_path_factory):
     """A tiny random Llama saved as an HF directory (float32) that mlx_lm loads."""
     d = tmp_path_factory.mktemp("tiny_hf")
     tok = tiny_tokenizer()
-    model = tiny_llama(vocab_size=len(tok), tie=True)
+    # a rope_theta other than mlx-lm's default: transformers 5 stores it in rope_parameters only
+    model = tiny_llama(vocab_size=len(tok), tie=True, rope_theta=500000.0)
     model.save_pretrained(d, safe_serialization=True)
     tok.save_pretrained(d)
     return d
@@ -145,7 +146,7 @@ def test_mlx_forward_matches_pytorch_in_same_format(tiny_dir):
     prepare(model, mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
     tmodel = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     mfqat.prepare(tmodel, mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
-    ids = token_batch(seq=16)
+    ids = token_batch(seq=64)
     got = np.array(model(ids))
     with torch.no_grad():
         want = tmodel(torch.from_numpy(np.array(ids)).long()).logits.numpy()

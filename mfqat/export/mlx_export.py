@@ -70,12 +70,20 @@ def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
     return MLXTensor(q.dequantize(torch.float32).numpy(), None, None, None, None, True)
 
 
-def _config_for_mlx(config: dict, plan: Plan) -> dict:
-    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "torch_dtype", "dtype")}
+def mlx_model_config(config: dict) -> dict:
+    """An HF config as mlx-lm reads it: no quantization entries, ``rope_theta`` flattened out of
+    ``rope_parameters`` (transformers 5 moved it there; mlx-lm would silently use its default
+    10000), ``tie_word_embeddings`` explicit."""
+    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "quantization", "torch_dtype", "dtype")}
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]
     cfg["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    return cfg
+
+
+def _config_for_mlx(config: dict, plan: Plan) -> dict:
+    cfg = mlx_model_config(config)
     quant = {"group_size": 32, "bits": plan.base_bits, "mode": plan.base_mode}
     for module, entry in plan.module_entries().items():
         quant[module] = entry

@@ -1,13 +1,15 @@
 """Loading models for MLX training: mlx-lm directories, mfqat exports, the embedded SmolLM2."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..io import atomic_directory
+from ..export.mlx_export import mlx_model_config
+from ..io import atomic_directory, write_json
 
 
 def hf_tokenizer(tokenizer):
@@ -28,9 +30,16 @@ def smollm2_mlx_dir(cache: Optional[str] = None) -> Path:
         return path
     from ..data import load_model
 
+    from safetensors.torch import save_file
+
     model, tok = load_model(None)
+    # the GGUF loader marks the model quantized (its weights are plain fp32): drop that entry
+    config = mlx_model_config(model.config.to_dict())
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and config.get("tie_word_embeddings"))}
     with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
         tok.save_pretrained(tmp)
     return path
 
@@ -43,6 +52,9 @@ def is_quantized(model: nn.Module) -> bool:
 def load_for_training(path: Optional[str] = None, dtype=mx.float32) -> Tuple[nn.Module, object, Path]:
     """(model with full-precision ``dtype`` master weights, tokenizer, source directory).
 
+    HF directories written by transformers 5 keep ``rope_theta`` inside ``rope_parameters``, where
+    mlx-lm does not look; it is passed to mlx-lm explicitly (see ``mlx_model_config``).
+
     ``path``: an mlx-lm / HF directory, an mfqat MLX export (its quantized layers are dequantized:
     the masters start exactly at the exported values), or None / "smollm2" for the embedded model.
     """
@@ -52,7 +64,10 @@ def load_for_training(path: Optional[str] = None, dtype=mx.float32) -> Tuple[nn.
     src = smollm2_mlx_dir() if path in (None, "smollm2") else Path(path)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src}: no config.json; pass an mlx-lm/HF model directory or an mfqat export")
-    model, tok = load(str(src))
+    raw = json.loads((src / "config.json").read_text())
+    fixed = mlx_model_config(raw)
+    overrides = {k: fixed[k] for k in ("rope_theta", "tie_word_embeddings") if k in fixed and k not in raw}
+    model, tok = load(str(src), model_config=overrides or None)
     if is_quantized(model):
         model = dequantize_model(model)
     model.set_dtype(dtype)
