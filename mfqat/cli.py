@@ -67,9 +67,11 @@ def _eval(a) -> None:
 
 
 def _export(a) -> None:
+    from .data import load_text
     from .export import to_mlx
 
-    rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify)
+    calib = load_text(a.calib_text) if a.calib_text else None
+    rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib)
     v = rep.get("verify", {})
     print(f"wrote {a.out}: recipe {a.recipe}, {rep['bits_per_weight']:.3f} bits/weight, "
           f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
@@ -107,7 +109,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     x.add_argument("anchor")
     x.add_argument("--out", required=True)
-    x.add_argument("--recipe", default="uniform:mxint4", help="uniform:FMT | seed")
+    x.add_argument("--recipe", default="uniform:mxint4", help="uniform:FMT | seed | auto:BPW (e.g. auto:4.5)")
+    x.add_argument("--calib-text", default=None, help="auto: calibration text file or folder (default: pydoc)")
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
     d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")

@@ -91,3 +91,39 @@ def test_mlx_lm_lora_runs_on_export(anchors, tmp_path):
         mx.eval(model.parameters(), opt.state)
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_allocate_gives_bits_to_sensitive_tensors_within_budget():
+    from mfqat.export.sensitivity import TensorSensitivity, allocate, ladder
+
+    levels = ladder("mxint8")
+    errs = {f: 4.0 ** -i for i, f in enumerate(levels)}  # error falls 4x per level
+    sens = {"a": TensorSensitivity("a", 1000, "mxint3", 10.0, dict(errs)),
+            "b": TensorSensitivity("b", 1000, "mxint3", 0.01, dict(errs))}
+    plan = allocate(sens, levels, budget_bpw=5.25)
+    bits = {n: mfqat.get_format(f).bits for n, f in plan.items()}
+    assert bits["a"] > bits["b"]
+    used = sum(mfqat.get_format(f).bits_per_weight(32) for f in plan.values()) / 2
+    assert used <= 5.25
+    with pytest.raises(ValueError, match="below the smallest plan"):
+        allocate(sens, levels, budget_bpw=2.0)
+
+
+def test_auto_recipe_meets_budget_and_writes_sensitivities(anchors, tmp_path):
+    from mfqat.data import pydoc_text
+
+    rep = to_mlx(anchors["int"], tmp_path / "m", recipe="auto:4.75", calib_text=pydoc_text()[:20000])
+    assert rep["verify"]["weights_bit_exact"] and rep["verify"]["max_abs_logit_diff"] < 5e-2
+    assert 2.25 <= rep["bits_per_weight"] <= 4.75
+    sens = json.loads((tmp_path / "m" / "sensitivity.json").read_text())
+    assert sens["probe_format"] == "mxint3" and len(sens["tensors"]) == 15
+    assert all(t["probe_kl"] >= 0 and t["chosen"].startswith("mxint") for t in sens["tensors"].values())
+    assert len({t["chosen"] for t in sens["tensors"].values()}) > 1  # really mixed
+    model, tok = mlx_lm.load(str(tmp_path / "m"))
+    assert isinstance(mlx_lm.generate(model, tok, prompt="def f", max_tokens=3), str)
+
+
+def test_auto_recipe_rejects_bad_budget(anchors, tmp_path):
+    with pytest.raises(ValueError, match="bits per weight"):
+        to_mlx(anchors["int"], tmp_path / "x", recipe="auto:lots")
+    assert not (tmp_path / "x").exists()

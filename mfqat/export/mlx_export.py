@@ -132,6 +132,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             if verify:
                 report["verify"] = verify_export(tmp, anchor, plan, prompt)
             report["bits_per_weight"] = plan.bits_per_weight(anchor)
+            if plan.sensitivity is not None:
+                write_json(tmp / "sensitivity.json", plan.sensitivity)
             report["seconds"] = time.perf_counter() - t0
             write_json(tmp / "mfqat_export.json", report)
     finally:

@@ -22,7 +22,7 @@ FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
 }
-RECIPES = ("uniform:FMT", "seed")
+RECIPES = ("uniform:FMT", "seed", "auto:BPW")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Plan:
     kept16: Set[str] = field(default_factory=set)
     base_bits: int = 4
     base_mode: str = "affine"
+    sensitivity: Optional[dict] = None  # auto:BPW - written beside the model as sensitivity.json
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
         """Every planned tensor as an MXTensor in its planned format."""
@@ -108,6 +109,24 @@ def seed_bits(name: str, base: int, tied: bool) -> Optional[int]:
     return base
 
 
+def _shape(anchor: Anchor, name: str) -> tuple:
+    return tuple(anchor.quantized[name].shape if name in anchor.quantized else anchor.plain[name].shape)
+
+
+def _check_group_size(anchor: Anchor, names) -> None:
+    for name in names:
+        if _shape(anchor, name)[-1] % 32:
+            raise ValueError(f"{name}: shape {_shape(anchor, name)} is not divisible by the MLX group size 32")
+
+
+def _most_weights(anchor: Anchor, formats: Dict[str, str]) -> str:
+    """The format holding the most weights (the config's top-level entry)."""
+    count: Dict[str, int] = {}
+    for name, fmt in formats.items():
+        count[fmt] = count.get(fmt, 0) + int(torch.Size(_shape(anchor, name)).numel())
+    return max(count, key=count.get)
+
+
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None) -> Plan:
     """A per-tensor plan from a recipe name; checks everything before anything is written."""
     family = get_format(anchor.format).family
@@ -127,15 +146,27 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             plan.formats[name] = _fmt_for_bits(family, bits, get_format(anchor.format).bits)
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))
+    elif recipe.startswith("auto:"):
+        from .sensitivity import auto_plan_formats
+
+        try:
+            budget = float(recipe.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"recipe '{recipe}': write the budget in bits per weight, e.g. auto:4.5") from None
+        names = list(anchor.quantized) + _matrix_weights(anchor)
+        _check_group_size(anchor, names)
+        formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text)
+        for name, fmt in formats.items():
+            plan.formats[name] = fmt
+            plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
+        top = get_format(_most_weights(anchor, formats))
     else:
         raise ValueError(f"unknown recipe '{recipe}'; choose one of {RECIPES}")
     for name in _matrix_weights(anchor):
         if name not in plan.formats:
             plan.kept16.add(name)
+    _check_group_size(anchor, plan.formats)
     for name, fmt in plan.formats.items():
-        shape = anchor.quantized[name].shape if name in anchor.quantized else anchor.plain[name].shape
-        if shape[-1] % 32:
-            raise ValueError(f"{name}: shape {tuple(shape)} is not divisible by the MLX group size 32")
         if plan.origin[name] == "anchor":
             check_sliceable(anchor.format, fmt, name=name)
     if top.family == "mxint":

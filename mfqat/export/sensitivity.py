@@ -1,0 +1,161 @@
+"""The ``auto:BPW`` recipe: per-tensor sensitivity on calibration text, then bits under a budget.
+
+Measurement (one forward pass per tensor): start from the model in the anchor's format, lower only
+one tensor to the *probe* format (the family step just below the budget's level), and take the
+KL divergence of the next-token distribution from the anchor-format model's, averaged over the
+calibration tokens. Other levels are extrapolated from the probe by the tensor's own relative
+weight error, ``KL_t(f) ~= KL_t(probe) * err_t(f) / err_t(probe)`` (a first-order model: the
+output change grows with the weight perturbation's energy), so the cost is one pass per tensor
+instead of one per (tensor, level).
+
+Allocation: every tensor starts at the lowest level; the upgrade with the largest sensitivity
+reduction per extra bit is taken while the bits-per-weight budget allows (greedy knapsack).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from ..anchor import Anchor, load_anchor
+from ..formats import get_format
+from ..quant.api import quantize
+from ..quant.mxtensor import MXTensor
+from ..slice import slice_and_scale
+
+LADDERS = {
+    "mxint": ["mxint2", "mxint3", "mxint4", "mxint5", "mxint6", "mxint8"],
+    "mxfp": ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"],
+}
+
+
+@dataclass
+class TensorSensitivity:
+    """One tensor's measured and extrapolated sensitivity."""
+    name: str
+    numel: int
+    probe_format: str
+    probe_kl: float
+    rel_error: Dict[str, float] = field(default_factory=dict)
+
+    def at(self, fmt: str) -> float:
+        """Estimated KL when only this tensor is in ``fmt``."""
+        base = self.rel_error[self.probe_format]
+        return self.probe_kl * self.rel_error[fmt] / base if base > 0 else 0.0
+
+
+def ladder(anchor_format: str) -> List[str]:
+    """Candidate formats of the anchor's family, fewest bits first, none above the anchor."""
+    f = get_format(anchor_format)
+    return [c for c in LADDERS[f.family] if get_format(c).bits <= f.bits]
+
+
+def in_format(anchor: Anchor, name: str, fmt: str) -> MXTensor:
+    """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor, or direct for plain weights."""
+    if name in anchor.quantized:
+        return slice_and_scale(anchor.quantized[name], fmt)
+    return quantize(anchor.plain[name].float(), fmt, 32)
+
+
+def probe_for(budget_bpw: float, levels: List[str]) -> str:
+    """The level just below the one the budget affords uniformly (the lowest level at least)."""
+    affordable = [f for f in levels if get_format(f).bits_per_weight(32) <= budget_bpw] or levels[:1]
+    i = levels.index(affordable[-1])
+    return levels[max(i - 1, 0)]
+
+
+def calibration_blocks(anchor: Anchor, calib_text: Optional[str], n_blocks: int = 4, seq_len: int = 128
+                       ) -> torch.Tensor:
+    """Token blocks of calibration text (default: the pydoc training split) with the anchor's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..data import load_text, split_text, token_blocks
+
+    tok = AutoTokenizer.from_pretrained(str(anchor.path))
+    text = calib_text if calib_text is not None else split_text(load_text(None))[0]
+    return token_blocks(tok, text, seq_len, max_blocks=n_blocks)
+
+
+def _log_probs(model, blocks: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=blocks).logits.float(), dim=-1)
+
+
+def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor) -> Dict[str, TensorSensitivity]:
+    """KL(anchor-format model || model with only tensor t in ``probe``) for every tensor, plus each
+    tensor's relative weight error at every ladder level."""
+    model = load_anchor(anchor.path)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    ref = _log_probs(model, blocks)
+    p_ref = ref.exp()
+    levels = ladder(anchor.format)
+    out: Dict[str, TensorSensitivity] = {}
+    for name in tqdm(names, desc=f"sensitivity (probe {probe})"):
+        param = params[name]
+        original = param.data.clone()
+        errors = {}
+        norm = original.float().pow(2).sum().item() or 1.0
+        for f in levels:
+            w = in_format(anchor, name, f).dequantize(torch.float32)
+            errors[f] = (w - original.float()).pow(2).sum().item() / norm
+            if f == probe:
+                probe_w = w
+        param.data.copy_(probe_w.to(param.dtype))
+        kl = (p_ref * (ref - _log_probs(model, blocks))).sum(-1).mean().item()
+        param.data.copy_(original)
+        out[name] = TensorSensitivity(name, original.numel(), probe, max(kl, 0.0), errors)
+    return out
+
+
+def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: float) -> Dict[str, str]:
+    """Per-tensor formats minimising the summed estimated KL with mean bits/weight <= budget."""
+    bpw = {f: get_format(f).bits_per_weight(32) for f in levels}
+    total = sum(s.numel for s in sens.values())
+    cap = budget_bpw * total
+    level = {n: 0 for n in sens}
+    used = sum(bpw[levels[0]] * s.numel for s in sens.values())
+    if used > cap + 1e-6:
+        raise ValueError(f"auto:{budget_bpw}: the budget is below the smallest plan "
+                         f"({bpw[levels[0]]:.2f} bits/weight with every tensor in {levels[0]})")
+
+    def gain(n: str):
+        i = level[n]
+        if i + 1 >= len(levels):
+            return None
+        s = sens[n]
+        extra = (bpw[levels[i + 1]] - bpw[levels[i]]) * s.numel
+        return (s.at(levels[i]) - s.at(levels[i + 1])) / extra, extra
+
+    heap = []
+    for n in sens:
+        g = gain(n)
+        if g:
+            heapq.heappush(heap, (-g[0], n, g[1]))
+    while heap:
+        _, n, extra = heapq.heappop(heap)
+        if used + extra > cap + 1e-6:
+            continue  # this upgrade does not fit; cheaper ones of other tensors still may
+        used += extra
+        level[n] += 1
+        g = gain(n)
+        if g:
+            heapq.heappush(heap, (-g[0], n, g[1]))
+    return {n: levels[i] for n, i in level.items()}
+
+
+def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib_text: Optional[str] = None,
+                      n_blocks: int = 4, seq_len: int = 128) -> tuple[Dict[str, str], dict]:
+    """(per-tensor formats, report) for ``auto:BPW``; the report holds every sensitivity."""
+    levels = ladder(anchor.format)
+    probe = probe_for(budget_bpw, levels)
+    blocks = calibration_blocks(anchor, calib_text, n_blocks, seq_len)
+    sens = measure(anchor, names, probe, blocks)
+    formats = allocate(sens, levels, budget_bpw)
+    report = {"budget_bpw": budget_bpw, "probe_format": probe, "levels": levels,
+              "calibration_tokens": int(blocks.numel()),
+              "tensors": {n: {**asdict(s), "chosen": formats[n], "estimated_kl": s.at(formats[n])}
+                          for n, s in sens.items()}}
+    return formats, report
