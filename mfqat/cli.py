@@ -71,7 +71,8 @@ def _export(a) -> None:
     from .export import to_mlx
 
     calib = load_text(a.calib_text) if a.calib_text else None
-    rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib)
+    rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
+                 awq=a.awq, scale_dtype=a.scale_dtype)
     v = rep.get("verify", {})
     print(f"wrote {a.out}: recipe {a.recipe}, {rep['bits_per_weight']:.3f} bits/weight, "
           f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
@@ -110,7 +111,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     x.add_argument("anchor")
     x.add_argument("--out", required=True)
     x.add_argument("--recipe", default="uniform:mxint4", help="uniform:FMT | seed | auto:BPW (e.g. auto:4.5)")
-    x.add_argument("--calib-text", default=None, help="auto: calibration text file or folder (default: pydoc)")
+    x.add_argument("--calib-text", default=None, help="auto/AWQ: calibration text file or folder (default: pydoc)")
+    x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
+    x.add_argument("--scale-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="MLX affine scales/biases (both exact for MX power-of-two scales; bfloat16 is smaller)")
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
     d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")

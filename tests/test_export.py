@@ -127,3 +127,46 @@ def test_auto_recipe_rejects_bad_budget(anchors, tmp_path):
     with pytest.raises(ValueError, match="bits per weight"):
         to_mlx(anchors["int"], tmp_path / "x", recipe="auto:lots")
     assert not (tmp_path / "x").exists()
+
+
+def test_bfloat16_scales_and_sharding(anchors, tmp_path):
+    """bf16 affine scales are exact for power-of-two MX scales; big exports shard with an index."""
+    rep = to_mlx(anchors["int"], tmp_path / "m", recipe="seed", scale_dtype="bfloat16", max_shard_bytes=40_000)
+    assert rep["verify"]["weights_bit_exact"] and rep["verify"]["max_abs_logit_diff"] < 5e-2
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "m").glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    from mfqat.export.mlx_export import load_weights
+    w = load_weights(tmp_path / "m")
+    scales = {k: v.dtype for k, v in w.items() if k.endswith(".scales")}
+    assert mx.bfloat16 in scales.values() and mx.uint8 not in scales.values()  # affine only: all bf16
+    model, tok = mlx_lm.load(str(tmp_path / "m"))
+    assert isinstance(mlx_lm.generate(model, tok, prompt="def f", max_tokens=3), str)
+
+
+def test_awq_keeps_the_fp_model_and_exports(tmp_path):
+    """AWQ scaling leaves the full-precision function unchanged, then exports through the PTQ path."""
+    from mfqat.data import calibration_blocks
+    from mfqat.export.awq import apply_awq
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(vocab_size=len(tok), tie=True)
+    ids = calibration_blocks(tok, None, n_blocks=2, seq_len=32)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    stats = apply_awq(model, ids)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert len(stats) == 2 * 4  # heads == kv heads here: v -> o is scaled too
+    assert any(v["s_max"] > 1.01 for v in stats.values())
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
+    src = tmp_path / "fp"
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    rep = to_mlx(src, tmp_path / "m", recipe="uniform:mxint4", awq=True)
+    assert rep["verify"]["weights_bit_exact"] and "awq" in rep
+
+
+def test_awq_refuses_an_anchor(anchors, tmp_path):
+    with pytest.raises(ValueError, match="post-training step"):
+        to_mlx(anchors["int"], tmp_path / "m", recipe="uniform:mxint4", awq=True)

@@ -19,12 +19,12 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
-from ..anchor import Anchor, read_anchor, save_anchor
+from ..anchor import MAX_SHARD_BYTES, Anchor, read_anchor, save_anchor
 from ..formats import get_format
 from ..io import atomic_directory, write_json
 from ..quant.mxtensor import MXTensor
@@ -104,7 +104,8 @@ def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
 
 
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
-           calib_text: Optional[str] = None, prompt: str = "The Python language is") -> dict:
+           calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
+           scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized to an MXINT8 anchor first).
 
     Writes ``out_dir`` atomically: it appears only after every tensor has been checked against
@@ -116,19 +117,27 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     t0 = time.perf_counter()
     src = Path(source)
     tmp_anchor = None
+    if awq and (src / "mfqat.json").is_file():
+        raise ValueError(f"{source}: AWQ is a post-training step; pass the full-precision model, not an anchor "
+                         "(rescaling an anchor would re-quantize the codes MF-QAT trained)")
     if not (src / "mfqat.json").is_file():
-        from ..data import load_model
+        from ..data import calibration_blocks, load_model
         model, tok = load_model(str(source))
+        if awq:
+            from .awq import apply_awq
+            report_awq = apply_awq(model, calibration_blocks(tok, calib_text))
         tmp_anchor = Path(tempfile.mkdtemp(prefix="mfqat-ptq-")) / "anchor"
         save_anchor(model, tmp_anchor, "mxint8", tok)
         src = tmp_anchor
     anchor = read_anchor(src)
     plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text)
     config = json.loads((src / "config.json").read_text())
-    report = {"source": str(source), "recipe": recipe, "tensors": {}}
+    report = {"source": str(source), "recipe": recipe, "tensors": {}, "scale_dtype": scale_dtype}
+    if awq:
+        report["awq"] = report_awq
     try:
         with atomic_directory(out_dir) as tmp:
-            _write(anchor, plan, config, src, tmp, report)
+            _write(anchor, plan, config, src, tmp, report, scale_dtype, max_shard_bytes)
             if verify:
                 report["verify"] = verify_export(tmp, anchor, plan, prompt)
             report["bits_per_weight"] = plan.bits_per_weight(anchor)
@@ -142,7 +151,45 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     return report
 
 
-def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, report: dict) -> None:
+def save_sharded(arrays: Dict[str, "mx.array"], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> List[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json (the HF
+    layout, which mlx_lm.load reads) when the weights exceed ``max_shard_bytes``."""
+    import mlx.core as mx
+
+    shards: List[Dict[str, "mx.array"]] = [{}]
+    size = 0
+    for name in sorted(arrays):
+        nbytes = arrays[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arrays[name]
+        size += nbytes
+    if len(shards) == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), shards[0], metadata={"format": "mlx"})
+        return ["model.safetensors"]
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(files, shards):
+        mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in shard})
+    write_json(folder / "model.safetensors.index.json",
+               {"metadata": {"total_size": sum(a.nbytes for a in arrays.values())}, "weight_map": weight_map})
+    return files
+
+
+def load_weights(folder: Path) -> Dict[str, "mx.array"]:
+    """Every tensor of an export (one file or shards)."""
+    import mlx.core as mx
+
+    weights: Dict[str, "mx.array"] = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, report: dict,
+           scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     import mlx.core as mx
 
     arrays: Dict[str, "mx.array"] = {}
@@ -153,20 +200,21 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
             arrays[name] = mx.array(anchor.quantized[name].dequantize(torch.float32).numpy()).astype(mx.bfloat16)
             report["tensors"][name] = {"source": anchor.format, "mlx": "bfloat16", "bits_per_weight": 16, "exact": False}
     for name, q in plan.tensors(anchor).items():
-        st = to_mlx_storage(q)
+        st = to_mlx_storage(q, scale_dtype)
         module = name[: -len(".weight")]
         if st.mode is None:
             arrays[name] = mx.array(st.weight).astype(mx.bfloat16)
         else:
             arrays[name] = mx.array(st.weight)
-            arrays[f"{module}.scales"] = mx.array(st.scales)
+            cast = mx.bfloat16 if (scale_dtype == "bfloat16" and st.mode == "affine") else None
+            arrays[f"{module}.scales"] = mx.array(st.scales) if cast is None else mx.array(st.scales).astype(cast)
             if st.biases is not None:
-                arrays[f"{module}.biases"] = mx.array(st.biases)
+                arrays[f"{module}.biases"] = mx.array(st.biases) if cast is None else mx.array(st.biases).astype(cast)
         report["tensors"][name] = {"source": plan.formats[name], "origin": plan.origin[name],
                                    "mlx": st.mode or "bfloat16", "bits": st.bits,
                                    "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(32),
                                    "exact": st.exact}
-    mx.save_safetensors(str(tmp / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    save_sharded(arrays, tmp, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan), indent=2))
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
@@ -177,7 +225,7 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
     """Every tensor dequantized by MLX equals the PyTorch dequantization; logits compared."""
     import mlx.core as mx
 
-    weights = mx.load(str(out / "model.safetensors"))
+    weights = load_weights(out)
     for name, q in plan.tensors(anchor).items():
         module = name[: -len(".weight")]
         expect = q.dequantize(torch.float32).numpy()

@@ -69,14 +69,12 @@ def probe_for(budget_bpw: float, levels: List[str]) -> str:
 
 def calibration_blocks(anchor: Anchor, calib_text: Optional[str], n_blocks: int = 4, seq_len: int = 128
                        ) -> torch.Tensor:
-    """Token blocks of calibration text (default: the pydoc training split) with the anchor's tokenizer."""
+    """Calibration token blocks with the anchor's tokenizer (default text: the pydoc training split)."""
     from transformers import AutoTokenizer
 
-    from ..data import load_text, split_text, token_blocks
+    from ..data import calibration_blocks as blocks_of
 
-    tok = AutoTokenizer.from_pretrained(str(anchor.path))
-    text = calib_text if calib_text is not None else split_text(load_text(None))[0]
-    return token_blocks(tok, text, seq_len, max_blocks=n_blocks)
+    return blocks_of(AutoTokenizer.from_pretrained(str(anchor.path)), calib_text, n_blocks, seq_len)
 
 
 def _log_probs(model, blocks: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""AWQ pre-scaling for the post-training path (DESIGN.md §6), with mfqat's own importance matrix.
+
+For each producer -> consumers pair of a Llama-style block
+
+* ``input_layernorm`` -> ``q_proj, k_proj, v_proj``
+* ``post_attention_layernorm`` -> ``gate_proj, up_proj``
+* ``up_proj`` -> ``down_proj``
+* ``v_proj`` -> ``o_proj`` (only when their widths match, i.e. no grouped-query attention)
+
+the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
+producer's output channels divided by ``s``, so the full-precision model computes the same function
+(up to float rounding; tested) while the salient input channels get more of the quantization grid.
+``importance`` is the mean squared activation per input channel on calibration text (the
+"imatrix", computed here with forward hooks; llama.cpp imatrix files are not read).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+GROUPS: List[Tuple[str, List[str]]] = [
+    ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+    ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]),
+    ("mlp.up_proj", ["mlp.down_proj"]),
+    ("self_attn.v_proj", ["self_attn.o_proj"]),
+]
+
+
+def decoder_layers(model: nn.Module) -> List[nn.Module]:
+    """The decoder blocks of a Llama-style causal LM."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"AWQ: {type(model).__name__} has no .model.layers (a Llama-style decoder is expected)")
+    return list(layers)
+
+
+def importance_matrix(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> Dict[str, torch.Tensor]:
+    """Mean squared input activation per channel for every nn.Linear (name -> (in_features,))."""
+    sums: Dict[str, torch.Tensor] = {}
+    counts: Dict[str, int] = {}
+    hooks = []
+
+    def hook(name):
+        def fn(_mod, inputs, _out):
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return fn
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            hooks.append(m.register_forward_hook(hook(name)))
+    try:
+        with torch.no_grad():
+            for i in tqdm(range(0, blocks.shape[0], batch_size), desc="imatrix", leave=False):
+                model(input_ids=blocks[i:i + batch_size])
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+def awq_scales(importance: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """s = importance^alpha normalised by sqrt(max * min) (so that s spans 1/r .. r)."""
+    s = importance.clamp(min=1e-8).pow(alpha)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def _scale_producer(producer: nn.Module, s: torch.Tensor) -> None:
+    """Divide the producer's output channels by s (a norm's gain or a Linear's rows and bias)."""
+    producer.weight.data.div_(s.view(-1, *([1] * (producer.weight.dim() - 1))).to(producer.weight.dtype))
+    if getattr(producer, "bias", None) is not None:
+        producer.bias.data.div_(s.to(producer.bias.dtype))
+
+
+def apply_awq(model: nn.Module, blocks: torch.Tensor, alpha: float = 0.5) -> Dict[str, dict]:
+    """Fold AWQ scales into the model in place; returns per-group statistics (min/max of s)."""
+    imatrix = importance_matrix(model, blocks)
+    names = {id(m): n for n, m in model.named_modules()}
+    stats: Dict[str, dict] = {}
+    for layer in decoder_layers(model):
+        for producer_name, consumer_names in GROUPS:
+            producer = layer.get_submodule(producer_name)
+            consumers = [layer.get_submodule(c) for c in consumer_names]
+            width = producer.weight.shape[0]
+            if any(c.in_features != width for c in consumers):
+                continue  # e.g. v_proj -> o_proj under grouped-query attention
+            imp = imatrix[names[id(consumers[0])]]
+            s = awq_scales(imp, alpha)
+            with torch.no_grad():
+                _scale_producer(producer, s)
+                for c in consumers:
+                    c.weight.data.mul_(s.view(1, -1).to(c.weight.dtype))
+            stats[f"{names[id(producer)]} -> {consumer_names}"] = {"s_min": s.min().item(), "s_max": s.max().item()}
+    if not stats:
+        raise ValueError("AWQ: no producer -> consumer pair found to scale")
+    return stats
