@@ -20,6 +20,7 @@ from .formats import get_format
 
 ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 PROMPT = "The Python language is"
+AUTO_RECIPE = "auto:4.75"  # mixed MXINT4/5/6/8 by measured sensitivity, 4.75 bits per weight
 
 
 def _stage(out: Path, name: str, force: bool, fn):
@@ -68,17 +69,21 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
     exports = {}
     if not skip_mlx:
         def export():
-            from .export import to_mlx
+            import mlx.core as mx
             from mlx_lm import generate, load as mlx_load
+
+            from .export import to_mlx
+            from .mlx.train import perplexity as mlx_perplexity
             res = {}
-            for recipe in ("uniform:mxint4", "seed"):
+            for recipe in ("uniform:mxint4", AUTO_RECIPE):
                 d = out_dir / ("mlx-" + recipe.replace(":", "-"))
                 rep = to_mlx(trained["anchor"], d, recipe=recipe, prompt=PROMPT)
                 m, t = mlx_load(str(d))
                 text = generate(m, t, prompt=PROMPT, max_tokens=24)
                 res[recipe] = {"dir": str(d), "bits_per_weight": rep["bits_per_weight"],
                                "max_abs_logit_diff": rep["verify"]["max_abs_logit_diff"],
-                               "argmax_agreement": rep["verify"]["argmax_agreement"], "completion": text}
+                               "argmax_agreement": rep["verify"]["argmax_agreement"], "completion": text,
+                               "mlx_perplexity": mlx_perplexity(m, mx.array(held.numpy()), desc=f"MLX ppl {recipe}")}
             return res
         exports = _stage(out_dir, "export", force, export)
 
@@ -89,11 +94,16 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
         rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "PTQ ppl": ptq_by[f],
                      "MF-QAT ppl": r["perplexity"],
                      "MF-QAT vs PTQ": f"{100 * (r['perplexity'] / ptq_by[f] - 1):+.1f}%"})
-    plot = plot_ppl_vs_bpw({
+    series = {
         "PTQ (direct, original model)": [(get_format(f).bits_per_weight(32), p, f) for f, p in ptq_by.items()],
         "MF-QAT anchor + Slice-and-Scale": [(get_format(r["format"]).bits_per_weight(32), r["perplexity"], r["format"])
                                             for r in mfqat_rows["rows"]],
-    }, out_dir / "ppl_vs_bpw.png", title="SmolLM2-135M on held-out pydoc text", fp_ppl=fp["perplexity"])
+    }
+    mlx_points = [(e["bits_per_weight"], e["mlx_perplexity"], recipe) for recipe, e in exports.items()
+                  if isinstance(e, dict) and "mlx_perplexity" in e]
+    if mlx_points:
+        series["MLX exports (perplexity run in MLX)"] = mlx_points
+    plot = plot_ppl_vs_bpw(series, out_dir / "ppl_vs_bpw.png", title="SmolLM2-135M on held-out pydoc text", fp_ppl=fp["perplexity"])
     summary = {"fp_perplexity": fp["perplexity"], "rows": rows, "exports": exports, "plot": str(plot),
                "steps": steps}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -103,8 +113,9 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
     for recipe, e in exports.items():
         if not isinstance(e, dict):
             continue
-        print(f"\nMLX {recipe}: {e['bits_per_weight']:.2f} bits/weight, weights bit-exact, "
-              f"max |logit diff| vs PyTorch {e['max_abs_logit_diff']:.2e}, argmax agreement {e['argmax_agreement']:.2f}")
+        print(f"\nMLX {recipe}: {e['bits_per_weight']:.2f} bits/weight, perplexity in MLX "
+              f"{e.get('mlx_perplexity', float('nan')):.3f}, weights bit-exact, max |logit diff| vs PyTorch "
+              f"{e['max_abs_logit_diff']:.2e}, argmax agreement {e['argmax_agreement']:.2f}")
         print(f"  {PROMPT} ...{e['completion']}")
     print(f"\nplot: {plot}\nsummary: {out_dir / 'summary.json'}")
     return summary

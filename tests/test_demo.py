@@ -21,9 +21,9 @@ def test_demo_smoke(tiny_dir, tmp_path, capsys):
     s = run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
     assert [r["format"] for r in s["rows"]] == ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
     assert (tmp_path / "demo" / "ppl_vs_bpw.png").stat().st_size > 5000
-    assert set(s["exports"]) >= {"uniform:mxint4", "seed"}
+    assert set(s["exports"]) >= {"uniform:mxint4", "auto:4.75"}
     out = capsys.readouterr().out
-    assert "MF-QAT ppl" in out and "MLX seed" in out
+    assert "MF-QAT ppl" in out and "MLX auto:4.75" in out
     # a re-run reuses every stage
     run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
     assert "reusing" in capsys.readouterr().out
