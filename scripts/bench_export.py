@@ -28,7 +28,7 @@ from mfqat.eval.perplexity import perplexity as torch_ppl
 from mfqat.eval.report import format_table
 from mfqat.export import to_mlx
 from mfqat.export.mlx_export import reference_state
-from mfqat.export.recipes import build_plan
+from mfqat.export.recipes import Plan
 from mfqat.mlx.models import smollm2_mlx_dir
 from mfqat.mlx.train import perplexity as mlx_ppl
 
@@ -43,9 +43,6 @@ def tokens_per_second(path: str, max_tokens: int = 64) -> float:
     for last in stream_generate(model, tok, PROMPT, max_tokens=max_tokens):
         pass
     return float(last.generation_tps)
-
-
-DIRS = {"mlx_lm.convert -q 4-bit g32": "mlxlm-q4", "mlx_lm mixed_3_6 g32": "mlxlm-mixed_3_6"}
 
 
 def storage_bpw(path: str) -> float:
@@ -74,58 +71,68 @@ def mlx_perplexity(path: str, blocks: torch.Tensor) -> float:
     return mlx_ppl(model, mx.array(blocks.numpy()))
 
 
+def plan_from_report(report: dict) -> Plan:
+    """The per-tensor plan an export used (from its mfqat_export.json), without re-measuring."""
+    plan = Plan()
+    for name, t in report["tensors"].items():
+        if "origin" in t:
+            plan.formats[name], plan.origin[name] = t["source"], t["origin"]
+        else:  # kept in 16 bits
+            plan.kept16.add(name)
+    return plan
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--anchor", default=None)
+    p.add_argument("--anchor", default=None, help="anchor to export (default: PTQ MXINT8 anchor of --fp-dir)")
+    p.add_argument("--fp-dir", default=None, help="full-precision HF dir for mlx_lm.convert (default: SmolLM2)")
     p.add_argument("--out", default="out/bench_export")
-    p.add_argument("--blocks", type=int, default=8, help="held-out blocks of 128 tokens for perplexity")
-    p.add_argument("--recipes", default="uniform:mxint8,uniform:mxint4,seed,auto:4.5")
+    p.add_argument("--blocks", type=int, default=24, help="held-out blocks of 128 tokens for perplexity")
+    p.add_argument("--recipes", default="uniform:mxint8,uniform:mxint4,seed")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="scales/biases dtype for both exporters (mlx_lm.convert --dtype)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    fp_dir = smollm2_mlx_dir()
+    fp_dir = Path(a.fp_dir) if a.fp_dir else smollm2_mlx_dir()
     anchor_dir = Path(a.anchor) if a.anchor else out / "ptq-anchor"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     if not a.anchor and not anchor_dir.exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         model = AutoModelForCausalLM.from_pretrained(fp_dir, dtype=torch.float32)
         mfqat.save_anchor(model, anchor_dir, "mxint8", AutoTokenizer.from_pretrained(fp_dir))
     anchor = read_anchor(anchor_dir)
     tmodel = mfqat.load_anchor(anchor_dir)
-    from transformers import AutoTokenizer
     _, held_text = split_text(load_text(None))
     blocks = token_blocks(AutoTokenizer.from_pretrained(str(anchor_dir)), held_text, 128, max_blocks=a.blocks)
 
-    rows = []
-    for recipe in a.recipes.split(","):
-        d = out / ("ours-" + recipe.replace(":", "-"))
-        shutil.rmtree(d, ignore_errors=True)
-        t = time.perf_counter()
-        rep = to_mlx(anchor_dir, d, recipe=recipe)
-        secs = time.perf_counter() - t
-        plan = build_plan(anchor, recipe) if not recipe.startswith("auto:") else None
-        if plan is not None:
-            tmodel.load_state_dict(reference_state(anchor, plan), strict=False)
-            pt = torch_ppl(tmodel, blocks)
-        else:
-            pt = float("nan")
-        rows.append({"model": f"mfqat {recipe}", "bits/weight": rep["bits_per_weight"], "export s": secs,
-                     "MLX ppl": mlx_perplexity(str(d), blocks), "PyTorch ppl": pt,
-                     "size MB": sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20})
-
     from mlx_lm import convert
+    rows = []
     for label, kw, name in (("mlx_lm.convert -q 4-bit g32", {}, "mlxlm-q4"),
                             ("mlx_lm mixed_3_6 g32", {"quant_predicate": "mixed_3_6"}, "mlxlm-mixed_3_6")):
         d = out / name
         shutil.rmtree(d, ignore_errors=True)
         t = time.perf_counter()
-        convert(str(fp_dir), str(d), quantize=True, q_group_size=32, q_bits=4, **kw)
-        secs = time.perf_counter() - t
-        rows.append({"model": label, "bits/weight": float("nan"), "export s": secs,
+        convert(str(fp_dir), str(d), quantize=True, q_group_size=32, q_bits=4, dtype=a.dtype, **kw)
+        rows.append({"model": label, "bits/weight": float("nan"), "export s": time.perf_counter() - t,
                      "MLX ppl": mlx_perplexity(str(d), blocks), "PyTorch ppl": float("nan"),
+                     "stored bits/weight": storage_bpw(str(d)),
                      "size MB": sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20})
-    for r in rows:
-        r["stored bits/weight"] = storage_bpw(str(out / DIRS[r["model"]]) if r["model"] in DIRS else
-                                              str(out / ("ours-" + r["model"].split()[1].replace(":", "-"))))
+    # auto at the size of mixed_3_6: affine storage adds 32 bits of scale+bias per group of 32 in
+    # bf16 (64 in fp32) where the MX nominal counts 8, so budget = stored - (overhead - 0.25)
+    overhead = (1.0 if a.dtype == "bfloat16" else 2.0) - 0.25
+    recipes = a.recipes.split(",") + [f"auto:{rows[1]['stored bits/weight'] - overhead:.2f}"]
+    for recipe in recipes:
+        d = out / ("ours-" + recipe.replace(":", "-"))
+        shutil.rmtree(d, ignore_errors=True)
+        t = time.perf_counter()
+        rep = to_mlx(anchor_dir, d, recipe=recipe, scale_dtype=a.dtype)
+        secs = time.perf_counter() - t
+        tmodel.load_state_dict(reference_state(anchor, plan_from_report(rep)), strict=False)
+        rows.append({"model": f"mfqat {recipe}", "bits/weight": rep["bits_per_weight"], "export s": secs,
+                     "MLX ppl": mlx_perplexity(str(d), blocks), "PyTorch ppl": torch_ppl(tmodel, blocks),
+                     "stored bits/weight": storage_bpw(str(d)),
+                     "size MB": sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20})
+    print(f"anchor={anchor_dir} fp={fp_dir} held-out tokens={blocks.numel()} dtype={a.dtype}")
     print(format_table(rows, ["model", "bits/weight", "stored bits/weight", "size MB", "export s", "MLX ppl",
                               "PyTorch ppl"]))
 
