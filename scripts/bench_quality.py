@@ -6,6 +6,7 @@ same steps, lr, batch, seed and held-out blocks), in one run:
 * the fair baseline: the same fine-tune in full precision (`--no-qat`), then PTQ;
 * single-format QAT, one run per format (`--schedule fixed`), evaluated in its own format;
 * MF-QAT (progressive mxint2->4->6->8), one MXINT8 anchor, every MXINT format by Slice-and-Scale;
+* the same without the 2-bit phase (configs/mxint_468.yaml);
 * MF-QAT over the MXFP family (configs/mxfp_468.yaml), MXFP8 anchor, MXFP formats by Slice-and-Scale.
 
     python scripts/bench_quality.py [--steps 60] [--out out/quality] [--single mxint4,mxfp4_e2m1]
@@ -63,6 +64,7 @@ def main() -> None:
         s = run(out, f"qat-{f}", common + ["--formats", f, "--schedule", "fixed", "--eval-formats", f])
         single[f] = next(r["perplexity"] for r in s["eval"] if r["format"] == f)
     mf_int = run(out, "mfqat-mxint", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml")])
+    mf_468 = run(out, "mfqat-mxint-468", common + ["--qat-config", str(ROOT / "configs/mxint_468.yaml")])
     mf_fp = run(out, "mfqat-mxfp", common + ["--qat-config", str(ROOT / "configs/mxfp_468.yaml"),
                                              "--anchor-format", "mxfp8_e4m3"])
 
@@ -74,20 +76,25 @@ def main() -> None:
         ev = json.loads(cache.read_text())
     else:
         ev = {"ptq": evaluate_formats(model, {f: ptq_state(model, f) for f in MXINT + MXFP}, held)}
-        for key, summary, fmts in (("mfqat-mxint", mf_int, MXINT), ("mfqat-mxfp", mf_fp, MXFP)):
+        cache.write_text(json.dumps(ev, indent=2))
+    for key, summary, fmts in (("mfqat-mxint", mf_int, MXINT), ("mfqat-mxfp", mf_fp, MXFP),
+                               ("mfqat-mxint-468", mf_468, MXINT)):
+        if key not in ev:
             anchor = read_anchor(summary["anchor"])
             ev[key] = evaluate_formats(model, {f: anchor_state(anchor, f) for f in fmts}, held)
-        cache.write_text(json.dumps(ev, indent=2))
+            cache.write_text(json.dumps(ev, indent=2))
 
     by = lambda rows: {r["format"]: r["perplexity"] for r in rows}  # noqa: E731
     ptq, fair_ptq = by(ev["ptq"]), by(fair["eval"])
     mf = {**by(ev["mfqat-mxint"]), **by(ev["mfqat-mxfp"])}
+    mf468 = by(ev["mfqat-mxint-468"])
     rows = []
     for f in MXINT + MXFP:
         s = single.get(f)
         rows.append({"format": f, "bits/weight": mfqat.get_format(f).bits_per_weight(32),
                      "PTQ (original)": ptq[f], "fp fine-tune + PTQ": fair_ptq[f],
                      "single-format QAT": s if s is not None else float("nan"), "MF-QAT (S&S)": mf[f],
+                     "MF-QAT {4,6,8}": mf468.get(f, float("nan")),
                      "MF-QAT vs fair PTQ": f"{100 * (mf[f] / fair_ptq[f] - 1):+.1f}%",
                      "MF-QAT vs single": f"{100 * (mf[f] / s - 1):+.1f}%" if s else "-"})
     cols = list(rows[0])
@@ -98,7 +105,8 @@ def main() -> None:
         "PTQ (original model)": [(bpw(f), ptq[f], f) for f in MXINT],
         "fp fine-tune + PTQ": [(bpw(f), fair_ptq[f], f) for f in MXINT],
         "single-format QAT": [(bpw(f), v, f) for f, v in single.items() if f in MXINT],
-        "MF-QAT anchor + Slice-and-Scale": [(bpw(f), mf[f], f) for f in MXINT],
+        "MF-QAT 2->4->6->8, anchor + Slice-and-Scale": [(bpw(f), mf[f], f) for f in MXINT],
+        "MF-QAT 4->6->8, anchor + Slice-and-Scale": [(bpw(f), mf468[f], f) for f in MXINT],
     }, out / "quality.png", title=f"SmolLM2-135M, MXINT family, {a.steps} steps",
         fp_ppl=by(fair["eval"]).get("fp (master)"))
     (out / "quality.json").write_text(json.dumps({"rows": rows, "steps": a.steps}, indent=2))
