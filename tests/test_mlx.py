@@ -119,6 +119,7 @@ def tiny_export(tiny_dir, tmp_path_factory):
     anchor = mfqat.save_anchor(model, d / "anchor", "mxint8", AutoTokenizer.from_pretrained(tiny_dir))
     to_mlx(anchor, d / "mlx8", recipe="uniform:mxint8")
     to_mlx(anchor, d / "mlx4", recipe="uniform:mxint4")
+    to_mlx(anchor, d / "mixed", recipe="seed")  # mixed-bit: 4/5/6/8-bit affine per tensor
     return d
 
 
@@ -201,9 +202,10 @@ def test_mlx_trained_anchor_loads_in_pytorch(tiny_dir, tmp_path):
     assert np.abs(w_pt - w_mlx).max() <= np.abs(w_mlx).max() / 4  # same scale of values, double rounding allowed
 
 
-def test_lora_on_exported_model_trains_and_serves(tiny_export, tmp_path):
-    model, tok = mlx_lm.load(str(tiny_export / "mlx4"))
-    assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+def test_lora_on_exported_mixed_bit_model_trains_and_serves(tiny_export, tmp_path):
+    model, tok = mlx_lm.load(str(tiny_export / "mixed"))
+    bits = {m.bits for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert len(bits) > 1  # really mixed
     apply_lora(model, rank=4)
     trainable = [k for k, _ in __import__("mlx.utils").utils.tree_flatten(model.trainable_parameters())]
     assert trainable and all("lora_" in k for k in trainable)
@@ -213,7 +215,7 @@ def test_lora_on_exported_model_trains_and_serves(tiny_export, tmp_path):
     assert loss_fn(model, batch).item() < before - 0.05
     adapters = save_adapters(model, tmp_path / "adapters", 4, 20.0, len(model.layers))
     from mfqat.mlx.serve import generate
-    text = generate(str(tiny_export / "mlx4"), "def f", max_tokens=4, adapter_path=str(adapters))
+    text = generate(str(tiny_export / "mixed"), "def f", max_tokens=4, adapter_path=str(adapters))
     assert isinstance(text, str)
 
 
