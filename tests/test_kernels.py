@@ -195,3 +195,18 @@ def test_cpp_op_rejects_bad_input_clearly():
         cpp.fake_quantize_cpp(torch.randn(4, 30), fmt, 32)
     with pytest.raises(RuntimeError, match="not supported"):
         cpp.fake_quantize_cpp(torch.randn(4, 32, dtype=torch.float64), fmt, 32)
+
+
+def test_missing_extension_never_breaks_import():
+    """Without the compiled extension mfqat still imports and dispatch falls back to the reference."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['mfqat._C'] = None\n"
+            "import torch, mfqat\n"
+            "from mfqat.quant import kernels\n"
+            "assert not kernels.cpp.AVAILABLE and 'ImportError' in kernels.cpp.LOAD_ERROR\n"
+            "assert kernels.auto_backend('cpu') == 'reference'\n"
+            "print(mfqat.fake_quantize(torch.randn(2, 32), 'mxint4').shape)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
