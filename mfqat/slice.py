@@ -43,6 +43,17 @@ def slice_and_scale(q: MXTensor, fmt: FormatLike) -> MXTensor:
     if dst == q.fmt:
         return MXTensor(q.codes.clone(), q.scales.clone(), dst, q.block_size, q.dtype, None, q.scale_rule)
     bs = q.block_size
+    from .quant.kernels import slice_dispatch
+
+    fast = slice_dispatch(q.codes, q.scales, q.fmt, dst, bs)
+    if fast is not None:
+        return MXTensor(fast[0].reshape(q.shape), fast[1].reshape(q.scales.shape), dst, bs, q.dtype, None, q.scale_rule)
+    return slice_reference(q, dst)
+
+
+def slice_reference(q: MXTensor, dst) -> MXTensor:
+    """The pure-PyTorch Slice-and-Scale (the oracle of the C++ and Triton paths)."""
+    bs = q.block_size
     codes = q.codes.reshape(*q.shape[:-1], q.shape[-1] // bs, bs)
     if dst.family == "mxint":
         r = q.fmt.bits - dst.bits

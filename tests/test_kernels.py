@@ -210,3 +210,28 @@ def test_missing_extension_never_breaks_import():
             "print(mfqat.fake_quantize(torch.randn(2, 32), 'mxint4').shape)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+SLICES = [("mxint8", f"mxint{k}") for k in range(2, 8)] + [
+    ("mxfp8_e4m3", "mxfp6_e2m3"), ("mxfp8_e4m3", "mxfp6_e3m2"), ("mxfp8_e4m3", "mxfp4_e2m1"),
+    ("mxfp8_e5m2", "mxfp4_e2m1"), ("mxfp6_e3m2", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp8_e4m3")]
+
+
+def run_slice(backend: str, codes, scales, src, dst, bs):
+    if backend == "cpp":
+        return cpp.slice_cpp(codes, scales, src, dst, bs)
+    return triton_mx.slice_triton(codes, scales, src, dst, bs)
+
+
+@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("src,dst", SLICES)
+def test_slice_and_scale_bit_exact(backend, device, src, dst):
+    from mfqat.slice import slice_reference
+
+    x = adversarial(seed=7)
+    for bs in (32, 8):
+        q = mfqat.quantize(x, src, bs)
+        ref = slice_reference(q, mfqat.get_format(dst))
+        codes, scales = run_slice(backend, q.codes.to(device), q.scales.to(device), q.fmt, mfqat.get_format(dst), bs)
+        assert torch.equal(codes.cpu().reshape(ref.codes.shape), ref.codes), f"{backend} {src}->{dst} codes"
+        assert torch.equal(scales.cpu().reshape(ref.scales.shape), ref.scales), f"{backend} {src}->{dst} scales"

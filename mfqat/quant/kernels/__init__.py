@@ -90,3 +90,21 @@ def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
         return triton_mx.quantize_triton(x, fmt, block_size, scale_rule)
     codes, scales = mx_quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
     return codes.reshape(x.shape), scales
+
+
+def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat,
+                   block_size: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Slice-and-Scale codes with a fast backend; None when only the reference applies (the caller's path)."""
+    name = requested_backend()
+    device = codes.device
+    if name == "reference":
+        return None
+    if name == "auto":
+        name = auto_backend(device)
+    if name == "cpp" and cpp.AVAILABLE and device.type == "cpu":
+        return cpp.slice_cpp(codes, scales, src, dst, block_size)
+    if name == "triton" and triton_mx.usable_on(device):
+        return triton_mx.slice_triton(codes, scales, src, dst, block_size)
+    if requested_backend() != "auto":
+        raise RuntimeError(f"MFQAT_BACKEND={name} cannot slice tensors on {device}")
+    return None

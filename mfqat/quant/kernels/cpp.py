@@ -43,6 +43,10 @@ if AVAILABLE:
         scales = x.new_empty((*x.shape[:-1], x.shape[-1] // block_size), dtype=torch.uint8)
         return codes, scales
 
+    @torch.library.register_fake("mfqat::slice_mx")
+    def _slice_mx_meta(codes, scales, block_size, is_int, *rest):
+        return codes.new_empty(codes.shape, dtype=torch.int8 if is_int else torch.uint8), torch.empty_like(scales)
+
 
 def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
                       need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -55,3 +59,12 @@ def quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rul
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """MX codes (int8 MXINT / uint8 MXFP bit patterns, x's shape) and E8M0 scale bytes."""
     return torch.ops.mfqat.quantize_mx(x, block_size, *_format_args(fmt, scale_rule), fmt.bias, fmt.ebits)
+
+
+def slice_cpp(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat, block_size: int
+              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Slice-and-Scale of unpacked codes + E8M0 scales from ``src`` to ``dst`` (same family)."""
+    return torch.ops.mfqat.slice_mx(codes, scales, block_size, dst.family == "mxint", src.bits - dst.bits,
+                                    src.emax, src.emin, src.mbits, src.ebits, src.bias,
+                                    dst.emax, dst.emin, dst.mbits, dst.ebits, dst.bias,
+                                    dst.code_min, dst.code_max, float(dst.max_normal))
