@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..anchor import Anchor, default_targets
-from ..formats import get_format
+from ..formats import get_format, known_formats
 from ..quant.api import quantize
 from .perplexity import perplexity
 
@@ -33,7 +33,8 @@ def evaluate_formats(model: nn.Module, states: Dict[str, Dict[str, torch.Tensor]
     rows = []
     for fmt, state in states.items():
         model.load_state_dict(state, strict=False)
-        bpw = get_format(fmt).bits_per_weight(block_size) if fmt != "fp" else 16.0
+        bpw = (16.0 if fmt == "fp" else get_format(fmt).bits_per_weight(block_size) if fmt in known_formats()
+               else float("nan"))
         rows.append({"format": fmt, "bits/weight": bpw, "perplexity": perplexity(model, blocks, batch_size, desc=f"ppl {fmt}")})
     model.load_state_dict(original, strict=False)
     return rows
