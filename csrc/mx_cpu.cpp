@@ -121,7 +121,8 @@ inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, flo
 // Element rounding (reference: mx_round_elements); returns the element-grid value.
 inline float round_int_element(float y, const MXParams& p) {
   float r = round_half_even(y * p.step);
-  r = r < p.code_min ? p.code_min : (r > p.code_max ? p.code_max : r);
+  r = r < p.code_min ? p.code_min : r;  // two plain selects (a nested one blocks vectorisation)
+  r = r > p.code_max ? p.code_max : r;
   return r * p.inv_step;
 }
 
