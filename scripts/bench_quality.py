@@ -6,7 +6,8 @@ same steps, lr, batch, seed and held-out blocks), in one run:
 * the fair baseline: the same fine-tune in full precision (`--no-qat`), then PTQ;
 * single-format QAT, one run per format (`--schedule fixed`), evaluated in its own format;
 * MF-QAT (progressive mxint2->4->6->8), one MXINT8 anchor, every MXINT format by Slice-and-Scale;
-* the same without the 2-bit phase (configs/mxint_468.yaml);
+* the same without the 2-bit phase (configs/mxint_468.yaml), and with self-distillation from the
+  full-precision master (`--distill 0.5`);
 * MF-QAT over the MXFP family (configs/mxfp_468.yaml), MXFP8 anchor, MXFP formats by Slice-and-Scale.
 
     python scripts/bench_quality.py [--steps 60] [--out out/quality] [--single mxint4,mxfp4_e2m1]
@@ -65,6 +66,8 @@ def main() -> None:
         single[f] = next(r["perplexity"] for r in s["eval"] if r["format"] == f)
     mf_int = run(out, "mfqat-mxint", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml")])
     mf_468 = run(out, "mfqat-mxint-468", common + ["--qat-config", str(ROOT / "configs/mxint_468.yaml")])
+    mf_kd = run(out, "mfqat-mxint-distill", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml"),
+                                                      "--distill", "0.5"])
     mf_fp = run(out, "mfqat-mxfp", common + ["--qat-config", str(ROOT / "configs/mxfp_468.yaml"),
                                              "--anchor-format", "mxfp8_e4m3"])
 
@@ -78,7 +81,7 @@ def main() -> None:
         ev = {"ptq": evaluate_formats(model, {f: ptq_state(model, f) for f in MXINT + MXFP}, held)}
         cache.write_text(json.dumps(ev, indent=2))
     for key, summary, fmts in (("mfqat-mxint", mf_int, MXINT), ("mfqat-mxfp", mf_fp, MXFP),
-                               ("mfqat-mxint-468", mf_468, MXINT)):
+                               ("mfqat-mxint-468", mf_468, MXINT), ("mfqat-mxint-distill", mf_kd, MXINT)):
         if key not in ev:
             anchor = read_anchor(summary["anchor"])
             ev[key] = evaluate_formats(model, {f: anchor_state(anchor, f) for f in fmts}, held)
@@ -88,6 +91,7 @@ def main() -> None:
     ptq, fair_ptq = by(ev["ptq"]), by(fair["eval"])
     mf = {**by(ev["mfqat-mxint"]), **by(ev["mfqat-mxfp"])}
     mf468 = by(ev["mfqat-mxint-468"])
+    mfkd = by(ev["mfqat-mxint-distill"])
     rows = []
     for f in MXINT + MXFP:
         s = single.get(f)
@@ -95,6 +99,7 @@ def main() -> None:
                      "PTQ (original)": ptq[f], "fp fine-tune + PTQ": fair_ptq[f],
                      "single-format QAT": s if s is not None else float("nan"), "MF-QAT (S&S)": mf[f],
                      "MF-QAT {4,6,8}": mf468.get(f, float("nan")),
+                     "MF-QAT + distill": mfkd.get(f, float("nan")),
                      "MF-QAT vs fair PTQ": f"{100 * (mf[f] / fair_ptq[f] - 1):+.1f}%",
                      "MF-QAT vs single": f"{100 * (mf[f] / s - 1):+.1f}%" if s else "-"})
     cols = list(rows[0])

@@ -88,3 +88,21 @@ def test_hf_trainer_callback(tmp_path):
     anchor = tmp_path / "checkpoint-4" / "mfqat_anchor"
     assert json.loads((anchor / "mfqat.json").read_text())["step"] == 4
     mfqat.load_anchor(anchor, "mxint4")
+
+
+def test_distillation_loss_and_training(tmp_path):
+    from mfqat.data import tiny_llama
+    from mfqat.integrations.train_loop import distillation_loss
+
+    model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
+    ctl = model.mfqat_controller
+    batch = torch.randint(0, 256, (2, 16))
+    ce = model(input_ids=batch, labels=batch).loss
+    assert torch.allclose(distillation_loss(model, model, ctl, batch, 0, 1, 0.0), ce)
+    kl_only = distillation_loss(model, model, ctl, batch, 0, 1, 1.0)
+    assert kl_only.item() > 0  # mxint4 student differs from the fp teacher
+    from mfqat.qat.prepare import qat_modules
+    assert all(m.fmt == "mxint4" for _, m in qat_modules(model))  # formats restored
+    s = train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(tmp_path / "d"),
+                    "--distill", "0.5", "--lr", "1e-3"])
+    assert s["losses"][-1] < s["losses"][0]

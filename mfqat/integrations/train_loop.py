@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None, help="override the config's schedule")
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning (the fair baseline)")
+    p.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
+                   help="self-distillation: loss = (1-ALPHA)*CE + ALPHA*KL(fp master model || quantized model); "
+                        "one extra no-grad forward per step")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -67,6 +70,22 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.o
         except Exception as e:  # pragma: no cover - depends on the bnb build
             print(f"[mfqat] {name} unavailable ({e}); using torch AdamW")
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: int, alpha: float) -> torch.Tensor:
+    """(1 - alpha) * next-token CE + alpha * per-token KL from the full-precision master model (the
+    same weights, no fake-quant) to the model in this step's formats."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        set_format(base, None)
+        teacher = model(input_ids=batch).logits.float()
+        ctl.set_step(base, step, total)  # back to this step's per-layer formats
+    out = model(input_ids=batch, labels=batch)
+    vocab = teacher.shape[-1]
+    kl = F.kl_div(F.log_softmax(out.logits.float().reshape(-1, vocab), -1),
+                  F.log_softmax(teacher.reshape(-1, vocab), -1), log_target=True, reduction="batchmean")
+    return (1 - alpha) * out.loss + alpha * kl
 
 
 def load_qat_config(args) -> QATConfig:
@@ -128,7 +147,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
             if step >= args.steps:
                 break
             fmt = ctl.set_step(base, step, args.steps) if ctl else "fp"
-            loss = model(input_ids=batch, labels=batch).loss
+            if args.distill and ctl:
+                loss = distillation_loss(model, base, ctl, batch, step, args.steps, args.distill)
+            else:
+                loss = model(input_ids=batch, labels=batch).loss
             acc.backward(loss)
             if args.grad_clip:
                 acc.clip_grad_norm_(model.parameters(), args.grad_clip)
