@@ -7,7 +7,7 @@ same steps, lr, batch, seed and held-out blocks), in one run:
 * single-format QAT, one run per format (`--schedule fixed`), evaluated in its own format;
 * MF-QAT (progressive mxint2->4->6->8), one MXINT8 anchor, every MXINT format by Slice-and-Scale;
 * the same without the 2-bit phase (configs/mxint_468.yaml), and with self-distillation from the
-  full-precision master (`--distill 0.5`);
+  full-precision master (`--distill 0.5`), and {4,6,8} cycled per step (`--schedule cyclic`);
 * MF-QAT over the MXFP family (configs/mxfp_468.yaml), MXFP8 anchor, MXFP formats by Slice-and-Scale.
 
     python scripts/bench_quality.py [--steps 60] [--out out/quality] [--single mxint4,mxfp4_e2m1]
@@ -66,6 +66,8 @@ def main() -> None:
         single[f] = next(r["perplexity"] for r in s["eval"] if r["format"] == f)
     mf_int = run(out, "mfqat-mxint", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml")])
     mf_468 = run(out, "mfqat-mxint-468", common + ["--qat-config", str(ROOT / "configs/mxint_468.yaml")])
+    mf_cyc = run(out, "mfqat-mxint-468-cyclic", common + ["--qat-config", str(ROOT / "configs/mxint_468.yaml"),
+                                                          "--schedule", "cyclic"])
     mf_kd = run(out, "mfqat-mxint-distill", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml"),
                                                       "--distill", "0.5"])
     mf_fp = run(out, "mfqat-mxfp", common + ["--qat-config", str(ROOT / "configs/mxfp_468.yaml"),
@@ -81,7 +83,8 @@ def main() -> None:
         ev = {"ptq": evaluate_formats(model, {f: ptq_state(model, f) for f in MXINT + MXFP}, held)}
         cache.write_text(json.dumps(ev, indent=2))
     for key, summary, fmts in (("mfqat-mxint", mf_int, MXINT), ("mfqat-mxfp", mf_fp, MXFP),
-                               ("mfqat-mxint-468", mf_468, MXINT), ("mfqat-mxint-distill", mf_kd, MXINT)):
+                               ("mfqat-mxint-468", mf_468, MXINT), ("mfqat-mxint-distill", mf_kd, MXINT),
+                               ("mfqat-mxint-468-cyclic", mf_cyc, MXINT)):
         if key not in ev:
             anchor = read_anchor(summary["anchor"])
             ev[key] = evaluate_formats(model, {f: anchor_state(anchor, f) for f in fmts}, held)
@@ -92,6 +95,7 @@ def main() -> None:
     mf = {**by(ev["mfqat-mxint"]), **by(ev["mfqat-mxfp"])}
     mf468 = by(ev["mfqat-mxint-468"])
     mfkd = by(ev["mfqat-mxint-distill"])
+    mfcyc = by(ev["mfqat-mxint-468-cyclic"])
     rows = []
     for f in MXINT + MXFP:
         s = single.get(f)
@@ -100,6 +104,7 @@ def main() -> None:
                      "single-format QAT": s if s is not None else float("nan"), "MF-QAT (S&S)": mf[f],
                      "MF-QAT {4,6,8}": mf468.get(f, float("nan")),
                      "MF-QAT + distill": mfkd.get(f, float("nan")),
+                     "MF-QAT {4,6,8} cyclic": mfcyc.get(f, float("nan")),
                      "MF-QAT vs fair PTQ": f"{100 * (mf[f] / fair_ptq[f] - 1):+.1f}%",
                      "MF-QAT vs single": f"{100 * (mf[f] / s - 1):+.1f}%" if s else "-"})
     cols = list(rows[0])
@@ -112,6 +117,7 @@ def main() -> None:
         "single-format QAT": [(bpw(f), v, f) for f, v in single.items() if f in MXINT],
         "MF-QAT 2->4->6->8, anchor + Slice-and-Scale": [(bpw(f), mf[f], f) for f in MXINT],
         "MF-QAT 4->6->8, anchor + Slice-and-Scale": [(bpw(f), mf468[f], f) for f in MXINT],
+        "MF-QAT {4,6,8} cyclic": [(bpw(f), mfcyc[f], f) for f in MXINT],
     }, out / "quality.png", title=f"SmolLM2-135M, MXINT family, {a.steps} steps",
         fp_ppl=by(fair["eval"]).get("fp (master)"))
     (out / "quality.json").write_text(json.dumps({"rows": rows, "steps": a.steps}, indent=2))
