@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run.
 
-    python scripts/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 5]
+    python scripts/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
 
-Prints one row per (format, backend): milliseconds, ratio to clone(), ratio to torchao's
+Prints one row per (format, backend): median milliseconds, ratio to clone(), ratio to torchao's
 to_mx + to_dtype (MXFP formats, where torchao is installed).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 import warnings
 
@@ -23,13 +24,14 @@ FORMATS = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2",
 
 
 def best_ms(fn, repeats: int) -> float:
+    """Median wall time in ms after one warm-up call (the median resists allocator luck and noise)."""
     fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return 1000 * min(times)
+    return 1000 * statistics.median(times)
 
 
 def torchao_fn(x, name):
@@ -54,7 +56,7 @@ def torchao_fn(x, name):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backends", default=None, help="comma list (default: every available backend)")
