@@ -27,8 +27,7 @@ from mfqat.data import load_text, split_text, token_blocks
 from mfqat.eval.perplexity import perplexity as torch_ppl
 from mfqat.eval.report import format_table
 from mfqat.export import to_mlx
-from mfqat.export.mlx_export import reference_state
-from mfqat.export.recipes import Plan
+from mfqat.export.mlx_export import plan_from_report, reference_state
 from mfqat.mlx.models import smollm2_mlx_dir
 from mfqat.mlx.train import perplexity as mlx_ppl
 
@@ -69,17 +68,6 @@ def mlx_perplexity(path: str, blocks: torch.Tensor) -> float:
 
     model, _ = load(path)
     return mlx_ppl(model, mx.array(blocks.numpy()))
-
-
-def plan_from_report(report: dict) -> Plan:
-    """The per-tensor plan an export used (from its mfqat_export.json), without re-measuring."""
-    plan = Plan()
-    for name, t in report["tensors"].items():
-        if "origin" in t:
-            plan.formats[name], plan.origin[name] = t["source"], t["origin"]
-        else:  # kept in 16 bits
-            plan.kept16.add(name)
-    return plan
 
 
 def main() -> None:

@@ -103,6 +103,17 @@ def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
     return sd
 
 
+def plan_from_report(report: dict) -> Plan:
+    """The per-tensor plan an export used, from its report / mfqat_export.json (no re-measuring)."""
+    plan = Plan()
+    for name, t in report["tensors"].items():
+        if "origin" in t:
+            plan.formats[name], plan.origin[name] = t["source"], t["origin"]
+        else:  # kept in 16 bits
+            plan.kept16.add(name)
+    return plan
+
+
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
            scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
