@@ -127,14 +127,19 @@ def _affine(blocks: mx.array, fmt: ElementFormat) -> Tuple[mx.array, mx.array, m
     return q.astype(mx.uint8), scale, wmin
 
 
+def _blocked(x: mx.array, fmt: FormatLike, block_size: Optional[int]) -> Tuple[ElementFormat, int, mx.array]:
+    """(format, checked block size, float32 blocks of x)."""
+    f = get_format(fmt)
+    bs = block_size or f.default_block_size
+    f.check_block_size(bs)
+    return f, bs, to_blocks(x, bs)
+
+
 def quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, scale_rule: str = "floor"
              ) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
     """(codes with x's shape, per-block scales, biases or None) - the same values as
     ``mfqat.quantize(x)``: E8M0 bytes for MX formats, absmax for NF4, scale/min for affine."""
-    f = get_format(fmt)
-    bs = block_size or f.default_block_size
-    f.check_block_size(bs)
-    blocks = to_blocks(x, bs)
+    f, bs, blocks = _blocked(x, fmt, block_size)
     if f.is_mx:
         s, nonfinite = shared_exponent(blocks, f, scale_rule)
         y = mx.where(nonfinite[..., None], 0.0, blocks * exp2i(-s)[..., None])
@@ -168,10 +173,7 @@ def dequantize(codes: mx.array, scales: mx.array, fmt: FormatLike, block_size: O
 def qdq(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, scale_rule: str = "floor"
         ) -> mx.array:
     """Quantize-dequantize (no gradient); x's shape and dtype."""
-    f = get_format(fmt)
-    bs = block_size or f.default_block_size
-    f.check_block_size(bs)
-    blocks = to_blocks(x, bs)
+    f, bs, blocks = _blocked(x, fmt, block_size)
     if f.is_mx:
         s, nonfinite = shared_exponent(blocks, f, scale_rule)
         q, _ = round_elements(blocks * exp2i(-s)[..., None], f)
