@@ -19,7 +19,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -29,11 +29,13 @@ from ..formats import get_format
 from ..io import atomic_directory, write_json
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from .recipes import Plan, build_plan
+from .recipes import AFFINE_BITS, Plan, build_plan, mlx_storage
+
+if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
+    import mlx.core as mx
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}
 
 
 @dataclass
@@ -241,9 +243,7 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
         module = name[: -len(".weight")]
         expect = q.dequantize(torch.float32).numpy()
         if f"{module}.scales" in weights:
-            mode = "mxfp8" if plan.formats[name] != "mxfp4_e2m1" and get_format(plan.formats[name]).family == "mxfp" else None
-            mode = "mxfp4" if plan.formats[name] == "mxfp4_e2m1" else mode or "affine"
-            bits = {"mxfp4": 4, "mxfp8": 8}.get(mode) or AFFINE_BITS[get_format(plan.formats[name]).bits]
+            mode, bits = mlx_storage(plan.formats[name])
             got = mx.dequantize(weights[name], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
                                 group_size=32, bits=bits, mode=mode)
         else:

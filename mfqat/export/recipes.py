@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -23,6 +23,20 @@ FAMILY_BY_BITS = {
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
 }
 RECIPES = ("uniform:FMT", "seed", "auto:BPW")
+AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
+
+
+def mlx_storage(fmt) -> Optional[Tuple[str, int]]:
+    """(MLX quantization mode, bits) that carries ``fmt`` code-for-code (DESIGN §6), or None for
+    mxfp8_e5m2, which is stored as bfloat16."""
+    f = get_format(fmt)
+    if f.family == "mxint":
+        return "affine", AFFINE_BITS[f.bits]
+    if f.name == "mxfp4_e2m1":
+        return "mxfp4", 4
+    if f.name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2"):
+        return "mxfp8", 8
+    return None
 
 
 @dataclass
@@ -47,22 +61,13 @@ class Plan:
 
     def module_entries(self) -> Dict[str, object]:
         """Per-module quantization entries that differ from the top level; False for 16-bit ones."""
-        from .mlx_export import AFFINE_BITS
-
         entries: Dict[str, object] = {}
         for name, fmt in self.formats.items():
-            f = get_format(fmt)
-            if f.family == "mxint":
-                e = {"group_size": 32, "bits": AFFINE_BITS[f.bits], "mode": "affine"}
-            elif f.name == "mxfp4_e2m1":
-                e = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-            elif f.name == "mxfp8_e5m2":
+            storage = mlx_storage(fmt)
+            if storage is None:
                 entries[name[: -len(".weight")]] = False
-                continue
-            else:
-                e = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
-            if (e["bits"], e["mode"]) != (self.base_bits, self.base_mode):
-                entries[name[: -len(".weight")]] = e
+            elif storage != (self.base_mode, self.base_bits):
+                entries[name[: -len(".weight")]] = {"group_size": 32, "bits": storage[1], "mode": storage[0]}
         for name in self.kept16:
             entries[name[: -len(".weight")]] = False
         return entries
@@ -169,11 +174,5 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     for name, fmt in plan.formats.items():
         if plan.origin[name] == "anchor":
             check_sliceable(anchor.format, fmt, name=name)
-    if top.family == "mxint":
-        from .mlx_export import AFFINE_BITS
-        plan.base_bits, plan.base_mode = AFFINE_BITS[top.bits], "affine"
-    elif top.name == "mxfp4_e2m1":
-        plan.base_bits, plan.base_mode = 4, "mxfp4"
-    else:
-        plan.base_bits, plan.base_mode = 8, "mxfp8"
+    plan.base_mode, plan.base_bits = mlx_storage(top) or ("mxfp8", 8)
     return plan
