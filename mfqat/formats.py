@@ -163,3 +163,18 @@ def short_name(fmt: FormatLike) -> str:
         if target == name:
             return alias
     return name
+
+
+def check_sliceable(src: FormatLike, dst: FormatLike, name: str = "tensor") -> None:
+    """Raise ValueError unless ``dst`` is reachable from ``src`` by Slice-and-Scale."""
+    s, d = get_format(src), get_format(dst)
+    if not (s.is_mx and d.is_mx) or s.family != d.family:
+        raise ValueError(
+            f"{name}: cannot slice {s.name} to {d.name}: Slice-and-Scale stays inside one MX "
+            f"family (mxint -> mxint, mxfp -> mxfp); save an anchor in the {d.family} family instead"
+        )
+    if d.bits > s.bits:
+        raise ValueError(
+            f"{name}: cannot slice {s.name} up to {d.name}: an anchor gives formats at or below "
+            f"its own {s.bits} bits"
+        )

@@ -15,25 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FormatLike, get_format
+from .formats import FormatLike, check_sliceable, get_format  # noqa: F401 (check_sliceable re-exported)
 from .quant.mxtensor import MXTensor
 from .quant.reference import (E8M0_BIAS, E8M0_NAN, exp2i, floor_log2, mx_codes_to_values,
                               mx_round_elements, mx_values_to_codes)
-
-
-def check_sliceable(src: FormatLike, dst: FormatLike, name: str = "tensor") -> None:
-    """Raise ValueError unless ``dst`` is reachable from ``src`` by Slice-and-Scale."""
-    s, d = get_format(src), get_format(dst)
-    if not (s.is_mx and d.is_mx) or s.family != d.family:
-        raise ValueError(
-            f"{name}: cannot slice {s.name} to {d.name}: Slice-and-Scale stays inside one MX "
-            f"family (mxint -> mxint, mxfp -> mxfp); save an anchor in the {d.family} family instead"
-        )
-    if d.bits > s.bits:
-        raise ValueError(
-            f"{name}: cannot slice {s.name} up to {d.name}: an anchor gives formats at or below "
-            f"its own {s.bits} bits"
-        )
 
 
 def slice_and_scale(q: MXTensor, fmt: FormatLike) -> MXTensor:

@@ -1,15 +1,17 @@
 """MFQATCallback: drive MF-QAT from a transformers Trainer."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import List, Optional
 
 import torch
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from ..anchor import save_anchor
 from ..formats import canonical_name, get_format
+from ..qat.joint import normalized_weights, token_kl
 from ..qat.prepare import MFQATController, set_format
 
 
@@ -34,12 +36,13 @@ class MFQATCallback(TrainerCallback):
 
     Args:
         eval_formats: formats evaluated at each evaluation (``eval_{fmt}_loss`` / ``_ppl`` metrics).
-        anchor_format: format of the anchor saved into each checkpoint (None: no anchors).
+        anchor_format: format of the anchor saved into each checkpoint (None: no anchors;
+            "auto": the QAT config's ``anchor_format``, mxint8 if it has none).
         tokenizer: saved into the anchor directories.
         max_eval_batches: cap on batches per format (None: the whole eval set).
     """
 
-    def __init__(self, eval_formats: Optional[List[str]] = None, anchor_format: Optional[str] = "mxint8",
+    def __init__(self, eval_formats: Optional[List[str]] = None, anchor_format: Optional[str] = "auto",
                  tokenizer=None, max_eval_batches: Optional[int] = None):
         self.eval_formats = [canonical_name(f) for f in (eval_formats or [])]
         self.anchor_format = anchor_format
@@ -90,5 +93,49 @@ class MFQATCallback(TrainerCallback):
         base = model
         while hasattr(base, "module"):
             base = base.module
-        save_anchor(base, ckpt, self.anchor_format, tokenizer=self.tokenizer, step=state.global_step,
+        fmt = (ctl.config.anchor_format or "mxint8") if self.anchor_format == "auto" else self.anchor_format
+        save_anchor(base, ckpt, fmt, tokenizer=self.tokenizer, step=state.global_step,
                     schedule=ctl.config.to_dict())
+
+
+class MFQATTrainer(Trainer):
+    """A ``transformers.Trainer`` that runs the joint MF-QAT step (``schedule: joint``).
+
+    Each training step backpropagates ``w_f * L_f`` once per format of the step (highest first,
+    gradients accumulate, DDP all-reduces once), with in-step distillation from the highest
+    format's logits when ``distill_weight`` > 0. Single-format schedules run the plain step. An
+    :class:`MFQATCallback` (which drives the schedule and saves anchors) is added when absent.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not any(isinstance(c, MFQATCallback) for c in self.callback_handler.callbacks):
+            self.add_callback(MFQATCallback())
+        self._mfqat = {"weight": 1.0, "distill": 0.0, "teacher": None, "keep": False}
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        ctl = find_controller(model)
+        formats = ctl.step_formats(self.state.global_step, max(self.state.max_steps, 1))
+        if len(formats) == 1:
+            return super().training_step(model, inputs, num_items_in_batch)
+        base = self.accelerator.unwrap_model(model)
+        weights = normalized_weights(formats, ctl.config.weight_of)
+        alpha, total = ctl.config.distill_weight, 0.0
+        for i, fmt in enumerate(formats):
+            set_format(base, fmt)
+            self._mfqat.update(weight=weights[fmt], distill=alpha if i else 0.0, keep=alpha > 0 and i == 0)
+            last = i == len(formats) - 1
+            with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+                total = total + super().training_step(model, inputs, num_items_in_batch)
+        self._mfqat.update(weight=1.0, distill=0.0, teacher=None, keep=False)
+        return total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        st = self._mfqat
+        if st["distill"] and st["teacher"] is not None:
+            loss = (1 - st["distill"]) * loss + st["distill"] * token_kl(outputs.logits, st["teacher"])
+        if st["keep"]:
+            st["teacher"] = outputs.logits.detach()
+        loss = loss * st["weight"]
+        return (loss, outputs) if return_outputs else loss

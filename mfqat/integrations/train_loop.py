@@ -9,10 +9,13 @@ Ends by saving an MXINT8 (or --anchor-format) anchor and printing a perplexity t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import resource
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -25,6 +28,7 @@ from ..eval.perplexity import perplexity
 from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
 from ..qat.config import QATConfig
+from ..qat.joint import joint_backward, weighted_loss
 from ..qat.prepare import prepare, set_format
 
 
@@ -40,17 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
                    help="self-distillation: loss = (1-ALPHA)*CE + ALPHA*KL(fp master model || quantized model); "
                         "one extra no-grad forward per step")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--joint-sample", type=int, default=None, metavar="K",
+                   help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
+                   help="after --warmup-steps of linear warm-up: constant, or cosine decay to 0")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--lr-mult", default="", metavar="FAMILY=X,...",
+                   help="per-family learning-rate multipliers, e.g. mxint=1.5,mxfp=1.0 (the family of each "
+                        "step's highest format)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamw8bit", "paged_adamw8bit"])
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/mfqat")
-    p.add_argument("--anchor-format", default="mxint8")
+    p.add_argument("--anchor-format", default=None,
+                   help="format of the saved anchor (default: the QAT config's anchor_format, else mxint8)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint (accelerate state + anchor) every N steps")
     p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     p.add_argument("--eval-formats", default="", help="comma list evaluated on held-out text at the end")
@@ -89,13 +104,81 @@ def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: i
 
 
 def load_qat_config(args) -> QATConfig:
-    cfg = QATConfig.from_yaml(args.qat_config) if args.qat_config else QATConfig()
+    """The QATConfig of --qat-config with the command line's overrides applied."""
+    data = QATConfig.read_yaml(args.qat_config) if args.qat_config else {}
     if args.formats:
-        cfg.formats = [canonical_name(f) for f in args.formats.split(",")]
+        data["formats"] = [canonical_name(f) for f in args.formats.split(",")]
     if args.schedule:
-        cfg.schedule = args.schedule
-    cfg.__post_init__()
-    return cfg
+        data["schedule"] = args.schedule
+    if args.joint_sample is not None:
+        data["joint_sample"] = args.joint_sample
+    return QATConfig(**data)
+
+
+def make_lr_lambda(args, ctl) -> Callable[[int], float]:
+    """LR factor per optimizer step: linear warm-up, then constant or cosine decay to 0, times the
+    --lr-mult multiplier of the step's (highest) format family."""
+    mults = {k: float(v) for k, v in (x.split("=") for x in args.lr_mult.split(",") if x)}
+
+    def factor(step: int) -> float:
+        f = (step + 1) / args.warmup_steps if step < args.warmup_steps else 1.0
+        if args.lr_schedule == "cosine" and step >= args.warmup_steps:
+            span = max(args.steps - args.warmup_steps, 1)
+            f = 0.5 * (1 + math.cos(math.pi * min(step - args.warmup_steps, span) / span))
+        if mults and ctl is not None:
+            f *= mults.get(get_format(ctl.step_formats(step, args.steps)[0]).family, 1.0)
+        return f
+    return factor
+
+
+def load_data(args, tok, num_processes: int):
+    """(train blocks, held-out blocks) of --seq-len tokens; the tiny model reads bytes as tokens."""
+    text_train, text_eval = split_text(load_text(args.text))
+    need_blocks = args.steps * args.batch_size * args.grad_accum * num_processes
+    if tok is not None:
+        return (token_blocks(tok, text_train, args.seq_len, max_blocks=need_blocks),
+                token_blocks(tok, text_eval, args.seq_len, max_blocks=args.eval_blocks))
+
+    def enc(text: str, n: int) -> torch.Tensor:
+        ids = torch.tensor(list(text.encode()[:n]), dtype=torch.long) % 320
+        return ids[: ids.numel() // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
+    return enc(text_train, args.seq_len * need_blocks * 2), enc(text_eval, args.seq_len * args.eval_blocks)
+
+
+def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int, sync: bool) -> Dict[str, float]:
+    """Forward + backward of one micro-batch in every format of ``step``; {format: loss}."""
+    scale = 1.0 / args.grad_accum
+    if ctl is None or (args.distill and ctl):
+        fmt = ctl.set_step(base, step, args.steps) if ctl else "fp"
+        with contextlib.nullcontext() if sync else acc.no_sync(model):
+            loss = (distillation_loss(model, base, ctl, batch, step, args.steps, args.distill)
+                    if ctl else model(input_ids=batch, labels=batch).loss)
+            acc.backward(loss * scale)
+        return {fmt: loss.item()}
+    ctl.set_step(base, step, args.steps)  # per-layer formats of non-joint schedules
+    formats = ctl.step_formats(step, args.steps)
+    if len(formats) == 1:
+        with contextlib.nullcontext() if sync else acc.no_sync(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            acc.backward(loss * scale)
+        return {formats[0]: loss.item()}
+    with contextlib.nullcontext() if sync else acc.no_sync(model):
+        return joint_backward(model, base, {"input_ids": batch, "labels": batch}, formats, cfg.weight_of,
+                              acc.backward, cfg.distill_weight, scale, lambda: acc.no_sync(model))
+
+
+def peak_memory_mib() -> float:
+    """Peak memory of this process: CUDA allocations on a GPU, else the peak resident set (RSS)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _forever(loader) -> Iterator:
+    """The loader's batches, epoch after epoch."""
+    while True:
+        for (batch,) in loader:
+            yield batch
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -109,31 +192,27 @@ def main(argv: Optional[List[str]] = None) -> dict:
     acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
     set_seed(args.seed)
     out = Path(args.out)
-    if args.model == "tiny":
-        model, tok = tiny_llama(vocab_size=320), None
-    else:
-        model, tok = load_model(args.model)
-    text_train, text_eval = split_text(load_text(args.text))
-    if tok is None:  # tiny model: bytes as tokens
-        enc = lambda t, n: torch.tensor(list(t.encode()[: n]), dtype=torch.long) % 320  # noqa: E731
-        need = args.seq_len * args.batch_size * args.steps * 2
-        ids = enc(text_train, need)
-        train = ids[: ids.numel() // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
-        ev = enc(text_eval, args.seq_len * args.eval_blocks)
-        held = ev[: ev.numel() // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
-    else:
-        train = token_blocks(tok, text_train, args.seq_len, max_blocks=args.steps * args.batch_size * acc.num_processes)
-        held = token_blocks(tok, text_eval, args.seq_len, max_blocks=args.eval_blocks)
+    model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
+    train, held = load_data(args, tok, acc.num_processes)
     cfg = None if args.no_qat else load_qat_config(args)
     if cfg is not None:
+        if args.distill and cfg.schedule == "joint":
+            raise SystemExit("mfqat train: --distill (from the fp master) and the joint schedule do not combine; "
+                             "set distill_weight in the QAT config (the joint step distills from its anchor branch)")
         prepare(model, cfg)
+    anchor_format = args.anchor_format or (cfg.anchor_format if cfg else None) or "mxint8"
+    if args.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     g = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(TensorDataset(train), batch_size=args.batch_size, shuffle=True, generator=g, drop_last=True)
     opt = make_optimizer(args.optim, [p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay)
+    ctl = model.__dict__.get("mfqat_controller")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, make_lr_lambda(args, ctl))
     model, opt, loader = acc.prepare(model, opt, loader)
+    acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
     base = acc.unwrap_model(model)
-    ctl = base.__dict__.get("mfqat_controller")
     start = 0
     if args.resume:
         acc.load_state(args.resume)
@@ -142,38 +221,37 @@ def main(argv: Optional[List[str]] = None) -> dict:
     fmts: List[str] = []
     bar = tqdm(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
     step, t0 = start, time.perf_counter()
+    batches = _forever(loader)
     while step < args.steps:
-        for (batch,) in loader:
-            if step >= args.steps:
-                break
-            fmt = ctl.set_step(base, step, args.steps) if ctl else "fp"
-            if args.distill and ctl:
-                loss = distillation_loss(model, base, ctl, batch, step, args.steps, args.distill)
-            else:
-                loss = model(input_ids=batch, labels=batch).loss
-            acc.backward(loss)
-            if args.grad_clip:
-                acc.clip_grad_norm_(model.parameters(), args.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            losses.append(loss.item())
-            fmts.append(fmt)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", fmt=fmt)
-            bar.update(1)
-            if args.save_every and step % args.save_every == 0 and step < args.steps:
-                ckpt = out / f"checkpoint-{step}"
-                acc.save_state(str(ckpt))
-                if acc.is_main_process:
-                    (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
-                    if cfg:
-                        save_anchor(base, ckpt / "mfqat_anchor", args.anchor_format, tok, step=step,
-                                    schedule=cfg.to_dict())
+        step_losses: Dict[str, List[float]] = {}
+        for micro in range(args.grad_accum):
+            for f, v in micro_step(args, acc, model, base, ctl, cfg, next(batches), step,
+                                   sync=micro == args.grad_accum - 1).items():
+                step_losses.setdefault(f, []).append(v)
+        if args.grad_clip:
+            acc.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        per_fmt = {f: sum(v) / len(v) for f, v in step_losses.items()}
+        losses.append(weighted_loss(per_fmt, cfg.weight_of) if cfg else per_fmt["fp"])
+        fmts.append("+".join(per_fmt))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", fmt=fmts[-1])
+        bar.update(1)
+        if args.save_every and step % args.save_every == 0 and step < args.steps:
+            ckpt = out / f"checkpoint-{step}"
+            acc.save_state(str(ckpt))
+            if acc.is_main_process:
+                (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
+                if cfg:
+                    save_anchor(base, ckpt / "mfqat_anchor", anchor_format, tok, step=step,
+                                schedule=cfg.to_dict())
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     summary = {"steps": args.steps, "train_seconds": train_s, "final_loss": losses[-1] if losses else None,
-               "losses": losses, "formats": fmts}
+               "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib()}
     if args.dump_weights:
         flat = torch.cat([p.detach().float().flatten() for p in base.parameters()])
         Path(f"{args.dump_weights}.rank{acc.process_index}").write_text(repr(flat.double().sum().item()) + " " +
@@ -181,11 +259,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if cfg:
-            save_anchor(base, out / "anchor", args.anchor_format, tok, step=step, schedule=cfg.to_dict())
+            save_anchor(base, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict())
             summary["anchor"] = str(out / "anchor")
         rows = []
         for f in [x for x in args.eval_formats.split(",") if x]:
-            if cfg:  # the QAT forward in format f: fake-quant of the master weights
+            if cfg:  # the QAT forward in format f (through the anchor: what load_anchor(fmt=f) gives)
                 set_format(base, f)
                 ppl = perplexity(base, held, desc=f"eval {f}")
             else:  # plain fine-tune: post-training quantization of the fine-tuned weights
@@ -200,7 +278,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(rows, ["format", "bits/weight", "perplexity"]))
         print(f"steps={args.steps} time={train_s:.1f}s ({train_s / max(len(losses), 1):.2f} s/step) "
-              f"final loss={summary['final_loss']} out={out}")
+              f"final loss={summary['final_loss']} peak memory={summary['peak_memory_mib']:.0f} MiB out={out}")
     return summary
 
 

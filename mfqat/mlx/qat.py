@@ -6,7 +6,7 @@ Targets, exclusions, per-layer format sets and schedules come from :class:`mfqat
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,18 +26,20 @@ class MFQATLinear(nn.Module):
     """
 
     def __init__(self, weight: mx.array, bias: Optional[mx.array] = None, block_size: int = 32,
-                 scale_rule: str = "floor"):
+                 scale_rule: str = "floor", anchor_format: Optional[str] = None):
         super().__init__()
         self.weight = weight
         if bias is not None:
             self.bias = bias
         self.block_size = block_size
         self.scale_rule = scale_rule
+        self.anchor_format = anchor_format
         self.fmt: Optional[str] = None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, block_size: int = 32, scale_rule: str = "floor") -> "MFQATLinear":
-        return cls(lin.weight, lin.get("bias"), block_size, scale_rule)
+    def from_linear(cls, lin: nn.Linear, block_size: int = 32, scale_rule: str = "floor",
+                    anchor_format: Optional[str] = None) -> "MFQATLinear":
+        return cls(lin.weight, lin.get("bias"), block_size, scale_rule, anchor_format)
 
     def to_linear(self) -> nn.Linear:
         out_dims, in_dims = self.weight.shape
@@ -48,10 +50,14 @@ class MFQATLinear(nn.Module):
         return lin
 
     def quantized_weight(self) -> mx.array:
-        """The weight as the forward pass sees it."""
+        """The weight as the forward pass sees it (through the anchor when ``anchor_format`` is
+        set: ``qdq_f(qdq_anchor(W))``, as the PyTorch module)."""
         if self.fmt is None:
             return self.weight
-        return fake_quantize(self.weight, self.fmt, self.block_size, self.scale_rule)
+        if self.anchor_format is None:
+            return fake_quantize(self.weight, self.fmt, self.block_size, self.scale_rule)
+        w = fake_quantize(self.weight, self.anchor_format, self.block_size, self.scale_rule)
+        return w if self.fmt == self.anchor_format else fake_quantize(w, self.fmt, self.block_size, "floor")
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self.quantized_weight()
@@ -78,6 +84,10 @@ class MLXController:
             if sched is not None:
                 m.fmt = sched.format_at(step, total_steps)
         return self.current_format()
+
+    def step_formats(self, step: int, total_steps: int) -> List[str]:
+        """The formats one optimizer step trains (``QATConfig.step_formats``)."""
+        return self.config.step_formats(step, total_steps)
 
     def current_format(self) -> str:
         return self.config.make_schedule().format_at(self.step, self.total_steps)
@@ -109,7 +119,8 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
         if width % config.block_size:
             skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
             continue
-        swaps.append((name, MFQATLinear.from_linear(m, config.block_size, config.scale_rule)))
+        anchor = config.anchor_format if config.through_anchor else None
+        swaps.append((name, MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor)))
         schedules[name] = config.schedule_for(name)
     if skipped:
         warnings.warn("mfqat.mlx.prepare skipped layers (kept full precision): " + ", ".join(skipped))

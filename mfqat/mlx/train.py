@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 from tqdm.auto import tqdm
 
 from ..data import load_text, split_text, token_blocks
@@ -53,9 +53,40 @@ def make_optimizer(lr: float, weight_decay: float = 0.0) -> optim.Optimizer:
     return optim.AdamW(learning_rate=lr, weight_decay=weight_decay, bias_correction=True)
 
 
+def distill_loss_fn(model: nn.Module, batch: mx.array, teacher: mx.array, alpha: float) -> mx.array:
+    """(1 - alpha) * CE + alpha * mean-token KL(teacher || model), as mfqat.qat.joint."""
+    logits = model(batch[:, :-1]).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
+    log_t, log_s = nn.log_softmax(teacher, axis=-1), nn.log_softmax(logits, axis=-1)
+    kl = (mx.exp(log_t) * (log_t - log_s)).sum(axis=-1).mean()
+    return (1 - alpha) * ce + alpha * kl
+
+
+def joint_grads(model: nn.Module, batch: mx.array, formats: List[str], cfg: QATConfig):
+    """The joint MF-QAT step on MLX: sum_f w_f * grad L_f / sum w, one format at a time; returns
+    (weighted loss, grads). The teacher for distillation is the highest format's logits."""
+    total_w = sum(cfg.weight_of(f) for f in formats)
+    loss_sum, grads_sum, teacher = 0.0, None, None
+    for i, fmt in enumerate(formats):
+        set_format(model, fmt)
+        w = cfg.weight_of(fmt) / total_w
+        if i and cfg.distill_weight and teacher is not None:
+            fn = nn.value_and_grad(model, lambda m, b: distill_loss_fn(m, b, teacher, cfg.distill_weight))
+        else:
+            fn = nn.value_and_grad(model, loss_fn)
+        loss, grads = fn(model, batch)
+        if i == 0 and cfg.distill_weight:
+            teacher = mx.stop_gradient(model(batch[:, :-1]).astype(mx.float32))
+        grads = tree_map(lambda g: g * w, grads)
+        grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
+        mx.eval(grads_sum)
+        loss_sum += w * loss.item()
+    return loss_sum, grads_sum
+
+
 def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: float,
                 grad_clip: float = 1.0, desc: str = "mlx fine-tune") -> List[float]:
-    """Run ``steps`` optimizer steps; the MF-QAT controller (if any) picks each step's format."""
+    """Run ``steps`` optimizer steps; the MF-QAT controller (if any) picks each step's format(s)."""
     opt = make_optimizer(lr)
     value_and_grad = nn.value_and_grad(model, loss_fn)
     ctl = model.__dict__.get("mfqat_controller")
@@ -63,12 +94,18 @@ def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: f
     bar = tqdm(zip(range(steps), batches), total=steps, desc=desc)
     for step, batch in bar:
         fmt = ctl.set_step(model, step, steps) if ctl else "fp"
-        loss, grads = value_and_grad(model, batch)
+        formats = ctl.step_formats(step, steps) if ctl else [fmt]
+        if len(formats) > 1:
+            loss_value, grads = joint_grads(model, batch, formats, ctl.config)
+            fmt = "+".join(formats)
+        else:
+            loss, grads = value_and_grad(model, batch)
+            loss_value = None
         if grad_clip:
             grads, _ = optim.clip_grad_norm(grads, grad_clip)
         opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, loss)
-        losses.append(loss.item())
+        mx.eval(model.parameters(), opt.state)
+        losses.append(loss.item() if loss_value is None else loss_value)
         bar.set_postfix(fmt=fmt, loss=f"{losses[-1]:.3f}")
     return losses
 
@@ -118,7 +155,7 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
     p.add_argument("--eval-formats", default="mxint8,mxint4", help="comma list evaluated at the end")
     p.add_argument("--eval-blocks", type=int, default=16)
-    p.add_argument("--anchor-format", default="mxint8")
+    p.add_argument("--anchor-format", default=None, help="default: the QAT config's anchor_format")
     p.add_argument("--out", default="runs/mlx")
     return p
 
@@ -138,12 +175,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if a.lora_rank:
         apply_lora(model, a.lora_rank)
     elif not a.no_qat:
-        cfg = QATConfig.from_yaml(a.qat_config) if a.qat_config else QATConfig()
+        data = QATConfig.read_yaml(a.qat_config) if a.qat_config else {}
         if a.formats:
-            cfg.formats = [canonical_name(f) for f in a.formats.split(",")]
+            data["formats"] = [canonical_name(f) for f in a.formats.split(",")]
         if a.schedule:
-            cfg.schedule = a.schedule
-        cfg.__post_init__()
+            data["schedule"] = a.schedule
+        cfg = QATConfig(**data)
         prepare(model, cfg)
     t = time.perf_counter()
     losses = train_steps(model, batches_from(train, a.batch_size, a.seed), a.steps, a.lr)
@@ -165,7 +202,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     elif cfg is not None:
         from .anchor import save_anchor
 
-        save_anchor(model, out / "anchor", a.anchor_format, source_dir=src, step=a.steps, schedule=cfg.to_dict())
+        save_anchor(model, out / "anchor", a.anchor_format or cfg.anchor_format or "mxint8", source_dir=src, step=a.steps, schedule=cfg.to_dict())
         summary["anchor"] = str(out / "anchor")
     summary["eval"] = rows
     if losses:

@@ -9,8 +9,8 @@ from typing import Dict, List, Optional, Union
 
 import yaml
 
-from ..formats import canonical_name
-from .schedules import SCHEDULES, Schedule, make_schedule
+from ..formats import canonical_name, check_sliceable, get_format
+from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
 DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
 
@@ -31,7 +31,10 @@ class QATConfig:
 
     Attributes:
         formats: the formats the schedule visits (e.g. mxint2, mxint4, mxint6, mxint8).
-        schedule: progressive | cyclic | random | fixed.
+        schedule: joint | progressive | cyclic | random | fixed. ``joint`` trains several formats
+            in every optimizer step: loss = sum_f w_f * L_f / sum_f w_f over the step's formats
+            (all, or the sandwich of ``joint_sample``), one backward per format so peak memory
+            stays that of one pass.
         block_size: MX block size along in_features.
         targets: regex (or list of regexes) on module names; default: every Linear in the
             decoder blocks. Add ``lm_head`` to quantize the output projection too.
@@ -43,6 +46,19 @@ class QATConfig:
         repeats: ramps of the progressive schedule.
         layer_formats: {regex: [formats]} per-layer format sets (same schedule kind).
         mask_saturated: zero the STE gradient of saturated elements.
+        loss_weights: {format: w_f} for the joint objective (missing formats weigh 1.0).
+        joint_sample: None = every format each step; k = the highest + the lowest + k others
+            drawn per step (seeded, identical on every rank).
+        distill_weight: alpha in L_f = (1 - alpha) * CE_f + alpha * KL(p_anchor || p_f) for every
+            joint format below the highest; the teacher is the same step's highest-format branch
+            (its logits, detached: no extra forward).
+        anchor_format: the anchor that deployment slices from; default mxint8 for an MXINT format
+            set, mxfp8_e4m3 for MXFP.
+        through_anchor: the forward of format f uses exactly what Slice-and-Scale of the anchor
+            gives, W_f = dequantize(slice_and_scale(quantize(W, anchor_format), f)) (equal, by the
+            Slice-and-Scale contract, to qdq_f(qdq_anchor(W))), straight-through gradient.
+            Default: on for MF-QAT, off for ``fixed`` (the dedicated single-format baseline).
+        anchor_warmup_steps: the first N optimizer steps train the anchor format only.
     """
 
     formats: List[str] = field(default_factory=lambda: ["mxint2", "mxint4", "mxint6", "mxint8"])
@@ -58,15 +74,62 @@ class QATConfig:
     repeats: int = 1
     layer_formats: Dict[str, List[str]] = field(default_factory=dict)
     mask_saturated: bool = False
+    loss_weights: Dict[str, float] = field(default_factory=dict)
+    joint_sample: Optional[int] = None
+    distill_weight: float = 0.0
+    anchor_format: Optional[str] = None
+    through_anchor: Optional[bool] = None
+    anchor_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         self.formats = [canonical_name(f) for f in self.formats]
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule '{self.schedule}'; choose one of {SCHEDULES}")
+        self._init_joint_fields()
         if self.quantize_activations and not self.activation_format:
             self.activation_format = "mxfp8_e4m3"
         self.layer_formats = {k: [canonical_name(f) for f in v] for k, v in self.layer_formats.items()}
         self.make_schedule()  # validates the formats early
+
+    def _init_joint_fields(self) -> None:
+        """Resolve and check the joint / through-anchor fields (defaults depend on the formats)."""
+        self.loss_weights = {canonical_name(k): float(v) for k, v in self.loss_weights.items()}
+        for k, v in self.loss_weights.items():
+            if k not in self.formats or not v >= 0:
+                raise ValueError(f"QATConfig.loss_weights: '{k}': {v} must be a weight >= 0 of one of {self.formats}")
+        if not 0.0 <= float(self.distill_weight) <= 1.0:
+            raise ValueError(f"QATConfig.distill_weight must be in [0, 1], got {self.distill_weight}")
+        if int(self.anchor_warmup_steps) < 0:
+            raise ValueError(f"QATConfig.anchor_warmup_steps must be >= 0, got {self.anchor_warmup_steps}")
+        if self.schedule == "joint" and self.layer_formats:
+            raise ValueError("QATConfig: schedule 'joint' takes one global format set; layer_formats is not supported with it")
+        families = {get_format(f).family for f in self.formats}
+        if self.anchor_format is None and len(families) == 1:
+            self.anchor_format = "mxint8" if families == {"mxint"} else "mxfp8_e4m3"
+        if self.anchor_format is not None:
+            self.anchor_format = canonical_name(self.anchor_format)
+        if self.through_anchor is None:
+            self.through_anchor = self.schedule != "fixed" and self.anchor_format is not None
+        if self.through_anchor:
+            if self.anchor_format is None:
+                raise ValueError(f"QATConfig.through_anchor needs one format family, got {self.formats}; "
+                                 f"set through_anchor: false or anchor_format")
+            for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
+                check_sliceable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
+
+    def weight_of(self, fmt: str) -> float:
+        """The joint-loss weight of ``fmt`` (1.0 unless ``loss_weights`` says otherwise)."""
+        return self.loss_weights.get(fmt, 1.0)
+
+    def step_formats(self, step: int, total_steps: int) -> List[str]:
+        """The formats one optimizer step trains, highest first: the anchor format alone during
+        ``anchor_warmup_steps``, the joint schedule's set, else the one scheduled format."""
+        if step < self.anchor_warmup_steps and self.anchor_format is not None:
+            return [self.anchor_format]
+        sched = self.make_schedule()
+        if isinstance(sched, JointSchedule):
+            return sched.formats_at(step)
+        return [sched.format_at(step, total_steps)]
 
     def excludes(self, name: str) -> bool:
         """True when the module ``name`` matches ``exclude``."""
@@ -83,18 +146,23 @@ class QATConfig:
 
     def make_schedule(self, formats: Optional[List[str]] = None) -> Schedule:
         """The schedule object for the global (or a per-layer) format list."""
-        return make_schedule(self.schedule, formats or self.formats, self.seed, self.repeats)
+        return make_schedule(self.schedule, formats or self.formats, self.seed, self.repeats, self.joint_sample)
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path]) -> "QATConfig":
-        """Load a config file (keys as the attributes; unknown keys are an error)."""
+    def read_yaml(cls, path: Union[str, Path]) -> dict:
+        """The QATConfig fields of a YAML file as a dict (unknown keys are an error)."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         data = data.get("qat", data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"{path}: unknown QATConfig keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+        return data
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path], **overrides) -> "QATConfig":
+        """Load a config file, then apply ``overrides`` (fields left to defaults are derived after)."""
+        return cls(**{**cls.read_yaml(path), **overrides})
 
     def to_dict(self) -> dict:
         """Plain dict (for mfqat.json and logs)."""

@@ -22,19 +22,32 @@ class MFQATMixin:
     block_size: int
     scale_rule: str
     mask_saturated: bool
+    anchor_format: Optional[str]
 
-    def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool) -> None:
+    def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
+                  anchor_format: Optional[str] = None) -> None:
         self.fmt = None
         self.block_size = block_size
         self.scale_rule = scale_rule
         self.mask_saturated = mask_saturated
+        self.anchor_format = anchor_format
 
     def quantized_weight(self) -> torch.Tensor:
-        """The weight as the forward pass sees it (fake-quantized in the active format)."""
+        """The weight as the forward pass sees it (fake-quantized in the active format).
+
+        With an ``anchor_format`` (train-through-anchor) format f sees exactly what deployment
+        gets by Slice-and-Scale of the anchor: ``qdq_f(qdq_anchor(W))`` (the second rounding uses
+        the floor rule, as Slice-and-Scale does); the gradient passes straight through both.
+        """
         w = self.weight  # type: ignore[attr-defined]
         if self.fmt is None:
             return w
-        return fake_quantize(w, self.fmt, self.block_size, self.scale_rule, self.mask_saturated)
+        if self.anchor_format is None:
+            return fake_quantize(w, self.fmt, self.block_size, self.scale_rule, self.mask_saturated)
+        w = fake_quantize(w, self.anchor_format, self.block_size, self.scale_rule, self.mask_saturated)
+        if self.fmt == self.anchor_format:
+            return w
+        return fake_quantize(w, self.fmt, self.block_size, "floor", self.mask_saturated)
 
 
 class MFQATLinear(nn.Linear, MFQATMixin):
@@ -42,21 +55,23 @@ class MFQATLinear(nn.Linear, MFQATMixin):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
                  scale_rule: str = "floor", mask_saturated: bool = False,
-                 activation_format: Optional[str] = None, device=None, dtype=None):
+                 activation_format: Optional[str] = None, anchor_format: Optional[str] = None,
+                 device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._init_qat(block_size, scale_rule, mask_saturated)
+        self._init_qat(block_size, scale_rule, mask_saturated, anchor_format)
         self.activation_format = activation_format
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, block_size: int = 32, scale_rule: str = "floor",
-                    mask_saturated: bool = False, activation_format: Optional[str] = None) -> "MFQATLinear":
+                    mask_saturated: bool = False, activation_format: Optional[str] = None,
+                    anchor_format: Optional[str] = None) -> "MFQATLinear":
         """Wrap an existing Linear, sharing its parameters (no copy)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
         new.weight = lin.weight
         new.bias = lin.bias
-        new._init_qat(block_size, scale_rule, mask_saturated)
+        new._init_qat(block_size, scale_rule, mask_saturated, anchor_format)
         new.activation_format = activation_format
         return new
 
@@ -85,7 +100,7 @@ class MFQATEmbedding(nn.Embedding, MFQATMixin):
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, block_size: int = 32, scale_rule: str = "floor",
-                       mask_saturated: bool = False) -> "MFQATEmbedding":
+                       mask_saturated: bool = False, anchor_format: Optional[str] = None) -> "MFQATEmbedding":
         """Wrap an existing Embedding, sharing its weight."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
@@ -93,7 +108,7 @@ class MFQATEmbedding(nn.Embedding, MFQATMixin):
                   "scale_grad_by_freq", "sparse"):
             setattr(new, k, getattr(emb, k))
         new.weight = emb.weight
-        new._init_qat(block_size, scale_rule, mask_saturated)
+        new._init_qat(block_size, scale_rule, mask_saturated, anchor_format)
         return new
 
     def to_embedding(self) -> nn.Embedding:

@@ -44,6 +44,10 @@ class MFQATController:
                 m.fmt = sched.format_at(step, total_steps)
         return self.current_format()
 
+    def step_formats(self, step: int, total_steps: int) -> List[str]:
+        """The formats one optimizer step trains (``QATConfig.step_formats``)."""
+        return self.config.step_formats(step, total_steps)
+
     def current_format(self) -> str:
         """The global schedule's format at the current step."""
         return self.config.make_schedule().format_at(self.step, self.total_steps)
@@ -79,9 +83,10 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
             skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
             continue
         act = config.activation_format if config.quantize_activations else None
-        new = (MFQATLinear.from_linear(m, config.block_size, config.scale_rule, config.mask_saturated, act)
+        anchor = config.anchor_format if config.through_anchor else None
+        new = (MFQATLinear.from_linear(m, config.block_size, config.scale_rule, config.mask_saturated, act, anchor)
                if is_linear else
-               MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated))
+               MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated, anchor))
         _set_submodule(model, name, new)
         schedules[name] = config.schedule_for(name)
     if skipped:

@@ -5,11 +5,11 @@ Plain Python, no torch: the MLX runtime shares this module (DESIGN.md §7).
 from __future__ import annotations
 
 import random
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from ..formats import canonical_name, get_format
 
-SCHEDULES = ("progressive", "cyclic", "random", "fixed")
+SCHEDULES = ("joint", "progressive", "cyclic", "random", "fixed")
 
 
 class Schedule:
@@ -75,8 +75,39 @@ class FixedSchedule(Schedule):
         return self.formats[0]
 
 
-def make_schedule(kind: str, formats: Sequence[str], seed: int = 0, repeats: int = 1) -> Schedule:
+class JointSchedule(Schedule):
+    """Several formats in every optimizer step (Matryoshka / AdaBits style).
+
+    ``formats_at(step)`` names the formats whose losses one step sums: all of them, or with
+    ``sample=k`` a "sandwich" of the highest (anchor) format, the lowest format and ``k``
+    others drawn without replacement (seeded by step, so identical on every rank).
+    ``format_at`` gives the highest format: what the model runs between steps.
+    """
+
+    def __init__(self, formats: Sequence[str], seed: int = 0, sample: Optional[int] = None):
+        super().__init__(formats)
+        self.formats.sort(key=lambda f: (-get_format(f).bits, f))
+        if sample is not None and sample < 0:
+            raise ValueError(f"joint_sample must be >= 0 (formats drawn besides the highest and lowest), got {sample}")
+        self.seed, self.sample = seed, sample
+
+    def formats_at(self, step: int) -> List[str]:
+        """The formats trained at ``step``, highest bits first."""
+        if self.sample is None or len(self.formats) <= 2 + self.sample:
+            return list(self.formats)
+        middle = self.formats[1:-1]
+        picked = set(random.Random(self.seed * 1_000_003 + step).sample(middle, self.sample))
+        return [self.formats[0]] + [f for f in middle if f in picked] + [self.formats[-1]]
+
+    def format_at(self, step: int, total_steps: int) -> str:
+        return self.formats[0]
+
+
+def make_schedule(kind: str, formats: Sequence[str], seed: int = 0, repeats: int = 1,
+                  sample: Optional[int] = None) -> Schedule:
     """Build a schedule by name."""
+    if kind == "joint":
+        return JointSchedule(formats, seed, sample)
     if kind == "progressive":
         return ProgressiveSchedule(formats, repeats)
     if kind == "cyclic":
