@@ -19,6 +19,17 @@ def pydoc_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def licence_text() -> str:
+    """A second held-out text no run trains on: numpy's licence file (legal English, ~46 KB),
+    installed with numpy on every machine that has mfqat."""
+    from importlib.metadata import files
+
+    for f in files("numpy") or []:
+        if f.name.startswith("LICENSE") and f.locate().is_file() and f.locate().stat().st_size > 10000:
+            return f.locate().read_text(encoding="utf-8", errors="replace")
+    raise FileNotFoundError("numpy's LICENSE.txt was not found in its installed files")
+
+
 def load_text(source: Optional[str] = None) -> str:
     """Text from a file, from every ``*.txt``/``*.md`` under a folder, or pydoc text when None."""
     if source in (None, "", "pydoc"):
@@ -87,6 +98,7 @@ def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.fl
     if getattr(model.config, "quantization_config", None) and kwargs.get("gguf_file"):
         # weights were de-quantized from GGUF on load; the config must not claim otherwise
         del model.config.quantization_config
+        model.hf_quantizer = None  # so save_pretrained writes the (de-quantized) weights
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok

@@ -2,7 +2,12 @@
 """MF-QAT training step time vs plain training of the same model, same batch, same run.
 
     python scripts/bench_train.py [--rounds 6] [--batch-size 4] [--seq-len 128] [--format mxint4]
-                                  [--backends reference,auto]
+                                  [--backends reference,auto] [--joint mxint8,mxint6,mxint4]
+    python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
+
+The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
+forward+backward passes plus one optimizer step ("per-format overhead"). ``--memory`` runs each
+configuration in its own process and reports its peak resident set after 3 steps.
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
 configuration is reported, so slow drifts of the machine hit every configuration alike. Also prints
@@ -13,7 +18,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -36,6 +44,59 @@ def make_step(model, batch):
     return step
 
 
+def make_joint_step(model, batch, formats):
+    """One joint MF-QAT optimizer step over ``formats`` (mfqat.qat.joint)."""
+    from mfqat.qat.joint import joint_backward
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> float:
+        t = time.perf_counter()
+        joint_backward(model, model, {"input_ids": batch, "labels": batch}, formats, lambda f: 1.0,
+                       lambda loss: loss.backward())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+    return step
+
+
+def memory_child(kind: str, a) -> None:
+    """Run 3 steps of one configuration and print this process's peak RSS (MiB)."""
+    model, tok = load_model()
+    model.train()
+    batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size)
+    after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if kind == "plain":
+        step = make_step(model, batch)
+    elif kind == "joint":
+        formats = a.joint.split(",")
+        mfqat.prepare(model, mfqat.QATConfig(formats=formats, schedule="joint"))
+        step = make_joint_step(model, batch, formats)
+    else:
+        mfqat.prepare(model, mfqat.QATConfig(formats=[a.format], schedule="fixed"))
+        step = make_step(model, batch)
+    for _ in range(3):
+        step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"MEMORY {kind} {peak:.0f} {after_load:.0f}")
+
+
+def memory_report(a) -> None:
+    """Peak RSS per configuration, each in a fresh process."""
+    rows = {}
+    for kind in ("plain", "qat", "joint"):
+        cmd = [sys.executable, __file__, "--memory-child", kind, "--format", a.format, "--joint", a.joint,
+               "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        line = next(x for x in out.splitlines() if x.startswith("MEMORY"))
+        _, _, peak, loaded = line.split()
+        rows[kind] = (float(peak), float(loaded))
+    base = rows["plain"][0] - rows["plain"][1]
+    for kind, (peak, loaded) in rows.items():
+        print(f"{kind:<6} peak RSS {peak:.0f} MiB (after loading {loaded:.0f}; training adds {peak - loaded:.0f}, "
+              f"{(peak - loaded) / base:.2f}x plain's)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
@@ -43,7 +104,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--format", default="mxint4")
     p.add_argument("--backends", default="reference,auto", help="MFQAT_BACKEND values to time")
+    p.add_argument("--joint", default="mxint8,mxint6,mxint4", help="formats of the joint step (empty: skip)")
+    p.add_argument("--memory", action="store_true", help="peak RSS per configuration (separate processes)")
+    p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.memory_child:
+        return memory_child(a.memory_child, a)
+    if a.memory:
+        return memory_report(a)
     model, tok = load_model()
     model.train()
     batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size)
@@ -53,6 +121,11 @@ def main() -> None:
     qat_step = make_step(qat, batch)
     for backend in a.backends.split(","):
         runs[f"MF-QAT [{backend}]"] = (qat_step, backend)
+    formats = [f for f in a.joint.split(",") if f]
+    if formats:
+        joint = copy.deepcopy(model)
+        mfqat.prepare(joint, mfqat.QATConfig(formats=formats, schedule="joint"))
+        runs[f"joint x{len(formats)} [auto]"] = (make_joint_step(joint, batch, formats), "auto")
     times = {k: [] for k in runs}
     for r in range(a.rounds + 1):  # round 0 warms up
         for name, (step, backend) in runs.items():
@@ -68,7 +141,9 @@ def main() -> None:
           f"rounds={a.rounds} quantized weights={n_weights / 1e6:.1f}M")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:<22} median {med:.3f} s/step (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain {med / plain:.3f}x")
+        k = len(formats) if name.startswith("joint") else 1
+        print(f"{name:<22} median {med:.3f} s/step (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain "
+              f"{med / plain:.3f}x" + (f" | per format {med / (k * plain):.3f}x" if k > 1 else ""))
     for backend in a.backends.split(","):
         os.environ["MFQAT_BACKEND"] = backend
         t = time.perf_counter()

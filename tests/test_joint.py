@@ -180,3 +180,27 @@ def test_token_kl_is_kl_of_teacher_from_student():
     p = t.softmax(-1)
     want = (p * (p.log() - s.log_softmax(-1))).sum(-1).mean()
     torch.testing.assert_close(token_kl(s, t), want)
+
+
+def test_mfqat_linear_saves_no_quantized_copy_of_the_weight():
+    """The backward recomputes qdq(W): autograd keeps what a plain Linear keeps (x, and W itself)."""
+    from torch import nn
+
+    def saved_bytes(layer, x):
+        seen = []
+
+        def pack(t):
+            if t.data_ptr() != layer.weight.data_ptr():  # the parameter itself costs nothing extra
+                seen.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x).sum()
+        return sum(seen)
+
+    lin = nn.Linear(256, 512)
+    x = torch.randn(4, 256, requires_grad=True)
+    q = mfqat.qat.MFQATLinear.from_linear(nn.Linear(256, 512))
+    q.fmt = "mxint4"
+    assert saved_bytes(q, x) <= saved_bytes(lin, x)
+    q.anchor_format = "mxint8"
+    assert saved_bytes(q, x) <= saved_bytes(lin, x)

@@ -8,7 +8,6 @@ Ends by saving an MXINT8 (or --anchor-format) anchor and printing a perplexity t
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -27,51 +26,11 @@ from ..eval.elastic import evaluate_formats, ptq_state
 from ..eval.perplexity import perplexity
 from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
+from ..io import atomic_directory
 from ..qat.config import QATConfig
 from ..qat.joint import joint_backward, weighted_loss
+from .train_args import build_parser
 from ..qat.prepare import prepare, set_format
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M); "
-                   "'tiny' builds a tiny random Llama")
-    p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
-    p.add_argument("--qat-config", default=None, help="YAML QATConfig (default: progressive mxint2->4->6->8)")
-    p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
-    p.add_argument("--schedule", default=None, help="override the config's schedule")
-    p.add_argument("--no-qat", action="store_true", help="plain fine-tuning (the fair baseline)")
-    p.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
-                   help="self-distillation: loss = (1-ALPHA)*CE + ALPHA*KL(fp master model || quantized model); "
-                        "one extra no-grad forward per step")
-    p.add_argument("--joint-sample", type=int, default=None, metavar="K",
-                   help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
-                   help="after --warmup-steps of linear warm-up: constant, or cosine decay to 0")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--lr-mult", default="", metavar="FAMILY=X,...",
-                   help="per-family learning-rate multipliers, e.g. mxint=1.5,mxfp=1.0 (the family of each "
-                        "step's highest format)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--optim", default="adamw", choices=["adamw", "adamw8bit", "paged_adamw8bit"])
-    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/mfqat")
-    p.add_argument("--anchor-format", default=None,
-                   help="format of the saved anchor (default: the QAT config's anchor_format, else mxint8)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint (accelerate state + anchor) every N steps")
-    p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
-    p.add_argument("--eval-formats", default="", help="comma list evaluated on held-out text at the end")
-    p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks of seq-len tokens")
-    p.add_argument("--dump-weights", default=None, help="(tests) write a per-rank weight checksum here")
-    return p
 
 
 def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -112,6 +71,10 @@ def load_qat_config(args) -> QATConfig:
         data["schedule"] = args.schedule
     if args.joint_sample is not None:
         data["joint_sample"] = args.joint_sample
+    if args.loss_weights:
+        data["loss_weights"] = {k: float(v) for k, v in (x.split("=") for x in args.loss_weights.split(","))}
+    if args.distill_weight is not None:
+        data["distill_weight"] = args.distill_weight
     return QATConfig(**data)
 
 
@@ -167,6 +130,15 @@ def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int,
                               acc.backward, cfg.distill_weight, scale, lambda: acc.no_sync(model))
 
 
+def save_master(model, tok, path: Path) -> None:
+    """The full-precision master weights as a plain HF folder (MF-QAT modules are ordinary Linears
+    to ``save_pretrained``: the state dict keys are unchanged)."""
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tok is not None:
+            tok.save_pretrained(tmp)
+
+
 def peak_memory_mib() -> float:
     """Peak memory of this process: CUDA allocations on a GPU, else the peak resident set (RSS)."""
     if torch.cuda.is_available():
@@ -202,8 +174,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         prepare(model, cfg)
     anchor_format = args.anchor_format or (cfg.anchor_format if cfg else None) or "mxint8"
     if args.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     g = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(TensorDataset(train), batch_size=args.batch_size, shuffle=True, generator=g, drop_last=True)
@@ -261,6 +235,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if cfg:
             save_anchor(base, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict())
             summary["anchor"] = str(out / "anchor")
+        if args.save_master:
+            save_master(base, tok, out / "master")
+            summary["master"] = str(out / "master")
         rows = []
         for f in [x for x in args.eval_formats.split(",") if x]:
             if cfg:  # the QAT forward in format f (through the anchor: what load_anchor(fmt=f) gives)

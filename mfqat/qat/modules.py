@@ -32,22 +32,53 @@ class MFQATMixin:
         self.mask_saturated = mask_saturated
         self.anchor_format = anchor_format
 
-    def quantized_weight(self) -> torch.Tensor:
-        """The weight as the forward pass sees it (fake-quantized in the active format).
+    def quantized_weight(self, fmt: Optional[str] = "active") -> torch.Tensor:
+        """The weight as the forward pass sees it (fake-quantized in the active format, or in
+        ``fmt`` when one is given).
 
         With an ``anchor_format`` (train-through-anchor) format f sees exactly what deployment
         gets by Slice-and-Scale of the anchor: ``qdq_f(qdq_anchor(W))`` (the second rounding uses
         the floor rule, as Slice-and-Scale does); the gradient passes straight through both.
         """
         w = self.weight  # type: ignore[attr-defined]
-        if self.fmt is None:
+        fmt = self.fmt if fmt == "active" else fmt
+        if fmt is None:
             return w
         if self.anchor_format is None:
-            return fake_quantize(w, self.fmt, self.block_size, self.scale_rule, self.mask_saturated)
+            return fake_quantize(w, fmt, self.block_size, self.scale_rule, self.mask_saturated)
         w = fake_quantize(w, self.anchor_format, self.block_size, self.scale_rule, self.mask_saturated)
-        if self.fmt == self.anchor_format:
+        if fmt == self.anchor_format:
             return w
-        return fake_quantize(w, self.fmt, self.block_size, "floor", self.mask_saturated)
+        return fake_quantize(w, fmt, self.block_size, "floor", self.mask_saturated)
+
+
+class _RecomputedQuantLinear(torch.autograd.Function):
+    """``linear(x, qdq(W), b)`` that saves x and the master W, not qdq(W): the quantized weight is
+    recomputed in backward (in the format the forward used, also when the active format changed
+    since), so a step keeps no second copy of each weight (plain training's memory).
+    Straight-through: dL/dW = dL/d(qdq(W))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):  # type: ignore[override]
+        with torch.no_grad():
+            wq = module.quantized_weight()
+            if x.dtype != wq.dtype and not torch.is_autocast_enabled():
+                wq = wq.to(x.dtype)
+            out = F.linear(x, wq, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.fmt, ctx.has_bias = module, module.fmt, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        with torch.no_grad():
+            wq = ctx.module.quantized_weight(ctx.fmt).to(grad.dtype)  # the format of the forward
+            grad_x = (grad @ wq).to(x.dtype) if ctx.needs_input_grad[0] else None
+            g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(grad.dtype)
+            grad_w = (g2.t() @ x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
 
 
 class MFQATLinear(nn.Linear, MFQATMixin):
@@ -86,6 +117,8 @@ class MFQATLinear(nn.Linear, MFQATMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_format is not None and self.fmt is not None:
             x = fake_quantize(x, self.activation_format, self.block_size, self.scale_rule)
+        if self.fmt is not None and not self.mask_saturated and torch.is_grad_enabled() and self.weight.requires_grad:
+            return _RecomputedQuantLinear.apply(x, self.weight, self.bias, self)
         w = self.quantized_weight()
         if x.dtype != w.dtype and not torch.is_autocast_enabled():
             w = w.to(x.dtype)

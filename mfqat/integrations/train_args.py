@@ -1,0 +1,62 @@
+"""Command-line arguments of `mfqat train` / scripts/train.py (see mfqat.integrations.train_loop)."""
+from __future__ import annotations
+
+import argparse
+
+TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
+
+    accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \\
+        --qat-config configs/mxint_2468.yaml --steps 120 --out runs/mfqat
+
+Defaults: the embedded SmolLM2-135M, Python's pydoc text, progressive mxint2->4->6->8.
+Ends by saving an anchor (the QAT config's anchor format, or --anchor-format) and printing a
+perplexity table.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M); "
+                   "'tiny' builds a tiny random Llama")
+    p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
+    p.add_argument("--qat-config", default=None, help="YAML QATConfig (default: progressive mxint2->4->6->8)")
+    p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
+    p.add_argument("--schedule", default=None, help="override the config's schedule")
+    p.add_argument("--no-qat", action="store_true", help="plain fine-tuning (the fair baseline)")
+    p.add_argument("--distill", type=float, default=0.0, metavar="ALPHA",
+                   help="self-distillation: loss = (1-ALPHA)*CE + ALPHA*KL(fp master model || quantized model); "
+                        "one extra no-grad forward per step")
+    p.add_argument("--loss-weights", default="", metavar="FMT=W,...",
+                   help="joint schedule: per-format loss weights (others weigh 1)")
+    p.add_argument("--distill-weight", type=float, default=None, metavar="ALPHA",
+                   help="joint schedule: formats below the highest learn (1-ALPHA)*CE + ALPHA*KL from its logits")
+    p.add_argument("--joint-sample", type=int, default=None, metavar="K",
+                   help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
+                   help="after --warmup-steps of linear warm-up: constant, or cosine decay to 0")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--lr-mult", default="", metavar="FAMILY=X,...",
+                   help="per-family learning-rate multipliers, e.g. mxint=1.5,mxfp=1.0 (the family of each "
+                        "step's highest format)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--optim", default="adamw", choices=["adamw", "adamw8bit", "paged_adamw8bit"])
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/mfqat")
+    p.add_argument("--anchor-format", default=None,
+                   help="format of the saved anchor (default: the QAT config's anchor_format, else mxint8)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint (accelerate state + anchor) every N steps")
+    p.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    p.add_argument("--eval-formats", default="", help="comma list evaluated on held-out text at the end")
+    p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks of seq-len tokens")
+    p.add_argument("--save-master", action="store_true",
+                   help="also write the full-precision master weights as an HF folder OUT/master")
+    p.add_argument("--dump-weights", default=None, help="(tests) write a per-rank weight checksum here")
+    return p

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Joint MF-QAT against dedicated single-format QAT, on the same weights, data and steps.
+
+Every run uses the demo's settings (SmolLM2-135M, pydoc text, batch 4x128, lr 2e-5, AdamW, grad
+clip 1.0, seed 0). Baseline: one *dedicated* QAT run per format (``--schedule fixed``), evaluated
+in its own format by direct quantization of its master weights (its best case). Candidates: one
+joint MF-QAT model per recipe, saved as ONE anchor and evaluated at every format by
+Slice-and-Scale (what is deployed). Two comparisons: equal optimizer steps, and equal compute
+(the joint model at steps / K, K = formats per step, so it does as many forward+backward passes
+as one dedicated run). Perplexity on two held-out texts: the pydoc split no run trains on, and
+numpy's licence file (a different domain, so in-domain fine-tuning cannot hide a gap).
+
+    python scripts/bench_joint.py [--steps 60] [--family mxint|mxfp] [--out out/joint]
+
+Runs land in OUT/<name>/ and are reused when their summary.json exists. Prints one table (and the
+gap of each joint model to the dedicated model per format), writes OUT/joint.json and OUT/joint.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+import mfqat
+from mfqat.anchor import read_anchor
+from mfqat.data import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
+from mfqat.eval.report import format_table, plot_ppl_vs_bpw
+from mfqat.integrations.train_loop import main as train_main
+
+FAMILIES = {
+    "mxint": {"train": ["mxint8", "mxint6", "mxint4"], "eval": ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3"]},
+    "mxfp": {"train": ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"], "eval": ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"]},
+}
+
+
+def run(out: Path, name: str, argv: List[str]) -> dict:
+    """One training run (reused when OUT/name/summary.json exists)."""
+    d = out / name
+    if (d / "summary.json").is_file():
+        print(f"[joint] {name}: reusing {d / 'summary.json'}")
+        return json.loads((d / "summary.json").read_text())
+    print(f"[joint] {name}: training")
+    return train_main(argv + ["--out", str(d)])
+
+
+def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
+    """name -> extra train arguments of each joint MF-QAT candidate."""
+    fmts = ",".join(FAMILIES[fam]["train"])
+    low = FAMILIES[fam]["train"][-1]
+    k = len(FAMILIES[fam]["train"])
+    base = ["--formats", fmts, "--schedule", "joint"]
+    return {
+        f"joint-{fam}": base + ["--steps", str(steps)],
+        f"joint-{fam}-equal-compute": base + ["--steps", str(max(steps // k, 1))],
+        f"joint-{fam}-low2x": base + ["--steps", str(steps), "--loss-weights", f"{low}=2"],
+        f"joint-{fam}-distill": base + ["--steps", str(steps), "--distill-weight", "0.5"],
+    }
+
+
+def evaluate(model, held: Dict[str, torch.Tensor], states: Dict[str, dict]) -> Dict[str, Dict[str, float]]:
+    """{text: {format: perplexity}} for each state dict."""
+    return {t: {r["format"]: r["perplexity"] for r in evaluate_formats(model, states, blocks)}
+            for t, blocks in held.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--family", default="mxint", choices=sorted(FAMILIES))
+    p.add_argument("--eval-blocks", type=int, default=24)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--only", default="", help="comma list of joint recipe names to run (default: all)")
+    p.add_argument("--out", default="out/joint")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fam = FAMILIES[a.family]
+    common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", "2e-5", "--save-master"]
+    model, tok = load_model(None)
+    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.eval_blocks),
+            "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.eval_blocks)}
+    cache_path = out / f"eval-{a.family}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+
+    def cached(name: str, fn):
+        if name not in cache:
+            cache[name] = fn()
+            cache_path.write_text(json.dumps(cache, indent=2))
+        return cache[name]
+
+    dedicated: Dict[str, Dict[str, float]] = {t: {} for t in held}
+    for f in fam["eval"]:
+        s = run(out, f"dedicated-{f}", common + ["--steps", str(a.steps), "--formats", f, "--schedule", "fixed"])
+        master, _ = load_model(s["master"])
+        res = cached(f"dedicated-{f}", lambda: evaluate(master, held, {f: ptq_state(master, f)}))
+        for t in held:
+            dedicated[t][f] = res[t][f]
+    joint: Dict[str, Dict[str, Dict[str, float]]] = {}
+    only = [x for x in a.only.split(",") if x]
+    for name, extra in recipes(a.family, a.steps).items():
+        if only and name not in only:
+            continue
+        s = run(out, name, common + extra)
+        anchor = read_anchor(s["anchor"])
+        joint[name] = cached(name, lambda: evaluate(model, held, {f: anchor_state(anchor, f) for f in fam["eval"]}))
+    report(out, a, fam["eval"], dedicated, joint)
+
+
+def report(out: Path, a, formats: List[str], dedicated, joint) -> None:
+    """Print the table and the gaps, write joint.json and the plot."""
+    rows = []
+    for t in dedicated:
+        for f in formats:
+            row = {"text": t, "format": f, "dedicated QAT": dedicated[t][f]}
+            for name, res in joint.items():
+                row[name] = f"{res[t][f]:.3f} ({100 * (res[t][f] / dedicated[t][f] - 1):+.1f}%)"
+            rows.append(row)
+    print(f"\n{a.family}, {a.steps} steps; joint columns: perplexity (gap to the dedicated model)")
+    print(format_table(rows, list(rows[0])))
+    bpw = lambda f: mfqat.get_format(f).bits_per_weight(32)  # noqa: E731
+    series = {"dedicated QAT (one model per format)": [(bpw(f), dedicated["pydoc"][f], f) for f in formats]}
+    series.update({f"{n} (one anchor)": [(bpw(f), r["pydoc"][f], f) for f in formats] for n, r in joint.items()})
+    plot = plot_ppl_vs_bpw(series, out / f"joint-{a.family}.png",
+                           title=f"SmolLM2-135M, {a.family}, {a.steps} steps, held-out pydoc")
+    (out / f"joint-{a.family}.json").write_text(json.dumps({"steps": a.steps, "dedicated": dedicated,
+                                                            "joint": joint}, indent=2))
+    print(f"plot: {plot}")
+
+
+if __name__ == "__main__":
+    main()
