@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...formats import ElementFormat
-from ..reference import fake_quantize_reference, mx_quantize_blocks, to_blocks
+from ..reference import fake_quantize_reference, quantize_reference
 from . import cpp, triton_mx
 
 BACKENDS = ("reference", "cpp", "triton")
@@ -88,8 +88,7 @@ def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
         return cpp.quantize_cpp(x, fmt, block_size, scale_rule)
     if backend == "triton":
         return triton_mx.quantize_triton(x, fmt, block_size, scale_rule)
-    codes, scales = mx_quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
-    return codes.reshape(x.shape), scales
+    return quantize_reference(x, fmt, block_size, scale_rule)
 
 
 def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat,
