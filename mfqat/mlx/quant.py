@@ -139,8 +139,7 @@ def _affine(blocks: mx.array, fmt: ElementFormat) -> Tuple[mx.array, mx.array, m
 def _blocked(x: mx.array, fmt: FormatLike, block_size: Optional[int]) -> Tuple[ElementFormat, int, mx.array]:
     """(format, checked block size, float32 blocks of x)."""
     f = get_format(fmt)
-    bs = block_size or f.default_block_size
-    f.check_block_size(bs)
+    bs = f.resolve_block_size(block_size)
     return f, bs, to_blocks(x, bs)
 
 
@@ -166,7 +165,7 @@ def dequantize(codes: mx.array, scales: mx.array, fmt: FormatLike, block_size: O
                biases: Optional[mx.array] = None, dtype=mx.float32) -> mx.array:
     """Codes and scales (from :func:`quantize`) -> values in ``dtype``."""
     f = get_format(fmt)
-    bs = block_size or f.default_block_size
+    bs = f.resolve_block_size(block_size)
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // bs, bs)
     if f.is_mx:
         sc = scales.astype(mx.int32)
@@ -209,4 +208,4 @@ def fake_quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None
                   ) -> mx.array:
     """Quantize-dequantize with the straight-through gradient (identity backward)."""
     f = get_format(fmt)
-    return _ste(f.name, block_size or f.default_block_size, scale_rule)(x)
+    return _ste(f.name, f.resolve_block_size(block_size), scale_rule)(x)

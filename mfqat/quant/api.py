@@ -23,8 +23,7 @@ def validate(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int], scale_
             f"{name}: dtype {x.dtype} is not supported; quantize float32, bfloat16 or float16 "
             f"tensors (convert with .float())"
         )
-    bs = block_size or f.default_block_size
-    f.check_block_size(bs)
+    bs = f.resolve_block_size(block_size)
     if x.dim() == 0 or x.shape[-1] % bs:
         raise ValueError(
             f"{name}: shape {tuple(x.shape)} has a last dimension that is not a multiple of "
