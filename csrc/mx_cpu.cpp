@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace mfqat {
 namespace {
@@ -95,6 +96,12 @@ inline c10::BFloat16 store<c10::BFloat16>(float v) {
   return c10::BFloat16(out, c10::BFloat16::from_bits());
 }
 
+// floor(log2) of the input dtype's largest finite value (reference: dtype_max_exponent).
+template <typename T>
+constexpr int32_t max_exponent() {
+  return std::is_same<T, c10::Half>::value ? 15 : 127;
+}
+
 // Shared exponent of one block (reference: mx_shared_exponent).
 template <typename T>
 inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, float* buf) {
@@ -113,6 +120,9 @@ inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, flo
     k = k < -149 ? -149 : (k > 127 ? 127 : k);
     float scaled = bits_float(amax_bits) * exp2i(k);
     if (scaled > p.max_normal) s += 1;
+    // Cap (reference: mx_shared_exponent): 2^s * max_normal must stay finite in the input dtype.
+    const int32_t cap = max_exponent<T>() - p.emax;
+    s = s > cap ? cap : s;
   }
   out.s = s < -127 ? -127 : (s > 127 ? 127 : s);
   return out;

@@ -131,6 +131,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     v.add_argument("model")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8080)
+    v.add_argument("--allow-origin", default=None, metavar="ORIGIN",
+                   help="answer CORS requests from this origin (default: CORS off)")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "train":
         from .integrations.train_loop import main as train_main
@@ -156,8 +158,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(generate(args.model, args.prompt, args.max_tokens, args.adapter_path))
     elif args.cmd == "serve":
         _mlx()
-        from .mlx.serve import serve
-        serve(args.model, args.host, args.port)
+        from .mlx.serve import check_model_dir, serve
+        try:
+            check_model_dir(args.model)
+        except ValueError as exc:
+            v.error(str(exc))  # exit status 2, before anything starts
+        serve(args.model, args.host, args.port, args.allow_origin)
     elif args.cmd == "demo":
         from .demo import run_demo
         run_demo(args.out, args.steps, args.eval_blocks, model_name=args.model, force=args.force, skip_mlx=args.skip_mlx)

@@ -68,16 +68,22 @@ class ElementFormat:
 
     def bits_per_weight(self, block_size: int | None = None) -> float:
         """Storage cost per element including the shared scales (and biases)."""
-        bs = block_size or self.default_block_size
+        bs = self.default_block_size if block_size is None else block_size
         if self.is_mx:
             return self.bits + 8.0 / bs
         if self.family == "nf4":
             return self.bits + 32.0 / bs
         return self.bits + 32.0 / bs  # affine: 16-bit scale + 16-bit bias per group
 
+    def resolve_block_size(self, block_size: int | None) -> int:
+        """``block_size``, or the format's default when it is None (0 is an error, not "default")."""
+        bs = self.default_block_size if block_size is None else block_size
+        self.check_block_size(bs)
+        return bs
+
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError when ``block_size`` is not allowed for this format."""
-        if block_size not in self.block_sizes:
+        if isinstance(block_size, bool) or block_size not in self.block_sizes:
             raise ValueError(
                 f"block_size={block_size} is not allowed for format '{self.name}'; "
                 f"allowed block sizes: {list(self.block_sizes)}"

@@ -111,6 +111,10 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     if config.quantize_activations or config.quantize_embeddings:
         raise ValueError("mfqat.mlx.prepare: quantize_activations / quantize_embeddings are not supported "
                          "on MLX yet (weight-only MF-QAT); set them to false in the QATConfig")
+    found = [name for name, _ in qat_layers(model)]
+    if found or "mfqat_controller" in model.__dict__:
+        raise ValueError(f"mfqat.mlx.prepare: {type(model).__name__} is already prepared ({len(found)} MF-QAT "
+                         "layers); use set_format to change formats, or unprepare(model) before preparing again")
     swaps, schedules, skipped = [], {}, []
     for name, m in model.named_modules():
         if type(m) is not nn.Linear or not config.selects(name):

@@ -47,15 +47,24 @@ def to_blocks(x: mx.array, block_size: int) -> mx.array:
     return x.astype(mx.float32).reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
-def shared_exponent(blocks: mx.array, fmt: ElementFormat, scale_rule: str = "floor") -> Tuple[mx.array, mx.array]:
-    """Per-block shared exponent (clamped to [-127, 127]) and the non-finite-block mask."""
+def max_exponent(dtype) -> int:
+    """floor(log2) of the largest finite value of an MLX float dtype (reference: dtype_max_exponent)."""
+    return 15 if dtype == mx.float16 else 127
+
+
+def shared_exponent(blocks: mx.array, fmt: ElementFormat, scale_rule: str = "floor", max_exp: int = 127
+                    ) -> Tuple[mx.array, mx.array]:
+    """Per-block shared exponent (clamped to [-127, 127]) and the non-finite-block mask.
+
+    Under ceil, s is capped at ``max_exp - emax`` (the input dtype's, see the reference's
+    mx_shared_exponent) so that finite inputs stay finite."""
     finite = mx.isfinite(blocks)
     nonfinite = mx.logical_not(finite.all(axis=-1))  # NaN or Inf anywhere in the block
     amax = mx.where(finite, mx.abs(blocks), 0.0).max(axis=-1)
     s = floor_log2(amax) - fmt.emax
     if scale_rule == "ceil":
         scaled = amax * exp2i(mx.clip(-s, -149, 127))
-        s = s + (scaled > fmt.max_normal).astype(mx.int32)
+        s = mx.minimum(s + (scaled > fmt.max_normal).astype(mx.int32), max_exp - fmt.emax)
     elif scale_rule != "floor":
         raise ValueError(f"unknown scale_rule '{scale_rule}'; choose floor or ceil")
     return mx.clip(s, -127, 127), nonfinite
@@ -130,8 +139,7 @@ def _affine(blocks: mx.array, fmt: ElementFormat) -> Tuple[mx.array, mx.array, m
 def _blocked(x: mx.array, fmt: FormatLike, block_size: Optional[int]) -> Tuple[ElementFormat, int, mx.array]:
     """(format, checked block size, float32 blocks of x)."""
     f = get_format(fmt)
-    bs = block_size or f.default_block_size
-    f.check_block_size(bs)
+    bs = f.resolve_block_size(block_size)
     return f, bs, to_blocks(x, bs)
 
 
@@ -141,7 +149,7 @@ def quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, sca
     ``mfqat.quantize(x)``: E8M0 bytes for MX formats, absmax for NF4, scale/min for affine."""
     f, bs, blocks = _blocked(x, fmt, block_size)
     if f.is_mx:
-        s, nonfinite = shared_exponent(blocks, f, scale_rule)
+        s, nonfinite = shared_exponent(blocks, f, scale_rule, max_exponent(x.dtype))
         y = mx.where(nonfinite[..., None], 0.0, blocks * exp2i(-s)[..., None])
         q, _ = round_elements(y, f)
         scales = mx.where(nonfinite, E8M0_NAN, s + 127).astype(mx.uint8)
@@ -157,7 +165,7 @@ def dequantize(codes: mx.array, scales: mx.array, fmt: FormatLike, block_size: O
                biases: Optional[mx.array] = None, dtype=mx.float32) -> mx.array:
     """Codes and scales (from :func:`quantize`) -> values in ``dtype``."""
     f = get_format(fmt)
-    bs = block_size or f.default_block_size
+    bs = f.resolve_block_size(block_size)
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // bs, bs)
     if f.is_mx:
         sc = scales.astype(mx.int32)
@@ -175,7 +183,7 @@ def qdq(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, scale_ru
     """Quantize-dequantize (no gradient); x's shape and dtype."""
     f, bs, blocks = _blocked(x, fmt, block_size)
     if f.is_mx:
-        s, nonfinite = shared_exponent(blocks, f, scale_rule)
+        s, nonfinite = shared_exponent(blocks, f, scale_rule, max_exponent(x.dtype))
         q, _ = round_elements(blocks * exp2i(-s)[..., None], f)
         out = mx.where(nonfinite[..., None], mx.nan, q * exp2i(s)[..., None])
         return out.reshape(x.shape).astype(x.dtype)
@@ -200,4 +208,4 @@ def fake_quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None
                   ) -> mx.array:
     """Quantize-dequantize with the straight-through gradient (identity backward)."""
     f = get_format(fmt)
-    return _ste(f.name, block_size or f.default_block_size, scale_rule)(x)
+    return _ste(f.name, f.resolve_block_size(block_size), scale_rule)(x)

@@ -5,14 +5,68 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, NoReturn, Optional, Tuple, Union
 
 import yaml
 
-from ..formats import canonical_name, check_sliceable, get_format
+from ..formats import MX_BLOCK_SIZES, canonical_name, check_sliceable, get_format
+from ..quant.reference import SCALE_RULES
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
 DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
+
+
+def _fail(field_name: str, message: str) -> NoReturn:
+    """Raise the ValueError of an invalid QATConfig field (the message names the field)."""
+    raise ValueError(f"QATConfig.{field_name}: {message}")
+
+
+def _type_error(field_name: str, value: Any, what: str) -> NoReturn:
+    """Raise the TypeError of a QATConfig field holding the wrong kind of value."""
+    raise TypeError(f"QATConfig.{field_name}: expected {what}, got {value!r} ({type(value).__name__})")
+
+
+def _check_type(field_name: str, value: Any, types: Tuple[type, ...], what: str) -> None:
+    """``value`` must be an instance of ``types`` (bool is never an int here)."""
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        _type_error(field_name, value, what)
+
+
+def _check_regexes(field_name: str, value: Any, optional: bool = False) -> None:
+    """A regex or a list of regexes, each of which must compile."""
+    if value is None and optional:
+        return
+    pats = [value] if isinstance(value, str) else value
+    if not isinstance(pats, (list, tuple)) or not all(isinstance(p, str) for p in pats):
+        _type_error(field_name, value, "a regex or a list of regexes" + (" or None" if optional else ""))
+    for p in pats:
+        try:
+            re.compile(p)
+        except re.error as exc:
+            _fail(field_name, f"invalid regular expression {p!r}: {exc}")
+
+
+def _check_mx_formats(field_name: str, value: Any, block_size: int) -> None:
+    """A non-empty list of MX format names that all allow ``block_size``."""
+    if not isinstance(value, (list, tuple)):
+        _type_error(field_name, value, "a non-empty list of format names")
+    if not value:
+        _fail(field_name, "needs at least one format")
+    for f in value:
+        _check_mx_format(field_name, f, block_size)
+
+
+def _check_mx_format(field_name: str, value: Any, block_size: int) -> None:
+    """One MX format name that allows ``block_size``."""
+    _check_type(field_name, value, (str,), "MX format names")
+    try:
+        fmt = get_format(value)
+    except ValueError as exc:
+        _fail(field_name, str(exc))
+    if not fmt.is_mx:
+        _fail(field_name, f"'{value}' is not an MX format; MF-QAT takes mxint2..mxint8 and mxfp4/6/8")
+    if block_size not in fmt.block_sizes:
+        _fail("block_size", f"{block_size} is not allowed for '{fmt.name}'; allowed: {list(fmt.block_sizes)}")
 
 
 def _patterns(p: Union[str, List[str], None]) -> List[re.Pattern]:
@@ -82,9 +136,8 @@ class QATConfig:
     anchor_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
+        self.validate()
         self.formats = [canonical_name(f) for f in self.formats]
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule '{self.schedule}'; choose one of {SCHEDULES}")
         self._init_joint_fields()
         if self.quantize_activations and not self.activation_format:
             self.activation_format = "mxfp8_e4m3"
@@ -130,6 +183,48 @@ class QATConfig:
         if isinstance(sched, JointSchedule):
             return sched.formats_at(step)
         return [sched.format_at(step, total_steps)]
+
+    def validate(self) -> None:
+        """Check every field's type and value; raise TypeError / ValueError naming the field.
+
+        Called by ``__post_init__`` before the fields are normalised, so bad values fail at
+        construction instead of inside prepare() or at the first forward. New fields: add a check here.
+        """
+        _check_type("block_size", self.block_size, (int,), "an int")
+        if self.block_size not in MX_BLOCK_SIZES:
+            _fail("block_size", f"{self.block_size} is not an MX block size; choose one of {list(MX_BLOCK_SIZES)}")
+        _check_mx_formats("formats", self.formats, self.block_size)
+        _check_type("schedule", self.schedule, (str,), "a schedule name")
+        if self.schedule not in SCHEDULES:
+            _fail("schedule", f"unknown schedule '{self.schedule}'; choose one of {SCHEDULES}")
+        if self.schedule == "fixed" and len(self.formats) != 1:
+            _fail("formats", f"the fixed schedule takes exactly one format, got {list(self.formats)}")
+        _check_regexes("targets", self.targets)
+        _check_regexes("exclude", self.exclude, optional=True)
+        for flag in ("quantize_embeddings", "quantize_activations", "mask_saturated"):
+            _check_type(flag, getattr(self, flag), (bool,), "true or false")
+        if self.activation_format is not None:
+            _check_mx_format("activation_format", self.activation_format, self.block_size)
+        _check_type("scale_rule", self.scale_rule, (str,), "a scale rule name")
+        if self.scale_rule not in SCALE_RULES:
+            _fail("scale_rule", f"unknown scale rule '{self.scale_rule}'; choose one of {SCALE_RULES}")
+        _check_type("seed", self.seed, (int,), "an int")
+        _check_type("repeats", self.repeats, (int,), "an int")
+        if self.repeats < 1:
+            _fail("repeats", f"must be >= 1, got {self.repeats}")
+        _check_type("layer_formats", self.layer_formats, (dict,), "a mapping {regex: [formats]}")
+        for pattern, fmts in self.layer_formats.items():
+            _check_regexes("layer_formats", pattern)
+            _check_mx_formats(f"layer_formats[{pattern!r}]", fmts, self.block_size)
+        _check_type("loss_weights", self.loss_weights, (dict,), "a mapping {format: weight}")
+        if self.joint_sample is not None:
+            _check_type("joint_sample", self.joint_sample, (int,), "an int or null")
+        _check_type("distill_weight", self.distill_weight, (int, float), "a number in [0, 1]")
+        if self.through_anchor is not None:
+            _check_type("through_anchor", self.through_anchor, (bool,), "true, false or null")
+        _check_type("anchor_warmup_steps", self.anchor_warmup_steps, (int,), "an int")
+        if self.anchor_format is not None:
+            _check_mx_format("anchor_format", self.anchor_format, self.block_size)
 
     def excludes(self, name: str) -> bool:
         """True when the module ``name`` matches ``exclude``."""

@@ -59,6 +59,17 @@ def _strip_peft(name: str) -> str:
     return name.replace(".base_layer", "")
 
 
+def _refuse_prepared(model: nn.Module) -> None:
+    """Raise when ``model`` already holds MF-QAT modules (preparing twice would match nothing)."""
+    found = [name for name, _ in qat_modules(model)]
+    if found or hasattr(model, "mfqat_controller"):
+        raise ValueError(
+            f"mfqat.prepare: {type(model).__name__} is already prepared ({len(found)} MF-QAT modules, "
+            f"e.g. {found[:1]}); use mfqat.set_format / model.mfqat_controller to change formats, or "
+            "mfqat.unprepare(model) before preparing it again with another QATConfig"
+        )
+
+
 def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     """Swap targeted nn.Linear (and optionally nn.Embedding) modules for MF-QAT modules, in place.
 
@@ -66,9 +77,10 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     that names them (padding would change the layer's math and its state_dict). Raises
     ValueError when the targets match no layer, instead of silently training full precision.
     The controller is stored as ``model.mfqat_controller``; the format starts at the
-    schedule's step 0.
+    schedule's step 0. Preparing an already prepared model is a ValueError that says so.
     """
     config = config or QATConfig()
+    _refuse_prepared(model)
     schedules: Dict[str, Schedule] = {}
     skipped: List[str] = []
     for name, m in list(model.named_modules()):

@@ -23,8 +23,7 @@ def validate(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int], scale_
             f"{name}: dtype {x.dtype} is not supported; quantize float32, bfloat16 or float16 "
             f"tensors (convert with .float())"
         )
-    bs = block_size or f.default_block_size
-    f.check_block_size(bs)
+    bs = f.resolve_block_size(block_size)
     if x.dim() == 0 or x.shape[-1] % bs:
         raise ValueError(
             f"{name}: shape {tuple(x.shape)} has a last dimension that is not a multiple of "
@@ -45,7 +44,8 @@ def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
         x: float32 / bfloat16 / float16 tensor of any leading shape.
         fmt: format name (``mxint4``, ``mxfp4``, ``nf4``, ``affine4``, ...) or ElementFormat.
         block_size: elements per block (default: the format's, 32 for MX formats).
-        scale_rule: ``floor`` (OCP, default) or ``ceil`` (the block max never saturates).
+        scale_rule: ``floor`` (OCP, default) or ``ceil`` (the block max never saturates, except where
+            rounding it up would overflow x's dtype: see reference.mx_shared_exponent).
 
     Returns:
         An :class:`MXTensor` with unpacked codes and per-block scales.

@@ -7,6 +7,7 @@ and every multiplication by a power of two is exact in float32 (DESIGN.md §2). 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -40,12 +41,26 @@ def floor_log2(a: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- MX scales
 
 
-def mx_shared_exponent(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+def dtype_max_exponent(dtype: torch.dtype) -> int:
+    """floor(log2) of the largest finite value of a float dtype: 15 for float16, 127 for bf16/fp32."""
+    return math.frexp(torch.finfo(dtype).max)[1] - 1
+
+
+def mx_shared_exponent(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor",
+                       max_exp: int = 127) -> Tuple[torch.Tensor, torch.Tensor]:
     """Shared exponent s per block and a mask of non-finite blocks.
 
     floor (OCP): s = floor(log2(amax)) - emax. ceil: the smallest s with amax / 2^s <= max_normal
-    (the block maximum never saturates). s is clamped to [-127, 127]; all-zero blocks get -127.
+    (the block maximum never saturates), capped at ``max_exp - emax`` where ``max_exp`` is
+    floor(log2) of the input dtype's largest finite value (:func:`dtype_max_exponent`).
+
+    The ceil cap keeps finite inputs finite: ``max_normal * 2^(max_exp - emax)`` is at most the
+    dtype's maximum for every format and dtype (max_normal / 2^emax <= 1.984375, the largest
+    mantissa 1.9921875 of bfloat16 is above it), whereas one more step up would overflow. So
+    ceil's exponent is lowered by one exactly when ``2^s * max_normal`` would overflow the
+    input dtype, and that block saturates (as under floor) instead of rounding up to inf. The
+    floor exponent never exceeds the cap. s is then clamped to [-127, 127]; all-zero blocks
+    get -127.
     """
     amax = blocks.abs().amax(dim=-1)
     nonfinite = ~torch.isfinite(amax)
@@ -54,6 +69,7 @@ def mx_shared_exponent(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str
     if scale_rule == "ceil":
         scaled = amax * exp2i((-s).clamp(-149, 127))
         s = s + (scaled > fmt.max_normal).to(torch.int32)
+        s = s.clamp(max=max_exp - fmt.emax)
     elif scale_rule != "floor":
         raise ValueError(f"unknown scale_rule '{scale_rule}'; choose one of {SCALE_RULES}")
     s = s.clamp(-127, 127)
@@ -125,10 +141,13 @@ def mx_codes_to_values(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     return torch.where(sign.bool(), -v, v)
 
 
-def mx_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """float32 blocks -> (codes, E8M0 scale bytes). Non-finite blocks get scale 255, codes 0."""
-    s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule)
+def mx_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor",
+                       max_exp: int = 127) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float32 blocks -> (codes, E8M0 scale bytes). Non-finite blocks get scale 255, codes 0.
+
+    ``max_exp``: :func:`dtype_max_exponent` of the dtype the blocks came from (the ceil cap).
+    """
+    s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule, max_exp)
     y = blocks * exp2i(-s).unsqueeze(-1)
     y = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(y), y)
     q, _ = mx_round_elements(y, fmt)
@@ -140,14 +159,14 @@ def mx_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: Element
     return mx_codes_to_values(codes, fmt) * e8m0_to_float(scales).unsqueeze(-1)
 
 
-def mx_fake_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
-                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+def mx_fake_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor",
+                            max_exp: int = 127) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize-dequantize float32 blocks without materialising codes.
 
     Returns (dequantized float32 blocks, mask of saturated elements). Equal, bit for bit, to
-    ``mx_dequantize_blocks(*mx_quantize_blocks(blocks))``.
+    ``mx_dequantize_blocks(*mx_quantize_blocks(blocks))``. ``max_exp`` as in :func:`mx_quantize_blocks`.
     """
-    s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule)
+    s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule, max_exp)
     y = blocks * exp2i(-s).unsqueeze(-1)
     q, saturated = mx_round_elements(y, fmt)
     out = q * exp2i(s).unsqueeze(-1)
@@ -213,11 +232,11 @@ def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
-def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor"
+def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor", max_exp: int = 127
                     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Dispatch on the family: (codes, scales, biases or None) for float32 blocks."""
     if fmt.is_mx:
-        codes, scales = mx_quantize_blocks(blocks, fmt, scale_rule)
+        codes, scales = mx_quantize_blocks(blocks, fmt, scale_rule, max_exp)
         return codes, scales, None
     if fmt.family == "nf4":
         codes, absmax = nf4_quantize_blocks(blocks)
@@ -240,9 +259,16 @@ def fake_quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int
     """Quantize-dequantize x (any float dtype, last axis blocked) -> (x's dtype, saturated mask)."""
     blocks = to_blocks(x, block_size)
     if fmt.is_mx:
-        out, saturated = mx_fake_quantize_blocks(blocks, fmt, scale_rule)
+        out, saturated = mx_fake_quantize_blocks(blocks, fmt, scale_rule, dtype_max_exponent(x.dtype))
     else:
         codes, scales, biases = quantize_blocks(blocks, fmt, scale_rule)
         out = dequantize_blocks(codes, scales, biases, fmt)
         saturated = torch.zeros_like(out, dtype=torch.bool)
     return out.reshape(x.shape).to(x.dtype), saturated.reshape(x.shape)
+
+
+def quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor"
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MX codes (x's shape) and E8M0 bytes (..., K // block_size) of x in any float dtype."""
+    codes, scales = mx_quantize_blocks(to_blocks(x, block_size), fmt, scale_rule, dtype_max_exponent(x.dtype))
+    return codes.reshape(x.shape), scales

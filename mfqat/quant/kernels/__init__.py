@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...formats import ElementFormat
-from ..reference import fake_quantize_reference, mx_quantize_blocks, to_blocks
+from ..reference import fake_quantize_reference, quantize_reference
 from . import cpp, triton_mx
 
 BACKENDS = ("reference", "cpp", "triton")
@@ -62,10 +62,21 @@ def select_backend(x: torch.Tensor, fmt: ElementFormat) -> str:
     if name == "auto":
         return auto_backend(x.device)
     if name not in available_backends(x.device):
-        why = {"cpp": f"the C++ extension is not built ({cpp.LOAD_ERROR}); reinstall with a C++ compiler",
-               "triton": "Triton needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU) and the triton package"}
-        raise RuntimeError(f"MFQAT_BACKEND={name} cannot run on {x.device}: {why.get(name, '')}")
+        raise RuntimeError(f"MFQAT_BACKEND={name} cannot run on {x.device}: {_why_unavailable(name, x.device)}")
     return name
+
+
+def _why_unavailable(name: str, device: torch.device) -> str:
+    """Why the forced backend ``name`` cannot take tensors on ``device`` (device first, then the build)."""
+    if name == "cpp" and device.type != "cpu":
+        return (f"the C++ backend takes CPU tensors only; {device.type} tensors are not supported by it "
+                "(unset MFQAT_BACKEND or set it to reference)")
+    if name == "cpp":
+        return f"the C++ extension is not built ({cpp.LOAD_ERROR}); reinstall with a C++ compiler"
+    if name == "triton" and triton_mx.AVAILABLE:
+        return (f"the Triton backend takes CUDA tensors (CPU ones only under TRITON_INTERPRET=1); "
+                f"{device.type} tensors are not supported by it (unset MFQAT_BACKEND or set it to reference)")
+    return "the triton package is not installed"
 
 
 def fake_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
@@ -88,8 +99,7 @@ def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
         return cpp.quantize_cpp(x, fmt, block_size, scale_rule)
     if backend == "triton":
         return triton_mx.quantize_triton(x, fmt, block_size, scale_rule)
-    codes, scales = mx_quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
-    return codes.reshape(x.shape), scales
+    return quantize_reference(x, fmt, block_size, scale_rule)
 
 
 def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat,

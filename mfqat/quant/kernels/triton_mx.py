@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from ...formats import ElementFormat
+from ..reference import dtype_max_exponent
 
 try:
     import triton
@@ -80,8 +81,10 @@ if AVAILABLE:
             tl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=valid)
 
     @triton.jit
-    def _block_exponent(x, EMAX: tl.constexpr, MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr):
-        """Shared exponent s (clamped to [-127, 127]) and non-finite flag per block row."""
+    def _block_exponent(x, EMAX: tl.constexpr, MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr,
+                        MAX_EXP: tl.constexpr):
+        """Shared exponent s (clamped to [-127, 127]) and non-finite flag per block row; under ceil,
+        s is capped at MAX_EXP - EMAX so that 2^s * max_normal stays finite in the input dtype."""
         abs_bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         max_bits = tl.max(abs_bits, axis=1)
         nonfinite = max_bits >= 0x7F800000
@@ -91,6 +94,7 @@ if AVAILABLE:
             amax = amax_bits.to(tl.float32, bitcast=True)
             scaled = amax * _exp2i(tl.minimum(tl.maximum(-s, -149), 127))
             s = s + (scaled > MAX_NORMAL).to(tl.int32)
+            s = tl.minimum(s, MAX_EXP - EMAX)
         s = tl.minimum(tl.maximum(s, -127), 127)
         return s, nonfinite
 
@@ -169,14 +173,14 @@ if AVAILABLE:
                            BS: tl.constexpr, ROWS: tl.constexpr, IS_INT: tl.constexpr,
                            EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                            STEP: tl.constexpr, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr,
-                           MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr, NEED_MASK: tl.constexpr,
-                           BF16: tl.constexpr):
+                           MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr, MAX_EXP: tl.constexpr,
+                           NEED_MASK: tl.constexpr, BF16: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BS)
         offs = rows[:, None].to(tl.int64) * BS + cols[None, :]
         valid = (rows < n_blocks)[:, None]
         x = _load_f32(x_ptr, offs, valid, BF16)
-        s, nonfinite = _block_exponent(x, EMAX, MAX_NORMAL, CEIL)
+        s, nonfinite = _block_exponent(x, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
         y = x * _exp2i(-s)[:, None]
         q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
         out = q * _exp2i(s)[:, None]
@@ -192,14 +196,14 @@ if AVAILABLE:
                          EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr,
                          BIAS: tl.constexpr, STEP: tl.constexpr, CODE_MIN: tl.constexpr,
                          CODE_MAX: tl.constexpr, MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr,
-                         BF16: tl.constexpr):
+                         MAX_EXP: tl.constexpr, BF16: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BS)
         offs = rows[:, None].to(tl.int64) * BS + cols[None, :]
         row_ok = rows < n_blocks
         valid = row_ok[:, None]
         x = _load_f32(x_ptr, offs, valid, BF16)
-        s, nonfinite = _block_exponent(x, EMAX, MAX_NORMAL, CEIL)
+        s, nonfinite = _block_exponent(x, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
         y = x * _exp2i(-s)[:, None]
         y = tl.where(nonfinite[:, None], 0.0, y)
         q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
@@ -221,11 +225,13 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _constexprs(fmt: ElementFormat, scale_rule: str) -> dict:
+def _constexprs(fmt: ElementFormat, scale_rule: str, dtype: torch.dtype) -> dict:
+    """The format, scale rule and input dtype as the kernels' compile-time constants."""
     is_int = fmt.family == "mxint"
     return dict(IS_INT=is_int, EMAX=fmt.emax, EMIN=fmt.emin if not is_int else 0, MBITS=fmt.mbits,
                 STEP=float(2 ** fmt.int_shift) if is_int else 1.0, CODE_MIN=float(fmt.code_min),
-                CODE_MAX=float(fmt.code_max), MAX_NORMAL=float(fmt.max_normal), CEIL=scale_rule == "ceil")
+                CODE_MAX=float(fmt.code_max), MAX_NORMAL=float(fmt.max_normal), CEIL=scale_rule == "ceil",
+                MAX_EXP=dtype_max_exponent(dtype))
 
 
 def fake_quantize_triton(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
@@ -238,7 +244,7 @@ def fake_quantize_triton(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
     rows = _rows_per_program(block_size)
     grid = (triton.cdiv(n_blocks, rows),)
     _fake_quant_kernel[grid](_bits_view(xc), _bits_view(out), mask, n_blocks, BS=block_size, ROWS=rows,
-                             NEED_MASK=need_mask, BF16=x.dtype == torch.bfloat16, **_constexprs(fmt, scale_rule))
+                             NEED_MASK=need_mask, BF16=x.dtype == torch.bfloat16, **_constexprs(fmt, scale_rule, x.dtype))
     return out, (mask.bool() if need_mask else None)
 
 
@@ -252,7 +258,7 @@ def quantize_triton(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_
     rows = _rows_per_program(block_size)
     _quantize_kernel[(triton.cdiv(n_blocks, rows),)](_bits_view(xc), codes, scales, n_blocks, BS=block_size,
                                                      ROWS=rows, EBITS=fmt.ebits, BIAS=fmt.bias,
-                                                     BF16=x.dtype == torch.bfloat16, **_constexprs(fmt, scale_rule))
+                                                     BF16=x.dtype == torch.bfloat16, **_constexprs(fmt, scale_rule, x.dtype))
     return (codes.view(torch.int8) if fmt.family == "mxint" else codes), scales
 
 
