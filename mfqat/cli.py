@@ -74,7 +74,9 @@ def _export(a) -> None:
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype)
     v = rep.get("verify", {})
-    print(f"wrote {a.out}: recipe {a.recipe}, {rep['bits_per_weight']:.3f} bits/weight, "
+    print(f"wrote {a.out}: recipe {a.recipe}, MX {rep['bits_per_weight']:.3f} bits/weight, stored "
+          f"{rep['stored_bits_per_weight']:.3f} bits/weight on disk ({rep['stored_bits_per_weight_quantized']:.3f} "
+          f"for the quantized matrices, {rep['scale_dtype']} scales), "
           f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
           f"max |logit diff| {v.get('max_abs_logit_diff')}")
 
@@ -113,8 +115,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     x.add_argument("--recipe", default="uniform:mxint4", help="uniform:FMT | seed | auto:BPW (e.g. auto:4.5)")
     x.add_argument("--calib-text", default=None, help="auto/AWQ: calibration text file or folder (default: pydoc)")
     x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
-    x.add_argument("--scale-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="MLX affine scales/biases (both exact for MX power-of-two scales; bfloat16 is smaller)")
+    x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="MLX affine scales/biases; auto: as mlx_lm.convert writes for the model (bfloat16 for a "
+                        "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
     d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")

@@ -84,6 +84,8 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
                 m, t = mlx_load(str(d))
                 text = generate(m, t, prompt=PROMPT, max_tokens=24)
                 res[recipe] = {"dir": str(d), "bits_per_weight": rep["bits_per_weight"],
+                               "stored_bits_per_weight": rep["stored_bits_per_weight"],
+                               "stored_bits_per_weight_quantized": rep["stored_bits_per_weight_quantized"],
                                "max_abs_logit_diff": rep["verify"]["max_abs_logit_diff"],
                                "argmax_agreement": rep["verify"]["argmax_agreement"], "completion": text,
                                "mlx_perplexity": mlx_perplexity(m, mx.array(few.numpy()), desc=f"MLX ppl {recipe}"),
@@ -115,13 +117,23 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
     for recipe, e in exports.items():
         if not isinstance(e, dict):
             continue
-        print(f"\nMLX {recipe}: {e['bits_per_weight']:.2f} bits/weight, weights bit-exact, max |logit diff| vs "
+        print(f"\nMLX {recipe}: MX {e['bits_per_weight']:.2f} bits/weight, stored {stored_bits(e)} on disk, "
+              f"weights bit-exact, max |logit diff| vs "
               f"PyTorch {e['max_abs_logit_diff']:.2e}, argmax agreement {e['argmax_agreement']:.2f}; perplexity on "
               f"{e.get('eval_blocks')} blocks: MLX {e.get('mlx_perplexity', float('nan')):.3f}, "
               f"PyTorch {e.get('pytorch_perplexity', float('nan')):.3f}")
         print(f"  {PROMPT} ...{e['completion']}")
     print(f"\nplot: {plot}\nsummary: {out_dir / 'summary.json'}")
     return summary
+
+
+def stored_bits(e: dict) -> str:
+    """The stored bits/weight of an export row (whole model; quantized matrices), or "?" for rows
+    written before the export report carried them."""
+    if "stored_bits_per_weight" not in e:
+        return "? bits/weight"
+    return (f"{e['stored_bits_per_weight']:.2f} bits/weight ({e['stored_bits_per_weight_quantized']:.2f} for the "
+            "quantized matrices)")
 
 
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """MLX export measurements on SmolLM2-135M, side by side in one run:
 
-* per recipe: export time, bits per weight, perplexity of the export run in MLX vs the PyTorch
+* per recipe: export time, bits per weight (MX nominal; stored: codes+scales+biases of the 2-D weights;
+  file: 8 x safetensors bytes / parameter count), perplexity of the export run in MLX vs the PyTorch
   model holding the same weights (they must agree);
 * generation tokens/s of our uniform:mxint4 export vs `mlx_lm.convert -q --q-bits 4
   --q-group-size 32` of the same full-precision weights;
@@ -28,6 +29,7 @@ from mfqat.eval.perplexity import perplexity as torch_ppl
 from mfqat.eval.report import format_table
 from mfqat.export import to_mlx
 from mfqat.export.mlx_export import plan_from_report, reference_state
+from mfqat.export.storage import anchor_parameters, stored_size
 from mfqat.mlx.models import smollm2_mlx_dir
 from mfqat.mlx.train import perplexity as mlx_ppl
 
@@ -63,6 +65,12 @@ def storage_bpw(path: str) -> float:
     return bits / max(count, 1)
 
 
+def file_bpw(folder: Path, n_params: int) -> float:
+    """8 x bytes of the safetensors files / the whole model's parameter count (the export report's
+    ``stored_bits_per_weight``), for any MLX folder."""
+    return stored_size(folder, n_params, {})["stored_bits_per_weight"]
+
+
 def mlx_perplexity(path: str, blocks: torch.Tensor) -> float:
     from mlx_lm import load
 
@@ -90,6 +98,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(fp_dir, dtype=torch.float32)
         mfqat.save_anchor(model, anchor_dir, "mxint8", AutoTokenizer.from_pretrained(fp_dir))
     anchor = read_anchor(anchor_dir)
+    n_params = anchor_parameters(anchor)
     tmodel = mfqat.load_anchor(anchor_dir)
     _, held_text = split_text(load_text(None))
     blocks = token_blocks(AutoTokenizer.from_pretrained(str(anchor_dir)), held_text, 128, max_blocks=a.blocks)
@@ -104,7 +113,7 @@ def main() -> None:
         convert(str(fp_dir), str(d), quantize=True, q_group_size=32, q_bits=4, dtype=a.dtype, **kw)
         rows.append({"model": label, "bits/weight": float("nan"), "export s": time.perf_counter() - t,
                      "MLX ppl": mlx_perplexity(str(d), blocks), "PyTorch ppl": float("nan"),
-                     "stored bits/weight": storage_bpw(str(d)),
+                     "stored bits/weight": storage_bpw(str(d)), "file bits/weight": file_bpw(d, n_params),
                      "size MB": sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20})
     # auto at the size of mixed_3_6: affine storage adds 32 bits of scale+bias per group of 32 in
     # bf16 (64 in fp32) where the MX nominal counts 8, so budget = stored - (overhead - 0.25)
@@ -119,10 +128,10 @@ def main() -> None:
         tmodel.load_state_dict(reference_state(anchor, plan_from_report(rep)), strict=False)
         rows.append({"model": f"mfqat {recipe}", "bits/weight": rep["bits_per_weight"], "export s": secs,
                      "MLX ppl": mlx_perplexity(str(d), blocks), "PyTorch ppl": torch_ppl(tmodel, blocks),
-                     "stored bits/weight": storage_bpw(str(d)),
+                     "stored bits/weight": storage_bpw(str(d)), "file bits/weight": rep["stored_bits_per_weight"],
                      "size MB": sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20})
     print(f"anchor={anchor_dir} fp={fp_dir} held-out tokens={blocks.numel()} dtype={a.dtype}")
-    print(format_table(rows, ["model", "bits/weight", "stored bits/weight", "size MB", "export s", "MLX ppl",
+    print(format_table(rows, ["model", "bits/weight", "stored bits/weight", "file bits/weight", "size MB", "export s", "MLX ppl",
                               "PyTorch ppl"]))
 
     ours, theirs = out / "ours-uniform-mxint4", out / "mlxlm-q4"

@@ -26,6 +26,9 @@ def test_demo_smoke(tiny_dir, tmp_path, capsys):
         assert abs(e["mlx_perplexity"] / e["pytorch_perplexity"] - 1) < 1e-3
     out = capsys.readouterr().out
     assert "MF-QAT ppl" in out and "MLX auto:4.75" in out
+    rows = [e for e in s["exports"].values() if isinstance(e, dict)]
+    assert all(e["stored_bits_per_weight"] > e["bits_per_weight"] for e in rows)  # scales, biases, 16-bit norms
+    assert f"stored {rows[0]['stored_bits_per_weight']:.2f} bits/weight" in out
     # a re-run reuses every stage
     run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
     assert "reusing" in capsys.readouterr().out
@@ -47,3 +50,5 @@ def test_cli_convert_eval_export(tiny_dir, tmp_path, capsys):
     assert "mxint4" in out and "direct ppl" in out and (tmp_path / "p.png").is_file()
     cli(["export-mlx", str(anchor), "--out", str(tmp_path / "mlx"), "--recipe", "seed"])
     assert json.loads((tmp_path / "mlx" / "mfqat_export.json").read_text())["verify"]["weights_bit_exact"]
+    rep = json.loads((tmp_path / "mlx" / "mfqat_export.json").read_text())
+    assert f"stored {rep['stored_bits_per_weight']:.3f} bits/weight on disk" in capsys.readouterr().out

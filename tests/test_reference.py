@@ -237,7 +237,9 @@ def test_affine_and_nf4_error_bounds():
     for k in range(2, 9):
         q = mfqat.quantize(x, f"affine{k}", 32)
         err = (q.dequantize() - x).abs().reshape(16, 4, 32)
-        assert (err <= q.scales.unsqueeze(-1) * 0.5 + 1e-6).all()
+        # MLX's rule makes the larger-magnitude edge exact and stretches the step to fit it, so the
+        # far edge can clamp: at most one step (|scale|; scales are negative when max is the edge)
+        assert (err <= q.scales.abs().unsqueeze(-1) + 1e-6).all()
     q = mfqat.quantize(x, "nf4", 64)
     assert (q.dequantize() - x).abs().max() < 0.2 * x.abs().max()
 

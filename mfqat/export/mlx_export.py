@@ -6,11 +6,13 @@ Codes are carried over code-for-code, never re-quantized by MLX (DESIGN.md §6):
 |----------------------------------------|----------------------------------------------|
 | mxfp4                                  | mode "mxfp4" (uint32 words, uint8 E8M0)      |
 | mxfp8_e4m3, mxfp6_e2m3, mxfp6_e3m2     | mode "mxfp8" (E4M3 bytes hold every value)   |
-| mxint k                                | mode "affine", bits k (7 -> 8), group 32,    |
+| mxint k                                | mode "affine", bits k (7 -> 8), group = the  |
+|                                        | anchor's block size (32, 64 or 128),         |
 |                                        | q_u = q + 2^(k-1), scale = 2^(s-(k-2)),      |
 |                                        | bias = -2^(k-1) * scale                      |
 | mxfp8_e5m2                             | bfloat16 (exact: every E5M2 value fits)      |
 
+mxfp4 / mxfp8 modes take group 32 only; other block sizes are refused before writing (storage.py).
 Packing is done here in torch/numpy; MLX is only used afterwards to verify every tensor.
 """
 from __future__ import annotations
@@ -29,7 +31,8 @@ from ..formats import get_format
 from ..io import atomic_directory, write_json
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from .recipes import AFFINE_BITS, Plan, build_plan, mlx_storage
+from .recipes import AFFINE_BITS, Plan, build_plan, mlx_storage, ptq_anchor_format
+from .storage import anchor_parameters, resolve_scale_dtype, stored_size
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
     import mlx.core as mx
@@ -86,7 +89,7 @@ def mlx_model_config(config: dict) -> dict:
 
 def _config_for_mlx(config: dict, plan: Plan) -> dict:
     cfg = mlx_model_config(config)
-    quant = {"group_size": 32, "bits": plan.base_bits, "mode": plan.base_mode}
+    quant = {"group_size": plan.group_size, "bits": plan.base_bits, "mode": plan.base_mode}
     for module, entry in plan.module_entries().items():
         quant[module] = entry
     cfg["quantization"] = quant
@@ -118,8 +121,9 @@ def plan_from_report(report: dict) -> Plan:
 
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
-           scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Export an anchor directory (or a plain HF model folder, quantized to an MXINT8 anchor first).
+           scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
+    the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
     Writes ``out_dir`` atomically: it appears only after every tensor has been checked against
     the PyTorch dequantization and ``mlx_lm.load`` has loaded it. Returns the export report.
@@ -140,17 +144,20 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from .awq import apply_awq
             report_awq = apply_awq(model, calibration_blocks(tok, calib_text))
         tmp_anchor = Path(tempfile.mkdtemp(prefix="mfqat-ptq-")) / "anchor"
-        save_anchor(model, tmp_anchor, "mxint8", tok)
+        save_anchor(model, tmp_anchor, ptq_anchor_format(recipe), tok)
         src = tmp_anchor
     anchor = read_anchor(src)
     plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text)
     config = json.loads((src / "config.json").read_text())
+    source_config = json.loads((Path(source) / "config.json").read_text()) if tmp_anchor else config
+    scale_dtype = resolve_scale_dtype(scale_dtype, source_config, anchor.plain.values())
     report = {"source": str(source), "recipe": recipe, "tensors": {}, "scale_dtype": scale_dtype}
     if awq:
         report["awq"] = report_awq
     try:
         with atomic_directory(out_dir) as tmp:
             _write(anchor, plan, config, src, tmp, report, scale_dtype, max_shard_bytes)
+            report.update(stored_size(tmp, anchor_parameters(anchor), plan.numels(anchor)))
             if verify:
                 report["verify"] = verify_export(tmp, anchor, plan, prompt)
             report["bits_per_weight"] = plan.bits_per_weight(anchor)
@@ -225,7 +232,7 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
                 arrays[f"{module}.biases"] = mx.array(st.biases) if cast is None else mx.array(st.biases).astype(cast)
         report["tensors"][name] = {"source": plan.formats[name], "origin": plan.origin[name],
                                    "mlx": st.mode or "bfloat16", "bits": st.bits,
-                                   "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(32),
+                                   "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(plan.group_size),
                                    "exact": st.exact}
     save_sharded(arrays, tmp, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan), indent=2))
@@ -245,7 +252,7 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
         if f"{module}.scales" in weights:
             mode, bits = mlx_storage(plan.formats[name])
             got = mx.dequantize(weights[name], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
-                                group_size=32, bits=bits, mode=mode)
+                                group_size=plan.group_size, bits=bits, mode=mode)
         else:
             got = weights[name]
         got = np.array(got.astype(mx.float32))

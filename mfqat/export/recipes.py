@@ -17,12 +17,13 @@ from ..formats import canonical_name, get_format
 from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
 from ..slice import check_sliceable, slice_and_scale
+from .storage import check_mlx_group_size
 
 FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
 }
-RECIPES = ("uniform:FMT", "seed", "auto:BPW")
+RECIPES = ("uniform:FMT", "seed[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint or mxfp
 AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
 
 
@@ -47,6 +48,7 @@ class Plan:
     kept16: Set[str] = field(default_factory=set)
     base_bits: int = 4
     base_mode: str = "affine"
+    group_size: int = 32  # the anchor's block size, checked against what MLX takes (storage.py)
     sensitivity: Optional[dict] = None  # auto:BPW - written beside the model as sensitivity.json
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
@@ -56,7 +58,7 @@ class Plan:
             if self.origin[name] == "anchor":
                 out[name] = slice_and_scale(anchor.quantized[name], fmt)
             else:
-                out[name] = quantize(anchor.plain[name].float(), fmt, 32)
+                out[name] = quantize(anchor.plain[name].float(), fmt, self.group_size)
         return out
 
     def module_entries(self) -> Dict[str, object]:
@@ -67,10 +69,14 @@ class Plan:
             if storage is None:
                 entries[name[: -len(".weight")]] = False
             elif storage != (self.base_mode, self.base_bits):
-                entries[name[: -len(".weight")]] = {"group_size": 32, "bits": storage[1], "mode": storage[0]}
+                entries[name[: -len(".weight")]] = {"group_size": self.group_size, "bits": storage[1], "mode": storage[0]}
         for name in self.kept16:
             entries[name[: -len(".weight")]] = False
         return entries
+
+    def numels(self, anchor: Anchor) -> Dict[str, int]:
+        """{planned tensor: element count}."""
+        return {name: int(torch.Size(_shape(anchor, name)).numel()) for name in self.formats}
 
     def bits_per_weight(self, anchor: Anchor) -> float:
         """Average bits per weight over the Linear/Embedding weights (16 for kept ones)."""
@@ -78,16 +84,18 @@ class Plan:
         shapes = {**{k: q.shape for k, q in anchor.quantized.items()}, **{k: v.shape for k, v in anchor.plain.items()}}
         for name in list(self.formats) + sorted(self.kept16):
             n = int(torch.Size(shapes[name]).numel())
-            bpw = get_format(self.formats[name]).bits_per_weight(32) if name in self.formats else 16.0
+            bpw = get_format(self.formats[name]).bits_per_weight(self.group_size) if name in self.formats else 16.0
             total_bits += bpw * n
             total += n
         return total_bits / max(total, 1)
 
 
 def _matrix_weights(anchor: Anchor) -> List[str]:
-    """Plain 2-D weights that MLX can quantize (embeddings, untied lm_head), in-features % 32 == 0."""
+    """Plain 2-D weights that MLX can quantize (embeddings, untied lm_head), in-features divisible
+    by the anchor's block size."""
+    bs = anchor.meta.get("block_size", 32)
     return [k for k, v in anchor.plain.items()
-            if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % 32 == 0]
+            if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0]
 
 
 def _fmt_for_bits(family: str, bits: int, anchor_bits: int) -> str:
@@ -119,9 +127,24 @@ def _shape(anchor: Anchor, name: str) -> tuple:
 
 
 def _check_group_size(anchor: Anchor, names) -> None:
+    bs = anchor.meta.get("block_size", 32)
     for name in names:
-        if _shape(anchor, name)[-1] % 32:
-            raise ValueError(f"{name}: shape {_shape(anchor, name)} is not divisible by the MLX group size 32")
+        if _shape(anchor, name)[-1] % bs:
+            raise ValueError(f"{name}: shape {_shape(anchor, name)} is not divisible by the MLX group size {bs}")
+
+
+def parse_recipe(recipe: str) -> Tuple[str, Optional[str], Optional[str]]:
+    """(kind, argument, family): ``uniform:FMT`` -> ("uniform", FMT, its family); ``seed[:FAMILY]``
+    -> ("seed", None, FAMILY or None); ``auto:BPW[:FAMILY]`` -> ("auto", BPW, FAMILY or None)."""
+    kind, _, rest = recipe.partition(":")
+    if kind == "uniform" and rest:
+        return kind, canonical_name(rest), get_format(rest).family
+    if kind == "seed":
+        return kind, None, rest or None
+    if kind == "auto" and rest:
+        budget, _, family = rest.partition(":")
+        return kind, budget, family or None
+    raise ValueError(f"unknown recipe '{recipe}'; choose one of {RECIPES}")
 
 
 def _most_weights(anchor: Anchor, formats: Dict[str, str]) -> str:
@@ -132,30 +155,46 @@ def _most_weights(anchor: Anchor, formats: Dict[str, str]) -> str:
     return max(count, key=count.get)
 
 
+def ptq_anchor_format(recipe: str) -> str:
+    """The anchor format a full-precision model is quantized to before export: the 8-bit format of
+    the recipe's family (mxint8, mxfp8_e4m3; an 8-bit uniform format itself, e.g. mxfp8_e5m2)."""
+    kind, arg, family = parse_recipe(recipe)
+    if kind == "uniform" and get_format(arg).bits == 8:
+        return arg
+    if family not in (None, "mxint", "mxfp"):
+        raise ValueError(f"recipe '{recipe}': unknown family '{family}'; choose mxint or mxfp")
+    return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3"}[family]
+
+
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None) -> Plan:
     """A per-tensor plan from a recipe name; checks everything before anything is written."""
     family = get_format(anchor.format).family
-    plan = Plan()
+    kind, arg, want = parse_recipe(recipe)
+    if want is not None and want != family:
+        raise ValueError(f"recipe '{recipe}' asks for the {want} family but the anchor is {anchor.format} "
+                         f"({family}): Slice-and-Scale stays inside one MX family")
+    plan = Plan(group_size=anchor.meta.get("block_size", 32))
     tied = bool(anchor.meta.get("tied"))
-    if recipe.startswith("uniform:"):
-        fmt = canonical_name(recipe.split(":", 1)[1])
+    if kind == "uniform":
+        fmt = arg
         check_sliceable(anchor.format, fmt, name=str(anchor.path))
         for name in anchor.quantized:
             plan.formats[name], plan.origin[name] = fmt, "anchor"
         for name in _matrix_weights(anchor):
             plan.formats[name], plan.origin[name] = fmt, "ptq"
         top = get_format(fmt)
-    elif recipe == "seed":
+    elif kind == "seed":
         for name in list(anchor.quantized) + _matrix_weights(anchor):
             bits = seed_bits(name, base_bits, tied)
             plan.formats[name] = _fmt_for_bits(family, bits, get_format(anchor.format).bits)
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))
-    elif recipe.startswith("auto:"):
-        from .sensitivity import auto_plan_formats
+    elif kind == "auto":
+        from .sensitivity import auto_plan_formats, ladder
 
+        check_mlx_group_size(plan.group_size, [(anchor.format, mlx_storage(f)) for f in ladder(anchor.format)])
         try:
-            budget = float(recipe.split(":", 1)[1])
+            budget = float(arg)
         except ValueError:
             raise ValueError(f"recipe '{recipe}': write the budget in bits per weight, e.g. auto:4.5") from None
         names = list(anchor.quantized) + _matrix_weights(anchor)
@@ -165,8 +204,6 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             plan.formats[name] = fmt
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_most_weights(anchor, formats))
-    else:
-        raise ValueError(f"unknown recipe '{recipe}'; choose one of {RECIPES}")
     for name in _matrix_weights(anchor):
         if name not in plan.formats:
             plan.kept16.add(name)
@@ -174,5 +211,6 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     for name, fmt in plan.formats.items():
         if plan.origin[name] == "anchor":
             check_sliceable(anchor.format, fmt, name=name)
+    check_mlx_group_size(plan.group_size, [(n, mlx_storage(f)) for n, f in plan.formats.items()])
     plan.base_mode, plan.base_bits = mlx_storage(top) or ("mxfp8", 8)
     return plan

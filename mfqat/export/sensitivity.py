@@ -57,7 +57,7 @@ def in_format(anchor: Anchor, name: str, fmt: str) -> MXTensor:
     """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor, or direct for plain weights."""
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
-    return quantize(anchor.plain[name].float(), fmt, 32)
+    return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32))
 
 
 def probe_for(budget_bpw: float, levels: List[str]) -> str:

@@ -21,6 +21,7 @@ import mlx.core as mx
 from ..formats import NF4_CODEBOOK, ElementFormat, FormatLike, get_format
 
 E8M0_NAN = 255
+AFFINE_EPS = 1e-7  # MLX's floor on the affine scale
 
 
 def _bits(x: mx.array) -> mx.array:
@@ -127,13 +128,20 @@ def _nf4(blocks: mx.array) -> Tuple[mx.array, mx.array]:
     return codes, absmax
 
 
-def _affine(blocks: mx.array, fmt: ElementFormat) -> Tuple[mx.array, mx.array, mx.array]:
+def _affine(blocks: mx.array, fmt: ElementFormat, dtype=mx.float32) -> Tuple[mx.array, mx.array, mx.array]:
+    """MLX's own affine rule in MLX ops (see :func:`mfqat.quant.reference.affine_quantize_blocks`);
+    scales and biases rounded to ``dtype`` and returned as float32."""
     n_bins = float(2 ** fmt.bits - 1)
     wmin, wmax = blocks.min(axis=-1), blocks.max(axis=-1)
-    scale = (wmax - wmin) / n_bins
-    scale = mx.where(scale > 0, scale, mx.ones_like(scale))
-    q = mx.clip(mx.round((blocks - wmin[..., None]) / scale[..., None]), 0, n_bins)
-    return q.astype(mx.uint8), scale, wmin
+    use_min = mx.abs(wmin) > mx.abs(wmax)
+    scale = mx.maximum((wmax - wmin) / n_bins, AFFINE_EPS)
+    scale = mx.where(use_min, scale, -scale)
+    edge = mx.where(use_min, wmin, wmax)
+    q0 = mx.round(edge / scale)
+    scale = mx.where(q0 != 0, edge / q0, scale)
+    bias = mx.where(q0 != 0, edge, 0.0)
+    q = mx.clip(mx.round((blocks - bias[..., None]) / scale[..., None]), 0, n_bins)
+    return q.astype(mx.uint8), scale.astype(dtype).astype(mx.float32), bias.astype(dtype).astype(mx.float32)
 
 
 def _blocked(x: mx.array, fmt: FormatLike, block_size: Optional[int]) -> Tuple[ElementFormat, int, mx.array]:
@@ -157,7 +165,7 @@ def quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, sca
     if f.family == "nf4":
         codes, absmax = _nf4(blocks)
         return codes.reshape(x.shape), absmax, None
-    codes, scale, bias = _affine(blocks, f)
+    codes, scale, bias = _affine(blocks, f, x.dtype)
     return codes.reshape(x.shape), scale, bias
 
 

@@ -56,7 +56,7 @@ def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
 
         codes, scales = mx_quantize_dispatch(x.detach(), f, bs, scale_rule)
         return MXTensor(codes, scales, f, bs, x.dtype, None, scale_rule)
-    codes, scales, biases = quantize_blocks(to_blocks(x.detach(), bs), f, scale_rule)
+    codes, scales, biases = quantize_blocks(to_blocks(x.detach(), bs), f, scale_rule, x.dtype)
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, biases, scale_rule)
 
 

@@ -204,19 +204,31 @@ def nf4_dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Te
 # ----------------------------------------------------------------------------- affine
 
 
-def affine_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat
-                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max per group (the MLX affine layout: w = q * scale + bias).
+AFFINE_EPS = 1e-7  # MLX's floor on the affine scale
 
-    Returns (codes uint8 in [0, 2^k - 1], scales float32, biases float32).
+
+def affine_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, dtype: torch.dtype = torch.float32
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLX's affine rule (``mx.quantize(w, group_size, bits)``, mode affine), bit for bit.
+
+    In float32: s = max((max - min) / (2^k - 1), 1e-7); the edge of larger magnitude (min when
+    |min| > |max|, else max, with s negated) is made exact: q0 = round(edge / s) and, when q0 != 0,
+    s = edge / q0 and bias = edge (else bias = 0). Codes are round((w - bias) / s) clamped to
+    [0, 2^k - 1]; scale and bias are then rounded to the input ``dtype`` (MLX returns them in it),
+    held here as float32. Returns (codes uint8, scales float32, biases float32); scales may be
+    negative (the max edge case), exactly as MLX stores them.
     """
     n_bins = float(2 ** fmt.bits - 1)
-    wmin = blocks.amin(dim=-1)
-    wmax = blocks.amax(dim=-1)
-    scale = (wmax - wmin) / n_bins
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((blocks - wmin.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, n_bins)
-    return q.to(torch.uint8), scale, wmin
+    wmin, wmax = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    use_min = wmin.abs() > wmax.abs()
+    scale = torch.clamp_min((wmax - wmin) / n_bins, AFFINE_EPS)
+    scale = torch.where(use_min, scale, -scale)
+    edge = torch.where(use_min, wmin, wmax)
+    q0 = torch.round(edge / scale)
+    scale = torch.where(q0 != 0, edge / q0, scale)
+    bias = torch.where(q0 != 0, edge, torch.zeros_like(edge))
+    q = torch.round((blocks - bias.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, n_bins)
+    return q.to(torch.uint8), scale.to(dtype).float(), bias.to(dtype).float()
 
 
 def affine_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
@@ -232,16 +244,18 @@ def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
-def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor", max_exp: int = 127
-                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Dispatch on the family: (codes, scales, biases or None) for float32 blocks."""
+def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = "floor",
+                    dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Dispatch on the family: (codes, scales, biases or None) for float32 blocks of a ``dtype``
+    tensor (affine scales and biases are rounded to ``dtype``, as MLX does; the MX ceil cap
+    follows ``dtype``'s largest exponent)."""
     if fmt.is_mx:
-        codes, scales = mx_quantize_blocks(blocks, fmt, scale_rule, max_exp)
+        codes, scales = mx_quantize_blocks(blocks, fmt, scale_rule, dtype_max_exponent(dtype))
         return codes, scales, None
     if fmt.family == "nf4":
         codes, absmax = nf4_quantize_blocks(blocks)
         return codes, absmax, None
-    return affine_quantize_blocks(blocks, fmt)
+    return affine_quantize_blocks(blocks, fmt, dtype)
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optional[torch.Tensor],
@@ -261,7 +275,7 @@ def fake_quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int
     if fmt.is_mx:
         out, saturated = mx_fake_quantize_blocks(blocks, fmt, scale_rule, dtype_max_exponent(x.dtype))
     else:
-        codes, scales, biases = quantize_blocks(blocks, fmt, scale_rule)
+        codes, scales, biases = quantize_blocks(blocks, fmt, scale_rule, x.dtype)
         out = dequantize_blocks(codes, scales, biases, fmt)
         saturated = torch.zeros_like(out, dtype=torch.bool)
     return out.reshape(x.shape).to(x.dtype), saturated.reshape(x.shape)
