@@ -91,4 +91,4 @@ class MFQATCallback(TrainerCallback):
         while hasattr(base, "module"):
             base = base.module
         save_anchor(base, ckpt, self.anchor_format, tokenizer=self.tokenizer, step=state.global_step,
-                    schedule=ctl.config.to_dict())
+                    schedule=ctl.config.to_dict(), overwrite=True)

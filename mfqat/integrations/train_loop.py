@@ -168,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                     (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
                     if cfg:
                         save_anchor(base, ckpt / "mfqat_anchor", args.anchor_format, tok, step=step,
-                                    schedule=cfg.to_dict())
+                                    schedule=cfg.to_dict(), overwrite=True)
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
@@ -181,7 +181,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if cfg:
-            save_anchor(base, out / "anchor", args.anchor_format, tok, step=step, schedule=cfg.to_dict())
+            save_anchor(base, out / "anchor", args.anchor_format, tok, step=step, schedule=cfg.to_dict(),
+                        overwrite=True)  # a rerun into the same --out replaces its own anchor
             summary["anchor"] = str(out / "anchor")
         rows = []
         for f in [x for x in args.eval_formats.split(",") if x]:
