@@ -129,7 +129,7 @@ def test_version_1_anchors_still_load(copy):
 
 
 FIELDS = ["format_version", "anchor_format", "block_size", "scale_rule", "tensors", "tied", "files", "step"]
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) |
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, allow_infinity=False) |
                     st.text(max_size=12), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
                     max_leaves=6)
 
