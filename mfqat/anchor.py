@@ -8,39 +8,40 @@ Directory layout (what ``from_pretrained`` users recognise, plus mfqat's own met
 Quantized tensors are stored as ``{name}.codes`` (packed uint8) and ``{name}.scales`` (E8M0
 uint8); everything else as plain tensors. ``mfqat.json`` records the format version, anchor
 format, block size, scale rule, every quantized tensor (format, shape, dtype), tied aliases,
-the training schedule and step, and a sha256 per weight file.
+the tensors kept in full precision and why, the training schedule and step, a sha256 per weight
+file, and (format version 2) a manifest over every file plus a digest of itself (mfqat.manifest).
+Version-1 anchors (no manifest) are still read; their config and tokenizer are not checked.
 """
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save_file
 from torch import nn
 
 from . import __version__
+from .anchor_meta import (ANCHOR_FORMAT_VERSION, TENSOR_DTYPES, check_quantized, check_version,  # noqa: F401
+                          validate_meta, weight_files)
 from .formats import canonical_name, get_format
 from .io import PathLike, atomic_directory, sha256_file, write_json
+from .manifest import AnchorError, Snapshot, load_meta, retry_read, seal
 from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
 from .quant.api import quantize
 from .quant.mxtensor import MXTensor
 from .slice import check_sliceable, slice_and_scale
 
-ANCHOR_FORMAT_VERSION = 1
 META_FILE = "mfqat.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 1024 ** 3
-
-
-class AnchorError(ValueError):
-    """An anchor directory is missing, corrupt, or does not match what was asked."""
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Anchor:
     meta: dict
     quantized: Dict[str, MXTensor] = field(default_factory=dict)
     plain: Dict[str, torch.Tensor] = field(default_factory=dict)
+    config: Optional[dict] = None  # config.json as read (and checked, from version 2) with the weights
 
     @property
     def format(self) -> str:
@@ -78,6 +80,14 @@ def default_targets(model: nn.Module, block_size: int) -> List[str]:
     pat = re.compile(DEFAULT_TARGETS)
     return [f"{n}.weight" for n, m in model.named_modules()
             if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size == 0]
+
+
+def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
+    """{weight: reason} for decoder-block Linear weights whose in_features is not a whole number of blocks."""
+    pat = re.compile(DEFAULT_TARGETS)
+    return {f"{n}.weight": f"in_features {m.in_features} not a multiple of {block_size}"
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size}
 
 
 def _unique_state_dict(model: nn.Module) -> tuple[Dict[str, torch.Tensor], Dict[str, str]]:
@@ -128,25 +138,9 @@ def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_
     return names
 
 
-def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer=None,
-                block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
-                step: Optional[int] = None, schedule: Optional[dict] = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write an anchor checkpoint (atomic: a crash never leaves a half anchor that loads).
-
-    Quantizes the MF-QAT modules' master weights of a prepared model, or (plain model,
-    post-training quantization) every decoder-block Linear weight, to ``fmt``.
-    """
-    f = get_format(fmt)
-    if not f.is_mx:
-        raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
-    sd, tied = _unique_state_dict(model)
-    if any("lora_" in k for k in sd):
-        raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
-    if targets is None:
-        prepared = [f"{n}.weight" for n, m in qat_modules(model)]
-        targets = prepared or default_targets(model, block_size)
-        block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
+def _quantize_all(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str
+                  ) -> tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+    """(tensors to write, mfqat.json entries): targets as codes + scales, the rest as they are."""
     tensors: Dict[str, torch.Tensor] = {}
     entries: Dict[str, dict] = {}
     for k, v in sd.items():
@@ -158,90 +152,120 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
             entries[k] = {"format": f.name, "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
         else:
             tensors[k] = v
+    return tensors, entries
+
+
+def full_precision(model: nn.Module, sd: Dict[str, torch.Tensor], entries: Dict[str, dict], block_size: int
+                   ) -> Dict[str, str]:
+    """{matrix kept in full precision: why}; warns naming layers left out for their width."""
+    odd = unblockable(model, block_size)
+    fp = {k: odd.get(k, "not a target") for k, v in sd.items()
+          if k not in entries and v.is_floating_point() and v.dim() >= 2}
+    skipped = [f"{k} ({r})" for k, r in fp.items() if k in odd]
+    if skipped:
+        warnings.warn("mfqat.save_anchor kept layers full precision: " + ", ".join(skipped), stacklevel=3)
+    return fp
+
+
+def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer=None,
+                block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
+                step: Optional[int] = None, schedule: Optional[dict] = None,
+                max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Write an anchor checkpoint (atomic: a crash never leaves a half anchor that loads).
+
+    Quantizes the MF-QAT modules' master weights of a prepared model, or (plain model,
+    post-training quantization) every decoder-block Linear weight, to ``fmt``. An existing
+    non-empty ``path`` is refused unless ``overwrite`` and it is an anchor (mfqat.io.atomic_directory).
+    """
+    f = get_format(fmt)
+    if not f.is_mx:
+        raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
+    sd, tied = _unique_state_dict(model)
+    if any("lora_" in k for k in sd):
+        raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
+    if targets is None:
+        prepared = [f"{n}.weight" for n, m in qat_modules(model)]
+        targets = prepared or default_targets(model, block_size)
+        block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
+    tensors, entries = _quantize_all(sd, targets, f, block_size, scale_rule)
     missing = [t for t in targets if t not in entries and t not in tied]
     if missing:
         raise ValueError(f"targets not found in the model's state dict: {missing[:5]}")
-    with atomic_directory(path) as tmp:
+    fp = full_precision(model, sd, entries, block_size)
+    with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
         config = getattr(model, "config", None)
         if config is not None:
             config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         files = write_safetensors(tmp, tensors, max_shard_bytes)
-        write_json(tmp / META_FILE, {
-            "format_version": ANCHOR_FORMAT_VERSION,
-            "mfqat_version": __version__,
-            "anchor_format": f.name,
-            "block_size": block_size,
-            "scale_rule": scale_rule,
-            "tensors": entries,
-            "tied": tied,
-            "schedule": schedule,
-            "step": step,
-            "files": {name: sha256_file(tmp / name) for name in files},
-        })
+        meta = {"format_version": ANCHOR_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
+                "block_size": block_size, "scale_rule": scale_rule, "tensors": entries, "tied": tied,
+                "full_precision": fp, "schedule": schedule, "step": step,
+                "files": {name: sha256_file(tmp / name) for name in files}}
+        write_json(tmp / META_FILE, seal(meta, tmp, META_FILE))
     return Path(path)
 
 
 def read_meta(path: PathLike) -> dict:
-    """Read and validate mfqat.json (version, format, files present)."""
-    path = Path(path)
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise AnchorError(f"{path}: not an mfqat anchor ({META_FILE} is missing)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise AnchorError(f"{meta_path}: corrupt JSON ({e}); re-save the anchor") from e
-    version = meta.get("format_version")
-    if not isinstance(version, int) or version > ANCHOR_FORMAT_VERSION:
-        raise AnchorError(
-            f"{meta_path}: anchor format version {version!r} is newer than this mfqat supports "
-            f"({ANCHOR_FORMAT_VERSION}); upgrade mfqat (written by mfqat {meta.get('mfqat_version')})"
-        )
-    try:
-        get_format(meta["anchor_format"])
-    except (KeyError, ValueError) as e:
-        raise AnchorError(f"{meta_path}: bad anchor_format: {e}") from e
-    for name in meta.get("files", {}):
-        if not (path / name).is_file():
-            raise AnchorError(f"{path / name}: weight file listed in {META_FILE} is missing")
-    return meta
+    """Read and validate mfqat.json (digest, version, every field); AnchorError names file and field."""
+    def read(snap: Snapshot) -> dict:
+        return validate_meta(load_meta(snap, META_FILE, "anchor", check_version), str(snap.path / META_FILE))
+    return retry_read(Path(path), read)
 
 
-def read_anchor(path: PathLike, verify: bool = True) -> Anchor:
-    """Read an anchor: check hashes, shapes and formats; name the file or tensor that is wrong."""
-    path = Path(path)
-    meta = read_meta(path)
-    if verify:
-        for name, digest in meta["files"].items():
-            if sha256_file(path / name) != digest:
-                raise AnchorError(f"{path / name}: sha256 mismatch: the file is truncated or was modified; "
-                                  f"re-save or re-download the anchor")
+def _parse_weights(snap: Snapshot, meta: dict, verify: bool) -> tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """Every tensor of the weight files, parsed from the very bytes that were hashed; {tensor: file}."""
     raw: Dict[str, torch.Tensor] = {}
-    for name in meta["files"]:
+    origin: Dict[str, str] = {}
+    for name, digest in weight_files(meta).items():
+        data = snap.read_checked(name, digest if verify else None)
         try:
-            with safe_open(str(path / name), framework="pt") as fh:
-                for k in fh.keys():
-                    raw[k] = fh.get_tensor(k)
-        except Exception as e:
-            raise AnchorError(f"{path / name}: cannot read safetensors ({e})") from e
-    anchor = Anchor(path, meta)
+            tensors = load_safetensors_bytes(data)
+        except Exception as e:  # safetensors raises its own error types on a bad header
+            raise AnchorError(f"{snap.path / name}: cannot read safetensors ({e})") from None
+        raw.update(tensors)
+        origin.update(dict.fromkeys(tensors, name))
+    return raw, origin
+
+
+def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
+    """One consistent read of an anchor folder (see read_anchor)."""
+    where = snap.path / META_FILE
+    meta = validate_meta(load_meta(snap, META_FILE, "anchor", check_version), str(where))
+    manifest = meta.get("manifest", {})
+    if verify:
+        for name in manifest:
+            if name not in meta["files"] and name != "config.json":
+                snap.read_checked(name, manifest[name])
+    config = None
+    if snap.exists("config.json") or "config.json" in manifest:
+        try:
+            config = json.loads(snap.read_checked("config.json", manifest.get("config.json") if verify else None))
+        except ValueError as e:
+            raise AnchorError(f"{snap.path / 'config.json'}: corrupt JSON ({e})") from None
+    raw, origin = _parse_weights(snap, meta, verify)
+    anchor = Anchor(snap.path, meta, config=config)
     bs = meta["block_size"]
     for k, e in meta["tensors"].items():
         if f"{k}.codes" not in raw or f"{k}.scales" not in raw:
-            raise AnchorError(f"{path}: tensor {k}: codes or scales missing from the weight files")
+            raise AnchorError(f"{snap.path}: tensor {k}: codes or scales missing from the weight files")
         f = get_format(e["format"])
-        shape = tuple(e["shape"])
         codes, scales = raw.pop(f"{k}.codes"), raw.pop(f"{k}.scales")
-        want_scales = shape[:-1] + (shape[-1] // bs,)
-        if tuple(scales.shape) != want_scales or tuple(codes.shape) != shape[:-1] + (shape[-1] * f.bits // 8,):
-            raise AnchorError(f"{path}: tensor {k}: codes {tuple(codes.shape)} / scales {tuple(scales.shape)} "
-                              f"do not match shape {shape} in {f.name} with block {bs}")
-        dtype = getattr(torch, e.get("dtype", "float32"))
-        anchor.quantized[k] = MXTensor.unpack(codes, scales, f, bs, shape, dtype, scale_rule=meta["scale_rule"])
+        check_quantized(k, codes, scales, e, f.bits, bs, str(snap.path / origin[f"{k}.codes"]))
+        anchor.quantized[k] = MXTensor.unpack(codes, scales, f, bs, tuple(e["shape"]),
+                                              TENSOR_DTYPES[e.get("dtype", "float32")], scale_rule=meta["scale_rule"])
     anchor.plain = raw
     return anchor
+
+
+def read_anchor(path: PathLike, verify: bool = True) -> Anchor:
+    """Read an anchor: check hashes, shapes and formats; name the file or tensor that is wrong.
+
+    Each file is read once and the bytes hashed are the bytes parsed; all files come from one
+    folder even while another process saves over ``path`` (then the read is retried).
+    """
+    return retry_read(Path(path), lambda snap: _read_snapshot(snap, verify))
 
 
 def load_anchor(path: PathLike, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
@@ -251,11 +275,17 @@ def load_anchor(path: PathLike, fmt: Optional[str] = None, device: Union[str, to
     ``fmt=None`` gives the anchor's own format. Any format of the anchor's family at or below
     its bits can be asked for; others raise AnchorError / ValueError with the reason.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     anchor = read_anchor(path)
     sd = anchor.state_dict(fmt, dtype)
-    config = AutoConfig.from_pretrained(str(path))
+    odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if why != "not a target"]
+    if fmt is not None and odd and canonical_name(fmt) != anchor.format:
+        warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
+                      f"of the block size {anchor.meta['block_size']})", stacklevel=2)
+    if not isinstance(anchor.config, dict) or anchor.config.get("model_type") not in CONFIG_MAPPING:
+        raise AnchorError(f"{path}: config.json is missing or has no known model_type")
+    config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = set(anchor.meta.get("tied", {}))

@@ -1,4 +1,4 @@
-"""The `mfqat` command: train, convert, eval, export-mlx, demo, bench."""
+"""The `mfqat` command: train, convert, eval, export-mlx, verify, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -12,16 +12,36 @@ def _convert(a) -> None:
     from transformers import AutoTokenizer
 
     from .anchor import load_anchor
-    from .io import atomic_directory
+    from .io import atomic_directory, write_json
+    from .manifest import seal
 
     model = load_anchor(a.anchor, a.to)
-    with atomic_directory(a.out) as tmp:
+    with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
         model.save_pretrained(tmp)
         try:
             AutoTokenizer.from_pretrained(a.anchor).save_pretrained(tmp)
         except Exception:
             print(f"[mfqat] {a.anchor}: no tokenizer saved with the anchor; wrote weights only")
+        marker = {"source": str(Path(a.anchor).absolute()), "format": model.mfqat_format}
+        write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
     print(f"wrote {a.out} ({a.to or 'anchor format'}, dequantized, from_pretrained-loadable)")
+
+
+def _verify(a) -> None:
+    """Check every file of an anchor, MLX export or converted checkpoint against its manifest."""
+    from .anchor import META_FILE, read_anchor
+    from .manifest import verify_folder
+
+    path = Path(a.path)
+    for meta_name, what in ((META_FILE, "anchor"), ("mfqat_export.json", "MLX export"),
+                            ("mfqat_convert.json", "converted checkpoint")):
+        if (path / meta_name).is_file():
+            if what == "anchor":
+                read_anchor(path, verify=True)
+            meta = verify_folder(path, meta_name)
+            print(f"OK {path}: {what}, {len(meta['manifest']) + 1} files match the manifest")
+            return
+    raise SystemExit(f"mfqat verify: {path} is not an mfqat anchor, MLX export or converted checkpoint")
 
 
 def _eval(a) -> None:
@@ -72,7 +92,7 @@ def _export(a) -> None:
 
     calib = load_text(a.calib_text) if a.calib_text else None
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
-                 awq=a.awq, scale_dtype=a.scale_dtype)
+                 awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite)
     v = rep.get("verify", {})
     print(f"wrote {a.out}: recipe {a.recipe}, MX {rep['bits_per_weight']:.3f} bits/weight, stored "
           f"{rep['stored_bits_per_weight']:.3f} bits/weight on disk ({rep['stored_bits_per_weight_quantized']:.3f} "
@@ -100,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     c.add_argument("anchor")
     c.add_argument("--to", default=None)
     c.add_argument("--out", required=True)
+    c.add_argument("--overwrite", action="store_true", help="replace an earlier convert output at --out")
     e = sub.add_parser("eval", help="perplexity table + PNG over formats")
     e.add_argument("model", help="anchor directory, HF folder, .gguf, or 'smollm2'")
     e.add_argument("--formats", default="mxint8,mxint6,mxint5,mxint4,mxint3,mxint2")
@@ -120,6 +141,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
+    x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
+    y = sub.add_parser("verify", help="check an anchor / MLX export / convert output against its manifest")
+    y.add_argument("path")
     d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")
     from .demo import build_parser as demo_parser
     demo_parser(d)
@@ -149,12 +173,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(subprocess.call([sys.executable, str(script), *rest]))
     elif rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    elif args.cmd == "convert":
-        _convert(args)
+    elif args.cmd in ("convert", "export-mlx", "verify"):
+        from .guard import UnsafeOutputError, WriterBusyError
+        from .manifest import AnchorError
+
+        try:
+            {"convert": _convert, "export-mlx": _export, "verify": _verify}[args.cmd](args)
+        except (FileExistsError, AnchorError, WriterBusyError, UnsafeOutputError) as e:
+            sys.exit(f"mfqat {args.cmd}: {e}")
     elif args.cmd == "eval":
         _eval(args)
-    elif args.cmd == "export-mlx":
-        _export(args)
     elif args.cmd == "generate":
         _mlx()
         from .mlx.serve import generate

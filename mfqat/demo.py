@@ -42,6 +42,8 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
     """Run every stage; print the final table; write OUT/ppl_vs_bpw.png and OUT/summary.json."""
     out_dir = Path(out)
     if force and out_dir.exists():
+        if any(out_dir.iterdir()) and not (out_dir / "stages").is_dir():
+            raise SystemExit(f"mfqat demo --force: {out_dir} is not a demo output (no stages/); refusing to delete it")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(model_name)
@@ -80,7 +82,7 @@ def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_
             res = {}
             for recipe in ("uniform:mxint4", AUTO_RECIPE):
                 d = out_dir / ("mlx-" + recipe.replace(":", "-"))
-                rep = to_mlx(trained["anchor"], d, recipe=recipe, prompt=PROMPT)
+                rep = to_mlx(trained["anchor"], d, recipe=recipe, prompt=PROMPT, overwrite=True)
                 m, t = mlx_load(str(d))
                 text = generate(m, t, prompt=PROMPT, max_tokens=24)
                 res[recipe] = {"dir": str(d), "bits_per_weight": rep["bits_per_weight"],

@@ -8,7 +8,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Sequence, Union
+
+from .guard import (WriterBusyError, backup_path, check_output, is_kind, partial_name,  # noqa: F401
+                    recover, writer_lock)
 
 PathLike = Union[str, Path]
 
@@ -30,10 +33,24 @@ def sha256_file(path: PathLike, chunk: int = 1 << 22) -> str:
             h.update(b)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: PathLike, data: dict) -> None:
-    """Write JSON through a temp file + fsync + rename."""
+    """Write JSON through a temp file + fsync + rename (mode as the umask gives a new file)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~current_umask())
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=2, sort_keys=False)
         f.write("\n")
@@ -42,29 +59,75 @@ def write_json(path: PathLike, data: dict) -> None:
     os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def atomic_directory(dest: PathLike, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary folder beside ``dest``; on success it replaces ``dest`` in one rename.
+def fsync_dir(path: PathLike) -> None:
+    """Make renames inside a folder durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    On an exception the temporary folder is removed and ``dest`` is left as it was.
+
+def settle(folder: Path) -> None:
+    """fsync every file of a written folder and give everything the modes the umask gives new
+    files (some writers, safetensors and tempfile among them, create files 0600)."""
+    mask = current_umask()
+    for f in [folder, *folder.rglob("*")]:
+        if f.is_symlink():
+            continue
+        if f.is_dir():
+            os.chmod(f, 0o777 & ~mask)
+        else:
+            os.chmod(f, 0o666 & ~mask)
+            fsync_file(f)
+
+
+def swap_in(tmp: Path, dest: Path) -> None:
+    """Rename ``tmp`` to ``dest``; an existing ``dest`` is moved to a backup first and put back
+    if the second rename fails. A kill between the two renames is repaired by the next save."""
+    backup = None
+    if dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()
+    elif dest.exists():
+        backup = backup_path(dest)
+        if backup.exists():  # our own PID: left by an earlier failed save of this process
+            shutil.rmtree(backup)
+        os.replace(dest, backup)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        if backup is not None:
+            os.replace(backup, dest)
+        raise
+    fsync_dir(dest.parent)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(dest: PathLike, overwrite: bool = False, kind: Optional[str] = None,
+                     protect: Sequence[PathLike] = ()) -> Iterator[Path]:
+    """Yield a partial folder beside ``dest``; on success it replaces ``dest`` in one rename.
+
+    Refuses (before writing anything) an output that overlaps a ``protect`` path or the cwd, a
+    file, and a non-empty folder unless ``overwrite`` and it is an artifact of ``kind``
+    (see :data:`mfqat.guard.KINDS`). Holds the writer lock of ``dest`` throughout and first
+    cleans what killed writers left. On an exception the partial folder is removed and
+    ``dest`` is left as it was. Folders and files get the modes the umask gives.
     """
     dest = Path(dest).absolute()
+    protect = [Path(p) for p in protect]
+    check_output(dest, overwrite, kind, protect)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest} exists; pass overwrite=True (or --force) to replace it")
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".partial"))
-    try:
-        yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                fsync_file(f)
-        old = None
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writer_lock(dest):
+        recover(dest, lambda p: is_kind(p, kind) if kind else False)
+        check_output(dest, overwrite, kind, protect)
+        tmp = dest.parent / partial_name(dest)
+        tmp.mkdir()
+        try:
+            yield tmp
+            settle(tmp)
+            swap_in(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

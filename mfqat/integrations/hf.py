@@ -95,7 +95,7 @@ class MFQATCallback(TrainerCallback):
             base = base.module
         fmt = (ctl.config.anchor_format or "mxint8") if self.anchor_format == "auto" else self.anchor_format
         save_anchor(base, ckpt, fmt, tokenizer=self.tokenizer, step=state.global_step,
-                    schedule=ctl.config.to_dict())
+                    schedule=ctl.config.to_dict(), overwrite=True)
 
 
 class MFQATTrainer(Trainer):

@@ -220,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
                 if cfg:
                     save_anchor(base, ckpt / "mfqat_anchor", anchor_format, tok, step=step,
-                                schedule=cfg.to_dict())
+                                schedule=cfg.to_dict(), overwrite=True)
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
@@ -233,7 +233,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if cfg:
-            save_anchor(base, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict())
+            save_anchor(base, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
+                        overwrite=True)  # a rerun into the same --out replaces its own anchor
             summary["anchor"] = str(out / "anchor")
         if args.save_master:
             save_master(base, tok, out / "master")

@@ -51,12 +51,13 @@ def to_torch_model(model: nn.Module, source_dir: Union[str, Path]):
 
 def save_anchor(model: nn.Module, path: Union[str, Path], fmt: str = "mxint8",
                 source_dir: Union[str, Path, None] = None, tokenizer=None, block_size: int = 32,
-                step: Optional[int] = None, schedule: Optional[dict] = None) -> Path:
+                step: Optional[int] = None, schedule: Optional[dict] = None, overwrite: bool = False) -> Path:
     """Save an MLX model (prepared or plain) as an anchor in ``fmt``.
 
     ``source_dir`` is the directory the model was loaded from (its config.json names the
     architecture). The MF-QAT layers' master weights are quantized; a plain model gets the
-    default targets (every decoder-block linear weight), as :func:`mfqat.save_anchor`.
+    default targets (every decoder-block linear weight), as :func:`mfqat.save_anchor` (which also
+    says what ``overwrite`` may replace).
     """
     if source_dir is None:
         raise ValueError("save_anchor needs source_dir: the directory the MLX model was loaded from")
@@ -68,4 +69,4 @@ def save_anchor(model: nn.Module, path: Union[str, Path], fmt: str = "mxint8",
 
         tok = AutoTokenizer.from_pretrained(str(source_dir))
     return torch_save_anchor(tmodel, path, fmt, hf_tokenizer(tok) if tok is not None else None, block_size=block_size,
-                             targets=targets, step=step, schedule=schedule)
+                             targets=targets, step=step, schedule=schedule, overwrite=overwrite)

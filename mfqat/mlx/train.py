@@ -202,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     elif cfg is not None:
         from .anchor import save_anchor
 
-        save_anchor(model, out / "anchor", a.anchor_format or cfg.anchor_format or "mxint8", source_dir=src, step=a.steps, schedule=cfg.to_dict())
+        save_anchor(model, out / "anchor", a.anchor_format or cfg.anchor_format or "mxint8", source_dir=src,
+                    step=a.steps, schedule=cfg.to_dict(), overwrite=True)
         summary["anchor"] = str(out / "anchor")
     summary["eval"] = rows
     if losses:

@@ -1,0 +1,115 @@
+"""Validation of an anchor's ``mfqat.json`` and of the tensors read for it.
+
+Every check raises :class:`~mfqat.manifest.AnchorError` naming the file and the field, so that
+malformed or crafted metadata never surfaces as a raw KeyError / ZeroDivisionError.
+
+Format versions: 1 (``files``: sha256 per weight file, no manifest; still read) and 2 (adds
+``manifest`` over every file, ``digest`` over mfqat.json itself, ``full_precision``).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from .formats import get_format
+from .manifest import AnchorError, check_digests, check_name
+from .quant.reference import SCALE_RULES
+
+ANCHOR_FORMAT_VERSION = 2
+TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _int(value: object, where: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise AnchorError(f"{where}: expected an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_version(meta: dict, where: str) -> int:
+    """format_version: an integer from 1 to the newest this mfqat reads."""
+    v = meta.get("format_version")
+    if isinstance(v, int) and not isinstance(v, bool) and v > ANCHOR_FORMAT_VERSION:
+        raise AnchorError(f"{where}: anchor format version {v!r} is newer than this mfqat supports "
+                          f"({ANCHOR_FORMAT_VERSION}); upgrade mfqat (written by mfqat {meta.get('mfqat_version')!r})")
+    _int(v, f"{where}: field 'format_version'")
+    if v >= 2 and "digest" not in meta:
+        raise AnchorError(f"{where}: field 'digest' is missing (required from format version 2)")
+    return v
+
+
+def check_tensor_entry(name: object, e: object, anchor_format: str, block: int, where: str) -> None:
+    """One ``tensors`` entry: format = the anchor's, a non-empty positive shape in whole blocks, a float dtype."""
+    at = f"{where}: field 'tensors.{name}"
+    if not isinstance(name, str) or not name:
+        raise AnchorError(f"{where}: field 'tensors': tensor names must be non-empty strings, got {name!r}")
+    if not isinstance(e, dict):
+        raise AnchorError(f"{at}': expected an object, got {type(e).__name__}")
+    if e.get("format") != anchor_format:
+        raise AnchorError(f"{at}.format': {e.get('format')!r} is not the anchor's format {anchor_format!r}")
+    shape = e.get("shape")
+    if not isinstance(shape, list) or not shape:
+        raise AnchorError(f"{at}.shape': expected a non-empty list of sizes, got {shape!r}")
+    for s in shape:
+        _int(s, f"{at}.shape'")
+    if shape[-1] % block:
+        raise AnchorError(f"{at}.shape': last size {shape[-1]} is not a multiple of block_size {block}")
+    dtype = e.get("dtype", "float32")
+    if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
+        raise AnchorError(f"{at}.dtype': {e.get('dtype')!r} is not one of {sorted(TENSOR_DTYPES)}")
+
+
+def validate_meta(meta: dict, where: str) -> dict:
+    """Check every field of a parsed mfqat.json (already digest-checked); return it."""
+    version = check_version(meta, where)
+    fmt = meta.get("anchor_format")
+    try:
+        f = get_format(fmt) if isinstance(fmt, str) else None
+    except (KeyError, ValueError):
+        f = None
+    if f is None or not f.is_mx:
+        raise AnchorError(f"{where}: field 'anchor_format': {fmt!r} is not an MX format")
+    block = _int(meta.get("block_size"), f"{where}: field 'block_size'")
+    if meta.get("scale_rule") not in SCALE_RULES:
+        raise AnchorError(f"{where}: field 'scale_rule': {meta.get('scale_rule')!r} is not one of {SCALE_RULES}")
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, dict):
+        raise AnchorError(f"{where}: field 'tensors': expected an object, got {type(tensors).__name__}")
+    for name, e in tensors.items():
+        check_tensor_entry(name, e, f.name, block, where)
+    tied = meta.get("tied", {})
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise AnchorError(f"{where}: field 'tied': expected an object {{alias: tensor name}}")
+    files = check_digests(meta.get("files"), f"{where}: field 'files'")
+    if version >= 2:
+        manifest = check_digests(meta.get("manifest"), f"{where}: field 'manifest'")
+        for name, digest in files.items():
+            if manifest.get(name) != digest:
+                raise AnchorError(f"{where}: field 'files.{name}' disagrees with the manifest")
+    step = meta.get("step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise AnchorError(f"{where}: field 'step': expected an integer or null, got {step!r}")
+    fp = meta.get("full_precision", {})
+    if not isinstance(fp, dict):
+        raise AnchorError(f"{where}: field 'full_precision': expected an object {{tensor: reason}}")
+    return meta
+
+
+def check_quantized(name: str, codes: torch.Tensor, scales: torch.Tensor, e: dict, bits: int, block: int,
+                    where: str) -> None:
+    """Codes and scales read for ``name``: uint8, with the shapes its entry implies."""
+    for part, t in (("codes", codes), ("scales", scales)):
+        if t.dtype != torch.uint8:
+            raise AnchorError(f"{where}: tensor {name}.{part}: dtype {str(t.dtype).replace('torch.', '')}, "
+                              "expected uint8")
+    shape = tuple(e["shape"])
+    want_codes = shape[:-1] + (shape[-1] * bits // 8,)
+    want_scales = shape[:-1] + (shape[-1] // block,)
+    if tuple(codes.shape) != want_codes or tuple(scales.shape) != want_scales:
+        raise AnchorError(f"{where}: tensor {name}: codes {tuple(codes.shape)} / scales {tuple(scales.shape)} "
+                          f"do not match shape {shape} with {bits}-bit codes and block {block}")
+
+
+def weight_files(meta: dict) -> Dict[str, str]:
+    """{weight file: sha256} of a validated anchor (names already confined)."""
+    return {check_name(n, "files"): d for n, d in meta["files"].items()}

@@ -1,0 +1,174 @@
+"""Who may write an artifact folder, and what a killed writer left behind.
+
+Every name mfqat creates beside an output ``DEST`` is hidden and carries the writer's PID::
+
+    .DEST.lock              exclusive flock held by the one writer for the whole save
+    .DEST.PID-RAND.partial  the new folder being written by process PID
+    .DEST.old-PID           the previous DEST while PID swaps the new one in
+
+Single-writer rule: one process writes one path at a time; a second writer gets
+:class:`WriterBusyError` at once (readers never block and never see a half-written folder).
+Under the lock, leftovers of dead PIDs are cleaned: a backup is put back when ``DEST`` is
+missing (a kill between the two renames), everything else is deleted, and each action is logged.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Sequence
+
+LOG = logging.getLogger("mfqat")
+
+# kind -> the marker file that makes a folder an mfqat artifact of that kind
+KINDS = {"anchor": "mfqat.json", "mlx-export": "mfqat_export.json", "convert": "mfqat_convert.json"}
+
+
+class WriterBusyError(RuntimeError):
+    """Another process (or another save in this one) is writing the same path."""
+
+
+class UnsafeOutputError(ValueError):
+    """The output would replace the input or the current directory."""
+
+
+@dataclass
+class Stray:
+    """A leftover of a save: a partial folder or a backup of the previous artifact."""
+    path: Path
+    kind: str  # "partial" or "old"
+    pid: int
+
+
+def is_kind(path: Path, kind: Optional[str]) -> bool:
+    """True when ``path`` is a folder holding the marker file of ``kind``."""
+    return kind in KINDS and (path / KINDS[kind]).is_file()
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with this id exists (ours counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lock_path(dest: Path) -> Path:
+    """The lock file beside ``dest``."""
+    return dest.parent / f".{dest.name}.lock"
+
+
+@contextlib.contextmanager
+def writer_lock(dest: Path) -> Iterator[None]:
+    """Hold the exclusive writer lock of ``dest``; raise WriterBusyError when someone else does."""
+    lp = lock_path(dest)
+    while True:
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WriterBusyError(f"{dest}: another process is writing it (lock {lp.name} is held); mfqat "
+                                  "allows one writer per path: wait for that save to finish") from None
+        try:
+            same = os.stat(lp).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed the file as we locked it: lock the current one
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lp)  # still holding the lock, so nobody else holds this inode
+        os.close(fd)
+
+
+def partial_name(dest: Path) -> str:
+    """The hidden name of a new partial folder for ``dest``."""
+    return f".{dest.name}.{os.getpid()}-{os.urandom(4).hex()}.partial"
+
+
+def backup_path(dest: Path) -> Path:
+    """Where the previous artifact waits while the new one is renamed in."""
+    return dest.parent / f".{dest.name}.old-{os.getpid()}"
+
+
+def find_strays(dest: Path) -> List[Stray]:
+    """Partial folders and backups of ``dest`` (any PID) that mfqat left beside it."""
+    name = re.escape(dest.name)
+    partial = re.compile(rf"\.{name}\.(\d+)-[0-9a-f]+\.partial")
+    old = re.compile(rf"\.{name}\.old-(\d+)")
+    out = []
+    if not dest.parent.is_dir():
+        return out
+    for p in dest.parent.iterdir():
+        for kind, pat in (("partial", partial), ("old", old)):
+            m = pat.fullmatch(p.name)
+            if m and p.is_dir() and not p.is_symlink():
+                out.append(Stray(p, kind, int(m.group(1))))
+    return out
+
+
+def recover(dest: Path, complete: Callable[[Path], bool]) -> List[str]:
+    """Clean what dead writers left beside ``dest`` (call with the writer lock held).
+
+    A backup is renamed back when ``dest`` is missing and the backup is ``complete``; other
+    strays of dead PIDs are deleted (backups only once ``dest`` exists). Returns (and logs) one line per action.
+    """
+    said: List[str] = []
+    dead = [s for s in find_strays(dest) if not pid_alive(s.pid)]
+    if not dest.exists() and not dest.is_symlink():
+        for s in sorted((s for s in dead if s.kind == "old"), key=lambda s: s.path.stat().st_mtime, reverse=True):
+            if complete(s.path):
+                os.replace(s.path, dest)
+                dead.remove(s)
+                said.append(f"restored {dest} from {s.path.name} (a save by process {s.pid} was killed "
+                            "between its two renames)")
+                break
+    for s in dead:
+        if s.kind == "old" and not dest.exists():
+            said.append(f"kept {s.path.name} beside {dest}: it may be the only copy of an earlier save")
+            continue
+        shutil.rmtree(s.path, ignore_errors=True)
+        said.append(f"removed {s.path.name} beside {dest} (left by killed process {s.pid})")
+    for line in said:
+        LOG.warning("mfqat: %s", line)
+    return said
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def check_output(dest: Path, overwrite: bool, kind: Optional[str], protect: Sequence[Path] = ()) -> None:
+    """Refuse an output that would lose data: the input, the cwd, a file, a folder not ours."""
+    real = dest.resolve()
+    for p in protect:
+        if _overlaps(real, Path(p).resolve()):
+            raise UnsafeOutputError(f"{dest}: the output would overwrite or sit inside the input {p}; choose another output")
+    if real == Path.cwd().resolve() or real in Path.cwd().resolve().parents:
+        raise UnsafeOutputError(f"{dest}: refusing to replace the current directory (or a folder holding it)")
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise FileExistsError(f"{dest} exists and is not a folder; mfqat never deletes what it did not write: "
+                              "remove it or choose another output")
+    if not dest.exists() or not any(dest.iterdir()):
+        return
+    what = f"an mfqat {kind}" if kind else "an mfqat artifact"
+    if not overwrite:
+        raise FileExistsError(f"{dest} exists and is not empty; pass overwrite=True (--overwrite) to replace "
+                              f"{what} written there before")
+    if not is_kind(dest, kind):
+        raise FileExistsError(f"{dest} is not {what} (no {KINDS.get(kind, 'marker file')}); refusing to "
+                              "replace a folder mfqat did not write, even with overwrite")
