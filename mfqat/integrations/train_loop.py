@@ -1,7 +1,7 @@
 """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \
-        --qat-config configs/mxint_2468.yaml --steps 120 --out runs/mfqat
+        --qat-config mxint_2468 --steps 120 --out runs/mfqat
 
 Defaults: the embedded SmolLM2-135M, Python's pydoc text, progressive mxint2->4->6->8.
 Ends by saving an MXINT8 (or --anchor-format) anchor and printing a perplexity table.

@@ -1,6 +1,6 @@
 """`mfqat mlx-train`: MF-QAT (or LoRA) fine-tuning on MLX with progress, evaluation and an anchor.
 
-    mfqat mlx-train [MODEL_DIR] --qat-config configs/mxint_2468.yaml --steps 60 --out runs/mlx
+    mfqat mlx-train [MODEL_DIR] --qat-config mxint_2468 --steps 60 --out runs/mlx
     mfqat mlx-train EXPORT_DIR --lora-rank 8 --steps 30 --out runs/mlx-lora   # LoRA on an export
 
 Same data, schedule and evaluation as the PyTorch loop (scripts/train.py): pydoc text, held-out
@@ -142,7 +142,8 @@ def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_laye
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="mlx-lm/HF dir or mfqat export (default: SmolLM2-135M)")
-    p.add_argument("--qat-config", default=None, help="YAML QATConfig (default: progressive mxint2->4->6->8)")
+    p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
+                   "mxint_468_cyclic, ...: see docs/recipes.md); default: progressive mxint2->4->6->8")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None)
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning")
