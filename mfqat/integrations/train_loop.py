@@ -18,8 +18,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
 
+from ..progress import progress, quiet_dependency_logs
 from ..anchor import save_anchor
 from ..data import load_model, load_text, split_text, token_blocks, tiny_llama
 from ..eval.elastic import evaluate_formats, ptq_state
@@ -155,6 +155,7 @@ def _forever(loader) -> Iterator:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     """Run training; return a summary dict (also written to OUT/summary.json)."""
+    quiet_dependency_logs()  # before transformers pulls torchao in (see mfqat.progress)
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -193,7 +194,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
     losses: List[float] = []
     fmts: List[str] = []
-    bar = tqdm(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
+    bar = progress(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
     step, t0 = start, time.perf_counter()
     batches = _forever(loader)
     while step < args.steps:

@@ -20,11 +20,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
-from tqdm.auto import tqdm
 
 from ..data import load_text, split_text, token_blocks
 from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
+from ..progress import progress, quiet_dependency_logs
 from ..qat.config import QATConfig
 from .models import hf_tokenizer, load_for_training
 from .qat import prepare, set_format
@@ -39,7 +39,7 @@ def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
 def perplexity(model: nn.Module, blocks: mx.array, batch_size: int = 4, desc: Optional[str] = None) -> float:
     """exp(mean NLL) over held-out blocks (the token-weighted mean, as mfqat.eval.perplexity)."""
     total, count = 0.0, 0
-    for i in tqdm(range(0, blocks.shape[0], batch_size), desc=desc, leave=False, disable=desc is None):
+    for i in progress(range(0, blocks.shape[0], batch_size), desc=desc, leave=False, disable=desc is None):
         b = blocks[i:i + batch_size]
         nll = loss_fn(model, b)
         n = b.shape[0] * (b.shape[1] - 1)
@@ -91,7 +91,7 @@ def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: f
     value_and_grad = nn.value_and_grad(model, loss_fn)
     ctl = model.__dict__.get("mfqat_controller")
     losses = []
-    bar = tqdm(zip(range(steps), batches), total=steps, desc=desc)
+    bar = progress(zip(range(steps), batches), total=steps, desc=desc)
     for step, batch in bar:
         fmt = ctl.set_step(model, step, steps) if ctl else "fp"
         formats = ctl.step_formats(step, steps) if ctl else [fmt]
@@ -164,6 +164,7 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
 def main(argv: Optional[List[str]] = None) -> dict:
     """Train on MLX; return the summary (also OUT/summary.json)."""
     a = build_parser().parse_args(argv)
+    quiet_dependency_logs()  # see mfqat.progress
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(a.seed)
