@@ -1,4 +1,4 @@
-"""AWQ pre-scaling for the post-training path (DESIGN.md §6), with mfqat's own importance matrix.
+"""AWQ pre-scaling for the post-training path (docs/architecture.md), with mfqat's own importance matrix.
 
 For each producer -> consumers pair of a Llama-style block
 
