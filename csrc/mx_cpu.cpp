@@ -1,6 +1,6 @@
 // mfqat CPU kernels: fused MX fake-quantization and quantize-to-codes as torch custom ops.
 //
-// Bit-exact with mfqat/quant/reference.py (DESIGN.md §2):
+// Bit-exact with mfqat/quant/reference.py (docs/numerics.md):
 //   * the block maximum is taken over the absolute float32 *bit patterns* (an integer max: for
 //     non-negative IEEE floats, bit order == value order, and NaN/Inf patterns sort above every
 //     finite value), so floor(log2(amax)) and the non-finite test come straight from its bits;

@@ -170,6 +170,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         mlx_train_main(rest)
     elif args.cmd == "bench":
         script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
+        if not script.is_file():
+            sys.exit(f"mfqat bench: {script} is missing: the benchmark scripts live in the source repository, "
+                     "not in the installed package; clone the repository and run `python scripts/bench_quant.py`")
         sys.exit(subprocess.call([sys.executable, str(script), *rest]))
     elif rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -17,6 +17,7 @@ from .eval.elastic import anchor_state, evaluate_formats, ptq_state
 from .eval.perplexity import perplexity
 from .eval.report import format_table, plot_ppl_vs_bpw
 from .formats import get_format
+from .progress import quiet_dependency_logs
 
 ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 PROMPT = "The Python language is"
@@ -40,6 +41,7 @@ def _stage(out: Path, name: str, force: bool, fn):
 def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_len: int = 128,
              model_name: Optional[str] = None, force: bool = False, skip_mlx: bool = False) -> dict:
     """Run every stage; print the final table; write OUT/ppl_vs_bpw.png and OUT/summary.json."""
+    quiet_dependency_logs()  # see mfqat.progress
     out_dir = Path(out)
     if force and out_dir.exists():
         if any(out_dir.iterdir()) and not (out_dir / "stages").is_dir():

@@ -2,7 +2,7 @@
 
 Every format knows its bit width, its family (Slice-and-Scale converts only inside a family),
 its largest element exponent ``emax``, its largest normal value and its code range. Names are
-lower case; ``mxfp8`` means ``mxfp8_e4m3`` and ``mxfp6`` means ``mxfp6_e2m3`` (DESIGN.md §2).
+lower case; ``mxfp8`` means ``mxfp8_e4m3`` and ``mxfp6`` means ``mxfp6_e2m3`` (docs/numerics.md).
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
 MXINT a -> b (r = a - b): ``P_b = clamp(round_half_even(P_a / 2^r), ±(2^(b-1)-1))``, the shared
 exponent unchanged (a rounded right shift). MXFP high -> low: ``s_low = s_high + (emax_high -
 emax_low)`` and each element re-rounded to the low grid from ``P_high / 2^(emax_high - emax_low)``,
-round half to even, saturating, subnormals kept (DESIGN.md §3).
+round half to even, saturating, subnormals kept (docs/numerics.md).
 
 The contract every test checks: the result equals direct quantization (floor rule) of the
-anchor's dequantized values, bit for bit. For MXFP this needs one refinement of the §3 formula,
+anchor's dequantized values, bit for bit. For MXFP this needs one refinement of the plain exponent-shift formula,
 applied here: a block whose anchor exponent was clamped at -127 (values below 2^-127) takes the
 exponent that direct quantization would, ``clamp(floor(log2 max|P_high|) + s_high - emax_low)``,
 which equals ``s_high + emax_high - emax_low`` for every block that was not clamped.

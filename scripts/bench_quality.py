@@ -6,9 +6,9 @@ same steps, lr, batch, seed and held-out blocks), in one run:
 * the fair baseline: the same fine-tune in full precision (`--no-qat`), then PTQ;
 * single-format QAT, one run per format (`--schedule fixed`), evaluated in its own format;
 * MF-QAT (progressive mxint2->4->6->8), one MXINT8 anchor, every MXINT format by Slice-and-Scale;
-* the same without the 2-bit phase (configs/mxint_468.yaml), and with self-distillation from the
+* the same without the 2-bit phase (mfqat/configs/mxint_468.yaml), and with self-distillation from the
   full-precision master (`--distill 0.5`), and {4,6,8} cycled per step (`--schedule cyclic`);
-* MF-QAT over the MXFP family (configs/mxfp_468.yaml), MXFP8 anchor, MXFP formats by Slice-and-Scale.
+* MF-QAT over the MXFP family (mfqat/configs/mxfp_468.yaml), MXFP8 anchor, MXFP formats by Slice-and-Scale.
 
     python scripts/bench_quality.py [--steps 60] [--out out/quality] [--single mxint4,mxfp4_e2m1]
 
@@ -64,13 +64,13 @@ def main() -> None:
     for f in singles:
         s = run(out, f"qat-{f}", common + ["--formats", f, "--schedule", "fixed", "--eval-formats", f])
         single[f] = next(r["perplexity"] for r in s["eval"] if r["format"] == f)
-    mf_int = run(out, "mfqat-mxint", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml")])
-    mf_468 = run(out, "mfqat-mxint-468", common + ["--qat-config", str(ROOT / "configs/mxint_468.yaml")])
-    mf_cyc = run(out, "mfqat-mxint-468-cyclic", common + ["--qat-config", str(ROOT / "configs/mxint_468.yaml"),
+    mf_int = run(out, "mfqat-mxint", common + ["--qat-config", str(ROOT / "mfqat/configs/mxint_2468.yaml")])
+    mf_468 = run(out, "mfqat-mxint-468", common + ["--qat-config", str(ROOT / "mfqat/configs/mxint_468.yaml")])
+    mf_cyc = run(out, "mfqat-mxint-468-cyclic", common + ["--qat-config", str(ROOT / "mfqat/configs/mxint_468.yaml"),
                                                           "--schedule", "cyclic"])
-    mf_kd = run(out, "mfqat-mxint-distill", common + ["--qat-config", str(ROOT / "configs/mxint_2468.yaml"),
+    mf_kd = run(out, "mfqat-mxint-distill", common + ["--qat-config", str(ROOT / "mfqat/configs/mxint_2468.yaml"),
                                                       "--distill", "0.5"])
-    mf_fp = run(out, "mfqat-mxfp", common + ["--qat-config", str(ROOT / "configs/mxfp_468.yaml"),
+    mf_fp = run(out, "mfqat-mxfp", common + ["--qat-config", str(ROOT / "mfqat/configs/mxfp_468.yaml"),
                                              "--anchor-format", "mxfp8_e4m3"])
 
     model, tok = load_model(None)

@@ -3,7 +3,7 @@
 
 * conversion time of every quantized tensor, reference path vs the default fast path;
 * fraction of elements that differ from direct quantization of the full-precision weights
-  (double rounding, DESIGN.md §3 fact 2) and its effect on held-out perplexity;
+  (double rounding, docs/numerics.md, "Double rounding") and its effect on held-out perplexity;
 * anchor size vs bf16.
 
     python scripts/bench_slice.py [--blocks 8]

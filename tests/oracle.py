@@ -1,4 +1,4 @@
-"""A slow, exact, pure-Python oracle of DESIGN.md §2 (Fractions, no torch), for cross-checks."""
+"""A slow, exact, pure-Python oracle of the MX rules in docs/numerics.md (Fractions, no torch), for cross-checks."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,7 @@
 """External oracles: torchao to_mx (FLOOR) for every MXFP format, bitsandbytes NF4.
 
 Known, documented deviations of torchao 0.18 (not of mfqat): blocks holding Inf get a finite
-scale there (DESIGN.md §2 says NaN scale), and its FP8 path halves blocks whose E8M0 scale is
+scale there (docs/numerics.md: NaN scale), and its FP8 path halves blocks whose E8M0 scale is
 2^-127 (the subnormal scale). Those blocks are excluded from the comparison and tested against
 the exact oracle in test_reference.py instead.
 """

@@ -1,4 +1,4 @@
-"""The reference quantizer against DESIGN.md §2: tables, ties, saturation, edge blocks, STE."""
+"""The reference quantizer against docs/numerics.md: tables, ties, saturation, edge blocks, STE."""
 import math
 
 import numpy as np

@@ -6,7 +6,8 @@ from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+
+from ..progress import progress as progress_bar
 
 
 @torch.no_grad()
@@ -17,7 +18,7 @@ def mean_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, desc: 
     device = next(model.parameters()).device
     total, count = 0.0, 0
     batches = range(0, blocks.shape[0], batch_size)
-    for i in tqdm(batches, desc=desc, leave=False, disable=desc is None):
+    for i in progress_bar(batches, desc=desc, leave=False, disable=desc is None):
         ids = blocks[i:i + batch_size].to(device)
         logits = model(input_ids=ids).logits.float()
         nll = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),

@@ -1,4 +1,4 @@
-"""AWQ pre-scaling for the post-training path (DESIGN.md §6), with mfqat's own importance matrix.
+"""AWQ pre-scaling for the post-training path (docs/architecture.md), with mfqat's own importance matrix.
 
 For each producer -> consumers pair of a Llama-style block
 
@@ -19,7 +19,8 @@ from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+
+from ..progress import progress
 
 GROUPS: List[Tuple[str, List[str]]] = [
     ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
@@ -56,7 +57,7 @@ def importance_matrix(model: nn.Module, blocks: torch.Tensor, batch_size: int = 
             hooks.append(m.register_forward_hook(hook(name)))
     try:
         with torch.no_grad():
-            for i in tqdm(range(0, blocks.shape[0], batch_size), desc="imatrix", leave=False):
+            for i in progress(range(0, blocks.shape[0], batch_size), desc="imatrix", leave=False):
                 model(input_ids=blocks[i:i + batch_size])
     finally:
         for h in hooks:

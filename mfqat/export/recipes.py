@@ -1,4 +1,4 @@
-"""Per-tensor format plans for export: ``uniform:FMT`` and ``seed`` (DESIGN.md §6).
+"""Per-tensor format plans for export: ``uniform:FMT`` and ``seed`` (docs/file-formats.md).
 
 Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"); 2-D
 weights the anchor keeps in full precision (embeddings, an untied lm_head) are quantized
@@ -28,7 +28,7 @@ AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-
 
 
 def mlx_storage(fmt) -> Optional[Tuple[str, int]]:
-    """(MLX quantization mode, bits) that carries ``fmt`` code-for-code (DESIGN §6), or None for
+    """(MLX quantization mode, bits) that carries ``fmt`` code-for-code (docs/file-formats.md), or None for
     mxfp8_e5m2, which is stored as bfloat16."""
     f = get_format(fmt)
     if f.family == "mxint":

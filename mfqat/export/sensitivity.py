@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-from tqdm.auto import tqdm
 
 from ..anchor import Anchor, load_anchor
 from ..formats import get_format
+from ..progress import progress
 from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
 from ..slice import slice_and_scale
@@ -91,7 +91,7 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor) 
     p_ref = ref.exp()
     levels = ladder(anchor.format)
     out: Dict[str, TensorSensitivity] = {}
-    for name in tqdm(names, desc=f"sensitivity (probe {probe})"):
+    for name in progress(names, desc=f"sensitivity (probe {probe})"):
         param = params[name]
         original = param.data.clone()
         errors = {}

@@ -6,7 +6,7 @@ import argparse
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \\
-        --qat-config configs/mxint_2468.yaml --steps 120 --out runs/mfqat
+        --qat-config mxint_2468 --steps 120 --out runs/mfqat
 
 Defaults: the embedded SmolLM2-135M, Python's pydoc text, progressive mxint2->4->6->8.
 Ends by saving an anchor (the QAT config's anchor format, or --anchor-format) and printing a
@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M); "
                    "'tiny' builds a tiny random Llama")
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
-    p.add_argument("--qat-config", default=None, help="YAML QATConfig (default: progressive mxint2->4->6->8)")
+    p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
+                   "mxint_468_cyclic, ...: see docs/recipes.md); default: progressive mxint2->4->6->8")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None, help="override the config's schedule")
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning (the fair baseline)")

@@ -1,7 +1,7 @@
 """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \
-        --qat-config configs/mxint_2468.yaml --steps 120 --out runs/mfqat
+        --qat-config mxint_2468 --steps 120 --out runs/mfqat
 
 Defaults: the embedded SmolLM2-135M, Python's pydoc text, progressive mxint2->4->6->8.
 Ends by saving an MXINT8 (or --anchor-format) anchor and printing a perplexity table.
@@ -18,8 +18,8 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
 
+from ..progress import progress, quiet_dependency_logs
 from ..anchor import save_anchor
 from ..data import load_model, load_text, split_text, token_blocks, tiny_llama
 from ..eval.elastic import evaluate_formats, ptq_state
@@ -155,6 +155,7 @@ def _forever(loader) -> Iterator:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     """Run training; return a summary dict (also written to OUT/summary.json)."""
+    quiet_dependency_logs()  # before transformers pulls torchao in (see mfqat.progress)
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -193,7 +194,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
     losses: List[float] = []
     fmts: List[str] = []
-    bar = tqdm(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
+    bar = progress(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
     step, t0 = start, time.perf_counter()
     batches = _forever(loader)
     while step < args.steps:

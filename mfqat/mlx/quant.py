@@ -6,7 +6,7 @@ saturation by clamping. tests/test_mlx.py checks codes, scales and fake-quant ou
 PyTorch reference on adversarial and hypothesis inputs (MLX CPU backend; the same ops run on Metal).
 
 The straight-through estimator is an ``mx.custom_function`` whose forward is exactly
-``qdq(w)`` and whose VJP passes the cotangent through. DESIGN.md §7 writes it as
+``qdq(w)`` and whose VJP passes the cotangent through. The usual formulation writes it as
 ``w + mx.stop_gradient(qdq(w) - w)``; that form is the same gradient but its forward rounds twice
 (``w + (q - w)`` need not equal ``q`` in float arithmetic), which would break bit-exactness with
 the PyTorch forward, so mfqat uses the custom function.

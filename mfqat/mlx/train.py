@@ -1,6 +1,6 @@
 """`mfqat mlx-train`: MF-QAT (or LoRA) fine-tuning on MLX with progress, evaluation and an anchor.
 
-    mfqat mlx-train [MODEL_DIR] --qat-config configs/mxint_2468.yaml --steps 60 --out runs/mlx
+    mfqat mlx-train [MODEL_DIR] --qat-config mxint_2468 --steps 60 --out runs/mlx
     mfqat mlx-train EXPORT_DIR --lora-rank 8 --steps 30 --out runs/mlx-lora   # LoRA on an export
 
 Same data, schedule and evaluation as the PyTorch loop (scripts/train.py): pydoc text, held-out
@@ -20,11 +20,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
-from tqdm.auto import tqdm
 
 from ..data import load_text, split_text, token_blocks
 from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
+from ..progress import progress, quiet_dependency_logs
 from ..qat.config import QATConfig
 from .models import hf_tokenizer, load_for_training
 from .qat import prepare, set_format
@@ -39,7 +39,7 @@ def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
 def perplexity(model: nn.Module, blocks: mx.array, batch_size: int = 4, desc: Optional[str] = None) -> float:
     """exp(mean NLL) over held-out blocks (the token-weighted mean, as mfqat.eval.perplexity)."""
     total, count = 0.0, 0
-    for i in tqdm(range(0, blocks.shape[0], batch_size), desc=desc, leave=False, disable=desc is None):
+    for i in progress(range(0, blocks.shape[0], batch_size), desc=desc, leave=False, disable=desc is None):
         b = blocks[i:i + batch_size]
         nll = loss_fn(model, b)
         n = b.shape[0] * (b.shape[1] - 1)
@@ -91,7 +91,7 @@ def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: f
     value_and_grad = nn.value_and_grad(model, loss_fn)
     ctl = model.__dict__.get("mfqat_controller")
     losses = []
-    bar = tqdm(zip(range(steps), batches), total=steps, desc=desc)
+    bar = progress(zip(range(steps), batches), total=steps, desc=desc)
     for step, batch in bar:
         fmt = ctl.set_step(model, step, steps) if ctl else "fp"
         formats = ctl.step_formats(step, steps) if ctl else [fmt]
@@ -142,7 +142,8 @@ def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_laye
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="mlx-lm/HF dir or mfqat export (default: SmolLM2-135M)")
-    p.add_argument("--qat-config", default=None, help="YAML QATConfig (default: progressive mxint2->4->6->8)")
+    p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
+                   "mxint_468_cyclic, ...: see docs/recipes.md); default: progressive mxint2->4->6->8")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None)
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning")
@@ -163,6 +164,7 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
 def main(argv: Optional[List[str]] = None) -> dict:
     """Train on MLX; return the summary (also OUT/summary.json)."""
     a = build_parser().parse_args(argv)
+    quiet_dependency_logs()  # see mfqat.progress
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(a.seed)

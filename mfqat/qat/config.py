@@ -14,6 +14,26 @@ from ..quant.reference import SCALE_RULES
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
 DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"  # the YAML recipes shipped in the package
+
+
+def shipped_configs() -> List[str]:
+    """Names of the YAML recipes shipped with mfqat (``mxint_joint``, ``mxint_468_cyclic``, ...)."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def resolve_config(name_or_path: Union[str, Path]) -> Path:
+    """The YAML file of ``--qat-config``: an existing path, else the bare name of a shipped recipe
+    (``mxint_joint`` or ``mxint_joint.yaml``); FileNotFoundError listing the shipped ones otherwise."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    if path.parent == Path("."):
+        shipped = CONFIGS_DIR / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+        if shipped.is_file():
+            return shipped
+    raise FileNotFoundError(f"QAT config '{name_or_path}': no such file, and not a shipped recipe; "
+                            f"shipped: {', '.join(shipped_configs())} (in {CONFIGS_DIR})")
 
 
 def _fail(field_name: str, message: str) -> NoReturn:
@@ -245,8 +265,9 @@ class QATConfig:
 
     @classmethod
     def read_yaml(cls, path: Union[str, Path]) -> dict:
-        """The QATConfig fields of a YAML file as a dict (unknown keys are an error)."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        """The QATConfig fields of a YAML file, or of a shipped recipe named by its bare name
+        (:func:`resolve_config`), as a dict (unknown keys are an error)."""
+        data = yaml.safe_load(resolve_config(path).read_text()) or {}
         data = data.get("qat", data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known

@@ -1,6 +1,6 @@
 """Format schedules: which format the MF-QAT modules use at a given training step.
 
-Plain Python, no torch: the MLX runtime shares this module (DESIGN.md §7).
+Plain Python, no torch: the MLX runtime shares this module (docs/architecture.md).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Codes of ``bits`` bits are laid out LSB-first: element i occupies bits [i*bits, (i+1)*bits) of
 the row's byte stream, so two 4-bit codes share a byte with element 0 in the low nibble and four
-6-bit codes fill three bytes (DESIGN.md §2). Read as little-endian uint32 words this is also the
+6-bit codes fill three bytes (docs/numerics.md). Read as little-endian uint32 words this is also the
 MLX affine layout.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Everything here works on float32 blocks of shape ``(..., n_blocks, block_size)`` and is exact:
 powers of two are built from exponent bits, floor(log2) comes from the float's exponent bits,
-and every multiplication by a power of two is exact in float32 (DESIGN.md §2). Other paths
+and every multiplication by a power of two is exact in float32 (docs/numerics.md). Other paths
 (Triton, C++, MLX, the exporter) are tested bit for bit against these functions.
 """
 from __future__ import annotations
