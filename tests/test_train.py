@@ -46,6 +46,40 @@ def test_resume_from_checkpoint(tmp_path):
     assert len(s["losses"]) == 3 and s["formats"] == ["mxint6", "mxint6", "mxint8"]
 
 
+def _load_state(folder):
+    from safetensors.torch import load_file
+    return load_file(str(folder / "model.safetensors")), torch.load(folder / "optimizer.bin", weights_only=False)
+
+
+def test_resume_gives_the_uninterrupted_run(tmp_path):
+    """N steps with --save-every, then a run resumed from checkpoint-K: same weights, optimizer
+    (AdamW moments) and LR-scheduler state, same losses, as the uninterrupted N-step run."""
+    from safetensors.torch import load_file
+
+    common = ["--model", "tiny", "--steps", "4", "--seq-len", "32", "--lr", "3e-3", "--save-every", "1",
+              "--save-master", "--eval-blocks", "1", "--lr-schedule", "cosine", "--warmup-steps", "1"]
+    full = train_main(common + ["--out", str(tmp_path / "full")])
+    resumed = train_main(common + ["--out", str(tmp_path / "resumed"), "--resume", str(tmp_path / "full" / "checkpoint-2")])
+    assert resumed["losses"] == full["losses"][2:]
+    w_full = load_file(str(tmp_path / "full" / "master" / "model.safetensors"))
+    w_res = load_file(str(tmp_path / "resumed" / "master" / "model.safetensors"))
+    assert w_full.keys() == w_res.keys()
+    for k in w_full:
+        assert torch.equal(w_full[k], w_res[k]), k
+    # the step-3 checkpoint of both runs: model, optimizer moments and scheduler state
+    (m_a, o_a), (m_b, o_b) = (_load_state(tmp_path / r / "checkpoint-3") for r in ("full", "resumed"))
+    assert all(torch.equal(m_a[k], m_b[k]) for k in m_a)
+    st_a, st_b = o_a["state"], o_b["state"]
+    assert st_a.keys() == st_b.keys() and st_a
+    for i in st_a:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(st_a[i][k]), torch.as_tensor(st_b[i][k])), (i, k)
+    assert o_a["param_groups"][0]["lr"] == o_b["param_groups"][0]["lr"]
+    sched_a, sched_b = (torch.load(tmp_path / r / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)
+                        for r in ("full", "resumed"))
+    assert sched_a["last_epoch"] == sched_b["last_epoch"] == 3 and sched_a["_last_lr"] == sched_b["_last_lr"]
+
+
 def test_accelerate_ddp_two_ranks_same_weights(tmp_path):
     dump = tmp_path / "w"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
