@@ -1,5 +1,6 @@
 """Training integrations: accelerate loop (1 and 2 ranks), resume, HF Trainer callback."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -122,6 +123,33 @@ def test_hf_trainer_callback(tmp_path):
     anchor = tmp_path / "checkpoint-4" / "mfqat_anchor"
     assert json.loads((anchor / "mfqat.json").read_text())["step"] == 4
     mfqat.load_anchor(anchor, "mxint4")
+
+
+def test_hf_callback_eval_losses_are_the_formats_losses(tmp_path):
+    """eval_{fmt}_loss is the eval set's mean loss with the model in fmt (not in full precision)."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama()
+    mfqat.prepare(model, QATConfig(formats=["mxint2", "mxint8"], schedule="cyclic"))
+    ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(0))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
+    cb = MFQATCallback(eval_formats=["mxint2", "mxint8"], anchor_format=None)
+    trainer = Trainer(model=model, args=args, eval_dataset=ds, callbacks=[cb])
+    metrics = trainer.evaluate()
+    assert model.model.layers[0].mlp.up_proj.fmt == "mxint2"  # the schedule's format again (step 0)
+    batches = [ids[:4], ids[4:]]  # the eval loader's batches, in order (no shuffling)
+
+    def manual(fmt):
+        mfqat.set_format(model, fmt)
+        with torch.no_grad():
+            return sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+
+    want = {f: manual(f) for f in (None, "mxint2", "mxint8")}
+    for f in ("mxint2", "mxint8"):
+        assert metrics[f"eval_{f}_loss"] == pytest.approx(want[f], rel=1e-6, abs=1e-6), f
+        assert metrics[f"eval_{f}_ppl"] == pytest.approx(math.exp(want[f]), rel=1e-6)
+    assert abs(want["mxint2"] - want[None]) > 1e-3  # the check can tell the formats apart
 
 
 def test_distillation_loss_and_training(tmp_path):
