@@ -168,3 +168,27 @@ def test_distillation_loss_and_training(tmp_path):
     s = train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(tmp_path / "d"),
                     "--distill", "0.5", "--lr", "1e-3"])
     assert s["losses"][-1] < s["losses"][0]
+
+
+def test_distillation_loss_is_kl_teacher_to_student():
+    """--distill: alpha * KL(p_fp || p_q) + (1 - alpha) * CE, checked against the explicit formula
+    (the reverse direction KL(p_q || p_fp) differs by far more than the tolerance)."""
+    from mfqat.integrations.train_loop import distillation_loss
+
+    model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint2"], schedule="fixed"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked distributions: the two KL directions differ clearly
+    ctl = model.mfqat_controller
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        mfqat.set_format(model, None)
+        log_t = torch.log_softmax(model(input_ids=batch).logits.double(), -1).reshape(-1, 256)
+        mfqat.set_format(model, "mxint2")
+        out = model(input_ids=batch, labels=batch)
+        log_s = torch.log_softmax(out.logits.double(), -1).reshape(-1, 256)
+    kl_ts = (log_t.exp() * (log_t - log_s)).sum(-1).mean().item()  # KL(teacher || student)
+    kl_st = (log_s.exp() * (log_s - log_t)).sum(-1).mean().item()
+    assert abs(kl_ts - kl_st) > 1e-2 * kl_ts  # the two directions are distinguishable here
+    for alpha in (1.0, 0.25):
+        got = distillation_loss(model, model, ctl, batch, 0, 1, alpha).item()
+        assert got == pytest.approx((1 - alpha) * out.loss.item() + alpha * kl_ts, rel=1e-4), alpha
