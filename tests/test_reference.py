@@ -244,6 +244,36 @@ def test_affine_and_nf4_error_bounds():
     assert (q.dequantize() - x).abs().max() < 0.2 * x.abs().max()
 
 
+def nf4_tie_blocks():
+    """Blocks whose absmax is exactly 1 (so y = w exactly) holding every NF4 threshold: the float32
+    midpoints of adjacent code-book entries (the thresholds bitsandbytes and mfqat compare with).
+    Row 1 holds them negated and shuffled, row 2 scaled by 2^-3 with absmax 2^-3 (still exact)."""
+    from mfqat.formats import NF4_CODEBOOK
+
+    book = torch.tensor(NF4_CODEBOOK)
+    mids = (book[1:] + book[:-1]) / 2
+    w = torch.zeros(3, 64)
+    w[0, :15], w[0, 15] = mids, 1.0
+    perm = torch.randperm(15, generator=torch.Generator().manual_seed(0))
+    w[1, :15], w[1, 20] = mids[perm], -1.0
+    w[2] = w[0] * 2.0 ** -3
+    return w, mids, perm
+
+
+def test_nf4_exact_ties_go_to_the_lower_entry():
+    """The documented rule (reference.nf4_quantize_blocks): a value exactly on a threshold gets the
+    lower code-book entry; just above it, the upper one."""
+    w, mids, perm = nf4_tie_blocks()
+    q = mfqat.quantize(w, "nf4", 64)
+    assert q.scales.flatten().tolist() == [1.0, 1.0, 2.0 ** -3]
+    lower = torch.arange(15, dtype=torch.uint8)
+    assert torch.equal(q.codes[0, :15], lower) and torch.equal(q.codes[2, :15], lower)
+    assert torch.equal(q.codes[1, :15], lower[perm])
+    above = torch.zeros(1, 64)
+    above[0, :15], above[0, 15] = torch.nextafter(mids, torch.tensor(2.0)), 1.0
+    assert torch.equal(mfqat.quantize(above, "nf4", 64).codes[0, :15], lower + 1)
+
+
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 
 
