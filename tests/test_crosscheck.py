@@ -80,6 +80,7 @@ def test_bitsandbytes_nf4():
     w[:8, 15] = 1.0
     w[:8, 16:31] = torch.nextafter(mids, torch.tensor(2.0))
     w[:8, 32:47] = torch.nextafter(mids, torch.tensor(-2.0))
+    w[:8, 47:64] = 0.0                                 # block absmax exactly 1: real ties (see also below)
     w[8, :64] = 0.0
     packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
     q = mfqat.quantize(w, "nf4", 64)
@@ -87,4 +88,18 @@ def test_bitsandbytes_nf4():
     bnb_codes = torch.stack([flat >> 4, flat & 15], -1).reshape(64, 256)  # bnb: element 0 high nibble
     assert torch.equal(bnb_codes, q.codes)
     assert torch.equal(state.absmax, q.scales.flatten())
+    assert torch.equal(bnbf.dequantize_4bit(packed, state), q.dequantize())
+
+
+def test_bitsandbytes_nf4_exact_ties():
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    from .test_reference import nf4_tie_blocks
+
+    w, _, _ = nf4_tie_blocks()
+    packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    flat = packed.flatten()
+    bnb_codes = torch.stack([flat >> 4, flat & 15], -1).reshape(w.shape)
+    q = mfqat.quantize(w, "nf4", 64)
+    assert torch.equal(state.absmax, q.scales.flatten())
+    assert torch.equal(bnb_codes, q.codes)
     assert torch.equal(bnbf.dequantize_4bit(packed, state), q.dequantize())

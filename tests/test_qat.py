@@ -164,3 +164,72 @@ def test_yaml_configs_load():
     for name in shipped_configs():
         cfg = QATConfig.from_yaml(name)  # a bare name resolves against the shipped recipes
         assert cfg.formats
+
+
+def test_random_schedule_follows_its_seed():
+    """One seed: the same sequence every time; other seeds: other sequences (also through QATConfig)."""
+    fmts = ["mxint2", "mxint4", "mxint6", "mxint8"]
+
+    def seq(seed, via_config=False):
+        s = (QATConfig(formats=fmts, schedule="random", seed=seed).make_schedule() if via_config
+             else make_schedule("random", fmts, seed=seed))
+        return [s.format_at(i, 64) for i in range(64)]
+
+    assert seq(5) == seq(5) == seq(5, via_config=True)
+    runs = {tuple(seq(s)) for s in range(6)} | {tuple(seq(s, via_config=True)) for s in range(6)}
+    assert len(runs) == 6
+    m = tiny_llama()
+    mfqat.prepare(m, QATConfig(formats=fmts, schedule="random", seed=3))
+    assert [m.mfqat_controller.set_step(m, i, 64) for i in range(64)] == seq(3)
+
+
+def _qdq_inputs(model, fmt):
+    """Forward pre-hooks that fake-quantize the input of every MF-QAT Linear (the manual reference)."""
+    hooks = []
+    for _, mod in qat_modules(model):
+        if isinstance(mod, MFQATLinear):
+            hooks.append(mod.register_forward_pre_hook(
+                lambda m, args: (mfqat.fake_quantize(args[0], fmt, 32),) + tuple(args[1:])))
+    return hooks
+
+
+@pytest.mark.parametrize("act", ["mxint4", "mxfp8_e4m3"])
+def test_activation_fake_quant_equals_manual_qdq_of_inputs(act):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with_act = mfqat.prepare(tiny_llama(), QATConfig(formats=["mxint4"], schedule="fixed",
+                                                     quantize_activations=True, activation_format=act))
+    manual = mfqat.prepare(tiny_llama(), QATConfig(formats=["mxint4"], schedule="fixed"))
+    with torch.no_grad():
+        plain = manual(ids).logits
+        hooks = _qdq_inputs(manual, act)
+        want = manual(ids).logits
+        for h in hooks:
+            h.remove()
+        got = with_act(ids).logits
+    assert not torch.equal(want, plain)  # the activation quantization changes the logits
+    assert torch.equal(got, want)
+    # one module directly, with gradients enabled (the recomputing autograd path)
+    lin = with_act.model.layers[0].mlp.down_proj
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(1))
+    w = mfqat.fake_quantize(lin.weight.detach(), "mxint4")
+    assert torch.equal(lin(x).detach(), F.linear(mfqat.fake_quantize(x, act), w))
+
+
+@pytest.mark.parametrize("schedule,fmt", [("fixed", "mxint4"), ("cyclic", "mxint2")])
+def test_embedding_fake_quant_equals_manual_qdq_of_table(schedule, fmt):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    cfg = QATConfig(formats=[fmt] if schedule == "fixed" else [fmt, "mxint8"], schedule=schedule,
+                    quantize_embeddings=True)
+    m = mfqat.prepare(tiny_llama(), cfg)
+    mfqat.set_format(m, fmt)
+    table = m.model.embed_tokens.weight.detach()
+    qdq = mfqat.fake_quantize(table, fmt, 32)
+    if cfg.through_anchor:  # the forward sees qdq_f(qdq_anchor(W))
+        qdq = mfqat.fake_quantize(mfqat.fake_quantize(table, cfg.anchor_format, 32), fmt, 32)
+    assert not torch.equal(qdq, table)
+    assert torch.equal(m.model.embed_tokens(ids), F.embedding(ids, qdq))
+    ref = mfqat.prepare(tiny_llama(), QATConfig(formats=cfg.formats, schedule=schedule))
+    mfqat.set_format(ref, fmt)
+    with torch.no_grad():
+        ref.model.embed_tokens.weight.copy_(qdq)
+        assert torch.equal(m(ids).logits, ref(ids).logits)

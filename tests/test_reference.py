@@ -1,5 +1,11 @@
-"""The reference quantizer against docs/numerics.md: tables, ties, saturation, edge blocks, STE."""
+"""The reference quantizer against docs/numerics.md: tables, ties, saturation, edge blocks, STE.
+
+The exact-oracle tests run once per backend (reference, cpp, triton under TRITON_INTERPRET=1).
+"""
+import contextlib
 import math
+import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,6 +20,31 @@ from mfqat.quant.reference import (exp2i, floor_log2, mx_codes_to_values, mx_rou
 
 from .conftest import MX_FORMATS, MXFP_FORMATS
 from .oracle import fake_quantize_block
+
+
+def _backend_params():
+    """Every backend, each tied to the exact oracle on its own (a missing one is a visible skip;
+    tests/test_environment.py makes it a failure in CI)."""
+    from mfqat.quant.kernels import cpp, triton_mx
+
+    why = {"cpp": None if cpp.AVAILABLE else f"C++ extension not built ({cpp.LOAD_ERROR})",
+           "triton": None if triton_mx.usable_on(torch.device("cpu")) else "triton missing or TRITON_INTERPRET unset"}
+    return [pytest.param(b, marks=pytest.mark.skipif(bool(why.get(b)), reason=why.get(b) or ""))
+            for b in ("reference", "cpp", "triton")]
+
+
+BACKENDS = _backend_params()
+
+
+@contextlib.contextmanager
+def forced_backend(name):
+    """MFQAT_BACKEND=name for the block (read per call by mfqat.quant.kernels.select_backend); a
+    context manager rather than monkeypatch so that hypothesis tests can use it per example."""
+    from mfqat.quant import kernels
+
+    with mock.patch.dict(os.environ, {"MFQAT_BACKEND": name}):
+        assert kernels.requested_backend() == name
+        yield
 
 
 def all_codes(f):
@@ -121,22 +152,27 @@ def test_nonfinite_block_gets_nan_scale(mx_format, bad):
     assert fq[0, :32].isnan().all() and torch.equal(fq[0, 32:], torch.ones(32))
 
 
-def test_extreme_exponents(mx_format):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_exponents(mx_format, backend):
     f = get_format(mx_format)
     x = torch.ones(4, 32)
     x[0] *= 3.0e38                    # near float32 max
     x[1] *= 2.0 ** -140               # subnormal float32
     x[2] = torch.linspace(-1, 1, 32) * 2.0 ** -127
     x[3] *= 2.0 ** -126
-    q = mfqat.quantize(x, f)
+    with forced_backend(backend):
+        q = mfqat.quantize(x, f)
+        fq = mfqat.fake_quantize(x, f)
     assert q.scales[0, 0].item() == 127 + 127 - f.emax
     assert q.scales[1, 0].item() == 0 and q.scales[2, 0].item() == 0
     for row in range(4):
         expect = torch.tensor(fake_quantize_block(x[row].tolist(), f))
         assert torch.equal(q.dequantize()[row], expect), row
+        assert torch.equal(fq[row], expect), row
 
 
-def test_subnormal_elements_kept():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_subnormal_elements_kept(backend):
     f = get_format("mxfp8_e4m3")
     x = torch.zeros(1, 32)
     x[0, 0] = 448.0            # s = 0
@@ -144,7 +180,8 @@ def test_subnormal_elements_kept():
     x[0, 2] = 3 * 2.0 ** -9
     x[0, 3] = 2.0 ** -10       # tie between 0 and the smallest subnormal -> 0 (even)
     x[0, 4] = 1.5 * 2.0 ** -9  # tie between 1 and 2 subnormal steps -> 2
-    out = mfqat.fake_quantize(x, f)
+    with forced_backend(backend):
+        out = mfqat.fake_quantize(x, f)
     assert out[0, 1:5].tolist() == [2.0 ** -9, 3 * 2.0 ** -9, 0.0, 2 * 2.0 ** -9]
 
 
@@ -244,29 +281,68 @@ def test_affine_and_nf4_error_bounds():
     assert (q.dequantize() - x).abs().max() < 0.2 * x.abs().max()
 
 
+def nf4_tie_blocks():
+    """Blocks whose absmax is exactly 1 (so y = w exactly) holding every NF4 threshold: the float32
+    midpoints of adjacent code-book entries (the thresholds bitsandbytes and mfqat compare with).
+    Row 1 holds them negated and shuffled, row 2 scaled by 2^-3 with absmax 2^-3 (still exact)."""
+    from mfqat.formats import NF4_CODEBOOK
+
+    book = torch.tensor(NF4_CODEBOOK)
+    mids = (book[1:] + book[:-1]) / 2
+    w = torch.zeros(3, 64)
+    w[0, :15], w[0, 15] = mids, 1.0
+    perm = torch.randperm(15, generator=torch.Generator().manual_seed(0))
+    w[1, :15], w[1, 20] = mids[perm], -1.0
+    w[2] = w[0] * 2.0 ** -3
+    return w, mids, perm
+
+
+def test_nf4_exact_ties_go_to_the_lower_entry():
+    """The documented rule (reference.nf4_quantize_blocks): a value exactly on a threshold gets the
+    lower code-book entry; just above it, the upper one."""
+    w, mids, perm = nf4_tie_blocks()
+    q = mfqat.quantize(w, "nf4", 64)
+    assert q.scales.flatten().tolist() == [1.0, 1.0, 2.0 ** -3]
+    lower = torch.arange(15, dtype=torch.uint8)
+    assert torch.equal(q.codes[0, :15], lower) and torch.equal(q.codes[2, :15], lower)
+    assert torch.equal(q.codes[1, :15], lower[perm])
+    above = torch.zeros(1, 64)
+    above[0, :15], above[0, 15] = torch.nextafter(mids, torch.tensor(2.0)), 1.0
+    assert torch.equal(mfqat.quantize(above, "nf4", 64).codes[0, :15], lower + 1)
+
+
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(st.sampled_from(MX_FORMATS), st.lists(finite, min_size=32, max_size=32))
-def test_hypothesis_matches_exact_oracle(name, values):
+def test_hypothesis_matches_exact_oracle(backend, name, values):
     f = get_format(name)
     x = torch.tensor([values], dtype=torch.float32)
-    out = mfqat.fake_quantize(x, f)
+    with forced_backend(backend):
+        out = mfqat.fake_quantize(x, f)
+        codes = mfqat.quantize(x, f).dequantize()
     expect = torch.tensor([fake_quantize_block(values, f)], dtype=torch.float32)
     assert torch.equal(out, expect)
+    assert torch.equal(codes, expect)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @given(st.sampled_from(MX_FORMATS), st.integers(-140, 120),
        st.lists(st.floats(-2, 2, allow_nan=False, width=32), min_size=64, max_size=64))
-def test_hypothesis_scaled_blocks(name, exponent, values):
+def test_hypothesis_scaled_blocks(backend, name, exponent, values):
     f = get_format(name)
     x = torch.tensor([values], dtype=torch.float32) * 2.0 ** exponent
-    q = mfqat.quantize(x, f)
+    with forced_backend(backend):
+        q = mfqat.quantize(x, f)
+        fq = mfqat.fake_quantize(x, f)
+    assert torch.equal(fq, q.dequantize())
     for b in range(2):
         expect = fake_quantize_block(x[0, 32 * b:32 * (b + 1)].tolist(), f)
         assert q.dequantize()[0, 32 * b:32 * (b + 1)].tolist() == expect
     # idempotent under the floor rule: quantizing the result again changes nothing
-    again = mfqat.quantize(q.dequantize(), f)
+    with forced_backend(backend):
+        again = mfqat.quantize(q.dequantize(), f)
     assert torch.equal(again.dequantize(), q.dequantize())
 
 

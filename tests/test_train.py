@@ -1,5 +1,6 @@
 """Training integrations: accelerate loop (1 and 2 ranks), resume, HF Trainer callback."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -46,6 +47,40 @@ def test_resume_from_checkpoint(tmp_path):
     assert len(s["losses"]) == 3 and s["formats"] == ["mxint6", "mxint6", "mxint8"]
 
 
+def _load_state(folder):
+    from safetensors.torch import load_file
+    return load_file(str(folder / "model.safetensors")), torch.load(folder / "optimizer.bin", weights_only=False)
+
+
+def test_resume_gives_the_uninterrupted_run(tmp_path):
+    """N steps with --save-every, then a run resumed from checkpoint-K: same weights, optimizer
+    (AdamW moments) and LR-scheduler state, same losses, as the uninterrupted N-step run."""
+    from safetensors.torch import load_file
+
+    common = ["--model", "tiny", "--steps", "4", "--seq-len", "32", "--lr", "3e-3", "--save-every", "1",
+              "--save-master", "--eval-blocks", "1", "--lr-schedule", "cosine", "--warmup-steps", "1"]
+    full = train_main(common + ["--out", str(tmp_path / "full")])
+    resumed = train_main(common + ["--out", str(tmp_path / "resumed"), "--resume", str(tmp_path / "full" / "checkpoint-2")])
+    assert resumed["losses"] == full["losses"][2:]
+    w_full = load_file(str(tmp_path / "full" / "master" / "model.safetensors"))
+    w_res = load_file(str(tmp_path / "resumed" / "master" / "model.safetensors"))
+    assert w_full.keys() == w_res.keys()
+    for k in w_full:
+        assert torch.equal(w_full[k], w_res[k]), k
+    # the step-3 checkpoint of both runs: model, optimizer moments and scheduler state
+    (m_a, o_a), (m_b, o_b) = (_load_state(tmp_path / r / "checkpoint-3") for r in ("full", "resumed"))
+    assert all(torch.equal(m_a[k], m_b[k]) for k in m_a)
+    st_a, st_b = o_a["state"], o_b["state"]
+    assert st_a.keys() == st_b.keys() and st_a
+    for i in st_a:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(st_a[i][k]), torch.as_tensor(st_b[i][k])), (i, k)
+    assert o_a["param_groups"][0]["lr"] == o_b["param_groups"][0]["lr"]
+    sched_a, sched_b = (torch.load(tmp_path / r / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)
+                        for r in ("full", "resumed"))
+    assert sched_a["last_epoch"] == sched_b["last_epoch"] == 3 and sched_a["_last_lr"] == sched_b["_last_lr"]
+
+
 def test_accelerate_ddp_two_ranks_same_weights(tmp_path):
     dump = tmp_path / "w"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -90,6 +125,33 @@ def test_hf_trainer_callback(tmp_path):
     mfqat.load_anchor(anchor, "mxint4")
 
 
+def test_hf_callback_eval_losses_are_the_formats_losses(tmp_path):
+    """eval_{fmt}_loss is the eval set's mean loss with the model in fmt (not in full precision)."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_llama()
+    mfqat.prepare(model, QATConfig(formats=["mxint2", "mxint8"], schedule="cyclic"))
+    ids = torch.randint(0, 256, (6, 32), generator=torch.Generator().manual_seed(0))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True)
+    cb = MFQATCallback(eval_formats=["mxint2", "mxint8"], anchor_format=None)
+    trainer = Trainer(model=model, args=args, eval_dataset=ds, callbacks=[cb])
+    metrics = trainer.evaluate()
+    assert model.model.layers[0].mlp.up_proj.fmt == "mxint2"  # the schedule's format again (step 0)
+    batches = [ids[:4], ids[4:]]  # the eval loader's batches, in order (no shuffling)
+
+    def manual(fmt):
+        mfqat.set_format(model, fmt)
+        with torch.no_grad():
+            return sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+
+    want = {f: manual(f) for f in (None, "mxint2", "mxint8")}
+    for f in ("mxint2", "mxint8"):
+        assert metrics[f"eval_{f}_loss"] == pytest.approx(want[f], rel=1e-6, abs=1e-6), f
+        assert metrics[f"eval_{f}_ppl"] == pytest.approx(math.exp(want[f]), rel=1e-6)
+    assert abs(want["mxint2"] - want[None]) > 1e-3  # the check can tell the formats apart
+
+
 def test_distillation_loss_and_training(tmp_path):
     from mfqat.data import tiny_llama
     from mfqat.integrations.train_loop import distillation_loss
@@ -106,3 +168,27 @@ def test_distillation_loss_and_training(tmp_path):
     s = train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(tmp_path / "d"),
                     "--distill", "0.5", "--lr", "1e-3"])
     assert s["losses"][-1] < s["losses"][0]
+
+
+def test_distillation_loss_is_kl_teacher_to_student():
+    """--distill: alpha * KL(p_fp || p_q) + (1 - alpha) * CE, checked against the explicit formula
+    (the reverse direction KL(p_q || p_fp) differs by far more than the tolerance)."""
+    from mfqat.integrations.train_loop import distillation_loss
+
+    model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint2"], schedule="fixed"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked distributions: the two KL directions differ clearly
+    ctl = model.mfqat_controller
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        mfqat.set_format(model, None)
+        log_t = torch.log_softmax(model(input_ids=batch).logits.double(), -1).reshape(-1, 256)
+        mfqat.set_format(model, "mxint2")
+        out = model(input_ids=batch, labels=batch)
+        log_s = torch.log_softmax(out.logits.double(), -1).reshape(-1, 256)
+    kl_ts = (log_t.exp() * (log_t - log_s)).sum(-1).mean().item()  # KL(teacher || student)
+    kl_st = (log_s.exp() * (log_s - log_t)).sum(-1).mean().item()
+    assert abs(kl_ts - kl_st) > 1e-2 * kl_ts  # the two directions are distinguishable here
+    for alpha in (1.0, 0.25):
+        got = distillation_loss(model, model, ctl, batch, 0, 1, alpha).item()
+        assert got == pytest.approx((1 - alpha) * out.loss.item() + alpha * kl_ts, rel=1e-4), alpha

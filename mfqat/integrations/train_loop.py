@@ -197,6 +197,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     bar = progress(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
     step, t0 = start, time.perf_counter()
     batches = _forever(loader)
+    for _ in range(start * args.grad_accum):  # resume: the same batches as an uninterrupted run
+        next(batches)
     while step < args.steps:
         step_losses: Dict[str, List[float]] = {}
         for micro in range(args.grad_accum):

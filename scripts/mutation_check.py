@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Pre-release check: do the tests fail when the product breaks?
+
+Each entry below plants one named bug (replace ``old`` by ``new`` in one file, exactly once) in a
+temporary copy of the repository and runs only the tests expected to catch it, with PYTHONPATH
+pointing at the copy. A mutation is *caught* when those tests fail; it *survives* when they pass
+(a test gap). Before any mutation the same tests run once on the unmodified copy and must pass.
+
+    python scripts/mutation_check.py             # all mutations (a few minutes on 2 cores)
+    python scripts/mutation_check.py -k nf4      # those whose name contains "nf4"
+    python scripts/mutation_check.py --list
+
+Prints caught/planted and exits 1 when a mutation survives (or a spec no longer applies).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+IGNORE = shutil.ignore_patterns(".venv", ".git", "out", "runs", "__pycache__", ".pytest_cache", ".hypothesis",
+                                "*.egg-info", "build", "dist")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: Tuple[str, ...]
+
+
+MUTATIONS: List[Mutation] = [
+    Mutation("resume-never-loads-state", "mfqat/integrations/train_loop.py",
+             "        acc.load_state(args.resume)\n", "        pass  # state not loaded\n",
+             ("tests/test_train.py::test_resume_gives_the_uninterrupted_run",)),
+    Mutation("hf-callback-evaluates-full-precision", "mfqat/integrations/hf.py",
+             "            set_format(model, fmt)\n", "            set_format(model, None)\n",
+             ("tests/test_train.py::test_hf_callback_eval_losses_are_the_formats_losses",)),
+    Mutation("random-schedule-ignores-seed", "mfqat/qat/schedules.py",
+             "return random.Random(self.seed * 1_000_003 + step).choice(self.formats)",
+             "return random.Random(step).choice(self.formats)",
+             ("tests/test_qat.py::test_random_schedule_follows_its_seed",)),
+    Mutation("activation-fake-quant-off", "mfqat/qat/modules.py",
+             "            x = fake_quantize(x, self.activation_format, self.block_size, self.scale_rule)\n",
+             "            x = x\n",
+             ("tests/test_qat.py::test_activation_fake_quant_equals_manual_qdq_of_inputs",)),
+    Mutation("embedding-fake-quant-off", "mfqat/qat/modules.py",
+             "return F.embedding(ids, self.quantized_weight(), ", "return F.embedding(ids, self.weight, ",
+             ("tests/test_qat.py::test_embedding_fake_quant_equals_manual_qdq_of_table",)),
+    Mutation("distill-kl-direction-swapped", "mfqat/integrations/train_loop.py",
+             "    kl = F.kl_div(F.log_softmax(out.logits.float().reshape(-1, vocab), -1),\n"
+             "                  F.log_softmax(teacher.reshape(-1, vocab), -1), log_target=True",
+             "    kl = F.kl_div(F.log_softmax(teacher.reshape(-1, vocab), -1),\n"
+             "                  F.log_softmax(out.logits.float().reshape(-1, vocab), -1), log_target=True",
+             ("tests/test_train.py::test_distillation_loss_is_kl_teacher_to_student",)),
+    Mutation("sensitivity-never-lowers-the-tensor", "mfqat/export/sensitivity.py",
+             "        param.data.copy_(probe_w.to(param.dtype))\n", "",
+             ("tests/test_sensitivity.py",)),
+    Mutation("nf4-ties-to-upper-entry", "mfqat/quant/reference.py",
+             "codes = torch.bucketize(y, mids, right=False)", "codes = torch.bucketize(y, mids, right=True)",
+             ("tests/test_reference.py::test_nf4_exact_ties_go_to_the_lower_entry",
+              "tests/test_crosscheck.py::test_bitsandbytes_nf4_exact_ties")),
+    Mutation("reference-scale-clamp-off-by-one", "mfqat/quant/reference.py",
+             "    s = s.clamp(-127, 127)\n    return s, nonfinite", "    s = s.clamp(-126, 127)\n    return s, nonfinite",
+             ("tests/test_reference.py::test_extreme_exponents[mxint8-reference]",)),
+    Mutation("triton-scale-clamp-off-by-one", "mfqat/quant/kernels/triton_mx.py",
+             "        s = tl.minimum(tl.maximum(s, -127), 127)\n", "        s = tl.minimum(tl.maximum(s, -126), 127)\n",
+             ("tests/test_reference.py::test_extreme_exponents[mxint8-triton]",)),
+    Mutation("export-drops-rope-theta", "mfqat/export/mlx_export.py",
+             '        cfg["rope_theta"] = rope["rope_theta"]\n', "        pass\n",
+             ("tests/test_export_exact.py::test_export_matches_independent_reference[int-mxint4]",)),
+]
+
+
+def copy_repo(dst: Path) -> Path:
+    """The working tree without .venv/.git/out/caches; the built C++ extension comes along."""
+    shutil.copytree(ROOT, dst, ignore=IGNORE)
+    for so in (ROOT / "mfqat").glob("_C*.so"):  # also when a pattern above ever ignores it
+        if not (dst / "mfqat" / so.name).exists():
+            shutil.copy2(so, dst / "mfqat" / so.name)
+    return dst
+
+
+def run_tests(copy: Path, tests: Tuple[str, ...], timeout: int) -> Tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1", "TRITON_INTERPRET": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("MFQAT_BACKEND", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    try:
+        r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "timeout"
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    why = next((l.strip() for l in lines if l.startswith("E ")), "")  # the first failure line, if any
+    return r.returncode, (lines[-1] if lines else "") + (f"  | {why[:110]}" if why else "")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-k", default="", help="only mutations whose name contains this")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run on the unmodified copy")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per pytest run")
+    args = p.parse_args(argv)
+    muts = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in muts:
+            print(f"{m.name:40s} {m.file}  ->  {' '.join(m.tests)}")
+        return 0
+    t0 = time.perf_counter()
+    problems: List[str] = []
+    with tempfile.TemporaryDirectory(prefix="mfqat-mutants-") as tmp:
+        copy = copy_repo(Path(tmp) / "repo")
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in muts for t in m.tests))
+            rc, tail = run_tests(copy, tests, args.timeout * 2)
+            print(f"baseline (unmodified copy, {len(tests)} test ids): {'pass' if rc == 0 else 'FAIL'}  {tail}")
+            if rc != 0:
+                print("the targeted tests must pass before mutating; fix them first")
+                return 1
+        caught = 0
+        for m in muts:
+            path = copy / m.file
+            original = path.read_text()
+            if original.count(m.old) != 1:
+                problems.append(f"{m.name}: the snippet occurs {original.count(m.old)} times in {m.file} (update the spec)")
+                print(f"[spec ] {m.name}: snippet not found exactly once in {m.file}")
+                continue
+            path.write_text(original.replace(m.old, m.new))
+            try:
+                t = time.perf_counter()
+                rc, tail = run_tests(copy, m.tests, args.timeout)
+            finally:
+                path.write_text(original)
+            if rc == 1:  # pytest: tests failed
+                caught += 1
+                verdict = "caught  "
+            elif rc == 0:
+                verdict = "SURVIVED"
+                problems.append(f"{m.name}: survived {' '.join(m.tests)}")
+            else:  # usage error, no tests collected, interrupted, timeout: not evidence of a catch
+                verdict = f"ERROR {rc}"
+                problems.append(f"{m.name}: pytest exit {rc} ({tail})")
+            print(f"[{verdict}] {m.name:40s} {time.perf_counter() - t:5.1f}s  {tail}")
+    print(f"\nmutation check: {caught}/{len(muts)} caught ({time.perf_counter() - t0:.0f}s)")
+    for line in problems:
+        print("  - " + line)
+    return 0 if caught == len(muts) and not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
