@@ -1,4 +1,4 @@
-"""Anchor checkpoints: one MXINT8 / MXFP8 model on disk, any lower format on load (DESIGN.md §4).
+"""Anchor checkpoints: one MXINT8 / MXFP8 model on disk, any lower format on load (docs/file-formats.md).
 
 Directory layout (what ``from_pretrained`` users recognise, plus mfqat's own metadata)::
 

@@ -38,7 +38,7 @@ def _stage(out: Path, name: str, force: bool, fn):
     return result
 
 
-def run_demo(out: str = "out/demo", steps: int = 60, eval_blocks: int = 24, seq_len: int = 128,
+def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_len: int = 128,
              model_name: Optional[str] = None, force: bool = False, skip_mlx: bool = False) -> dict:
     """Run every stage; print the final table; write OUT/ppl_vs_bpw.png and OUT/summary.json."""
     quiet_dependency_logs()  # see mfqat.progress
@@ -143,7 +143,7 @@ def stored_bits(e: dict) -> str:
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="out/demo")
-    p.add_argument("--steps", type=int, default=60, help="MF-QAT fine-tuning steps (about 4 s each on 2 cores)")
+    p.add_argument("--steps", type=int, default=40, help="joint MF-QAT steps (mxint8/6/4 in each: about 10 s a step on 2 cores)")
     p.add_argument("--eval-blocks", type=int, default=24, help="held-out blocks of 128 tokens")
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--force", action="store_true", help="redo every stage")

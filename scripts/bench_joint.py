@@ -58,6 +58,9 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
         f"joint-{fam}-equal-compute": base + ["--steps", str(max(steps // k, 1))],
         f"joint-{fam}-low2x": base + ["--steps", str(steps), "--loss-weights", f"{low}=2"],
         f"joint-{fam}-distill": base + ["--steps", str(steps), "--distill-weight", "0.5"],
+        # every evaluated format, 3 passes a step: the highest, the lowest and one sampled between
+        f"joint-{fam}-wide-sandwich": ["--formats", ",".join(FAMILIES[fam]["eval"]), "--schedule", "joint",
+                                       "--joint-sample", "1", "--steps", str(steps)],
     }
 
 

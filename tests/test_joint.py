@@ -204,3 +204,10 @@ def test_mfqat_linear_saves_no_quantized_copy_of_the_weight():
     assert saved_bytes(q, x) <= saved_bytes(lin, x)
     q.anchor_format = "mxint8"
     assert saved_bytes(q, x) <= saved_bytes(lin, x)
+
+
+def test_default_recipe_is_joint_through_the_mxint8_anchor():
+    cfg = QATConfig()
+    assert cfg.schedule == "joint" and cfg.anchor_format == "mxint8" and cfg.through_anchor
+    assert cfg.step_formats(0, 1) == ["mxint8", "mxint6", "mxint4"]
+    assert QATConfig.from_yaml("mxint_joint").formats == cfg.formats

@@ -28,7 +28,7 @@ def free_port() -> int:
 def test_single_process_training_saves_anchor(tmp_path):
     out = tmp_path / "run"
     summary = train_main(["--model", "tiny", "--steps", "8", "--seq-len", "32", "--out", str(out),
-                          "--eval-formats", "mxint8,mxint4", "--lr", "1e-3"])
+                          "--eval-formats", "mxint8,mxint4", "--lr", "1e-3", "--qat-config", "mxint_2468"])
     assert summary["formats"] == ["mxint2"] * 2 + ["mxint4"] * 2 + ["mxint6"] * 2 + ["mxint8"] * 2
     assert summary["losses"][-1] < summary["losses"][0]
     meta = json.loads((out / "anchor" / "mfqat.json").read_text())
@@ -39,11 +39,11 @@ def test_single_process_training_saves_anchor(tmp_path):
 
 def test_resume_from_checkpoint(tmp_path):
     out = tmp_path / "run"
-    train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(out), "--save-every", "3"])
+    common = ["--model", "tiny", "--steps", "6", "--seq-len", "32", "--qat-config", "mxint_2468"]
+    train_main(common + ["--out", str(out), "--save-every", "3"])
     ck = out / "checkpoint-3"
     assert (ck / "mfqat_anchor" / "mfqat.json").is_file()
-    s = train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(out / "resumed"),
-                    "--resume", str(ck)])
+    s = train_main(common + ["--out", str(out / "resumed"), "--resume", str(ck)])
     assert len(s["losses"]) == 3 and s["formats"] == ["mxint6", "mxint6", "mxint8"]
 
 

@@ -8,7 +8,8 @@ TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \\
         --qat-config mxint_2468 --steps 120 --out runs/mfqat
 
-Defaults: the embedded SmolLM2-135M, Python's pydoc text, progressive mxint2->4->6->8.
+Defaults: the embedded SmolLM2-135M, Python's pydoc text, joint MF-QAT over mxint8/6/4 through
+the MXINT8 anchor (the paper's progressive recipe: --qat-config mxint_2468).
 Ends by saving an anchor (the QAT config's anchor format, or --anchor-format) and printing a
 perplexity table.
 """
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "'tiny' builds a tiny random Llama")
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
     p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
-                   "mxint_468_cyclic, ...: see docs/recipes.md); default: progressive mxint2->4->6->8")
+                   "mxint_468_cyclic, ...: see docs/recipes.md); default: joint mxint8/6/4 (mxint_joint)")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None, help="override the config's schedule")
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning (the fair baseline)")

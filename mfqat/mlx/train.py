@@ -143,7 +143,7 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p = p or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="mlx-lm/HF dir or mfqat export (default: SmolLM2-135M)")
     p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
-                   "mxint_468_cyclic, ...: see docs/recipes.md); default: progressive mxint2->4->6->8")
+                   "mxint_468_cyclic, ...: see docs/recipes.md); default: joint mxint8/6/4 (mxint_joint)")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None)
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning")
