@@ -99,7 +99,7 @@ def test_layer_formats_and_set_format():
 
 def test_controller_drives_progressive_formats():
     m = tiny_llama()
-    mfqat.prepare(m)
+    mfqat.prepare(m, QATConfig.from_yaml("mxint_2468"))
     ctl = m.mfqat_controller
     seen = [ctl.set_step(m, s, 8) for s in range(8)]
     assert seen == ["mxint2"] * 2 + ["mxint4"] * 2 + ["mxint6"] * 2 + ["mxint8"] * 2

@@ -166,7 +166,7 @@ def test_distillation_loss_and_training(tmp_path):
     from mfqat.qat.prepare import qat_modules
     assert all(m.fmt == "mxint4" for _, m in qat_modules(model))  # formats restored
     s = train_main(["--model", "tiny", "--steps", "6", "--seq-len", "32", "--out", str(tmp_path / "d"),
-                    "--distill", "0.5", "--lr", "1e-3"])
+                    "--distill", "0.5", "--lr", "1e-3", "--qat-config", "mxint_2468"])
     assert s["losses"][-1] < s["losses"][0]
 
 
