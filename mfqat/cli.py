@@ -161,6 +161,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     v.add_argument("--allow-origin", default=None, metavar="ORIGIN",
                    help="answer CORS requests from this origin (default: CORS off)")
     args, rest = p.parse_known_args(argv)
+    from .progress import quiet_dependency_logs
+    quiet_dependency_logs()  # transformers imports torchao, whose CUDA-only kernels complain on CPU
     if args.cmd == "train":
         from .integrations.train_loop import main as train_main
         train_main(rest)
