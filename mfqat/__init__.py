@@ -4,11 +4,11 @@ __version__ = "0.1.0"
 from .formats import ALIASES, FORMATS, ElementFormat, get_format, known_formats  # noqa: E402
 from .quant import MXTensor, dequantize, fake_quantize, quantize  # noqa: E402
 from .slice import slice_and_scale  # noqa: E402
-from .qat import QATConfig, prepare, set_format, unprepare  # noqa: E402
+from .qat import QATConfig, joint_backward, prepare, set_format, unprepare  # noqa: E402
 from .anchor import load_anchor, read_anchor, save_anchor  # noqa: E402
 
 __all__ = [
     "__version__", "ElementFormat", "FORMATS", "ALIASES", "get_format", "known_formats",
     "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
-    "QATConfig", "prepare", "set_format", "unprepare", "save_anchor", "load_anchor", "read_anchor",
+    "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
 ]
