@@ -29,22 +29,12 @@ from mfqat.anchor import read_anchor
 from mfqat.data import licence_text, load_model, load_text, split_text, token_blocks
 from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
-from mfqat.integrations.train_loop import main as train_main
+from bench_quality import run  # one training run, reused when OUT/name/summary.json exists
 
 FAMILIES = {
     "mxint": {"train": ["mxint8", "mxint6", "mxint4"], "eval": ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3"]},
     "mxfp": {"train": ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"], "eval": ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"]},
 }
-
-
-def run(out: Path, name: str, argv: List[str]) -> dict:
-    """One training run (reused when OUT/name/summary.json exists)."""
-    d = out / name
-    if (d / "summary.json").is_file():
-        print(f"[joint] {name}: reusing {d / 'summary.json'}")
-        return json.loads((d / "summary.json").read_text())
-    print(f"[joint] {name}: training")
-    return train_main(argv + ["--out", str(d)])
 
 
 def recipes(fam: str, steps: int) -> Dict[str, List[str]]:

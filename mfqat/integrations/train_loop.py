@@ -28,7 +28,7 @@ from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
 from ..io import atomic_directory
 from ..qat.config import QATConfig
-from ..qat.joint import joint_backward, weighted_loss
+from ..qat.joint import joint_backward, token_kl, weighted_loss
 from .train_args import build_parser
 from ..qat.prepare import prepare, set_format
 
@@ -49,17 +49,12 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.o
 def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: int, alpha: float) -> torch.Tensor:
     """(1 - alpha) * next-token CE + alpha * per-token KL from the full-precision master model (the
     same weights, no fake-quant) to the model in this step's formats."""
-    import torch.nn.functional as F
-
     with torch.no_grad():
         set_format(base, None)
         teacher = model(input_ids=batch).logits.float()
         ctl.set_step(base, step, total)  # back to this step's per-layer formats
     out = model(input_ids=batch, labels=batch)
-    vocab = teacher.shape[-1]
-    kl = F.kl_div(F.log_softmax(out.logits.float().reshape(-1, vocab), -1),
-                  F.log_softmax(teacher.reshape(-1, vocab), -1), log_target=True, reduction="batchmean")
-    return (1 - alpha) * out.loss + alpha * kl
+    return (1 - alpha) * out.loss + alpha * token_kl(out.logits, teacher)
 
 
 def load_qat_config(args) -> QATConfig:
@@ -109,25 +104,20 @@ def load_data(args, tok, num_processes: int):
 
 
 def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int, sync: bool) -> Dict[str, float]:
-    """Forward + backward of one micro-batch in every format of ``step``; {format: loss}."""
+    """Forward + backward of one micro-batch in every format of ``step``; {format: loss}. DDP
+    all-reduces only on the last backward of the last micro-batch (``sync``)."""
     scale = 1.0 / args.grad_accum
-    if ctl is None or (args.distill and ctl):
-        fmt = ctl.set_step(base, step, args.steps) if ctl else "fp"
-        with contextlib.nullcontext() if sync else acc.no_sync(model):
-            loss = (distillation_loss(model, base, ctl, batch, step, args.steps, args.distill)
-                    if ctl else model(input_ids=batch, labels=batch).loss)
-            acc.backward(loss * scale)
-        return {fmt: loss.item()}
-    ctl.set_step(base, step, args.steps)  # per-layer formats of non-joint schedules
-    formats = ctl.step_formats(step, args.steps)
-    if len(formats) == 1:
-        with contextlib.nullcontext() if sync else acc.no_sync(model):
-            loss = model(input_ids=batch, labels=batch).loss
-            acc.backward(loss * scale)
-        return {formats[0]: loss.item()}
+    formats = ctl.step_formats(step, args.steps) if ctl else ["fp"]
+    if ctl:
+        ctl.set_step(base, step, args.steps)  # per-layer formats of one-format schedules
     with contextlib.nullcontext() if sync else acc.no_sync(model):
-        return joint_backward(model, base, {"input_ids": batch, "labels": batch}, formats, cfg.weight_of,
-                              acc.backward, cfg.distill_weight, scale, lambda: acc.no_sync(model))
+        if len(formats) > 1:
+            return joint_backward(model, base, {"input_ids": batch, "labels": batch}, formats, cfg.weight_of,
+                                  acc.backward, cfg.distill_weight, scale, lambda: acc.no_sync(model))
+        loss = (distillation_loss(model, base, ctl, batch, step, args.steps, args.distill)
+                if ctl and args.distill else model(input_ids=batch, labels=batch).loss)
+        acc.backward(loss * scale)
+    return {formats[0]: loss.item()}
 
 
 def save_master(model, tok, path: Path) -> None:

@@ -82,7 +82,7 @@ class MLXController:
         for name, m in qat_layers(model):
             sched = self.schedules.get(name)
             if sched is not None:
-                m.fmt = sched.format_at(step, total_steps)
+                m.fmt = self.config.layer_format_at(sched, step, total_steps)
         return self.current_format()
 
     def step_formats(self, step: int, total_steps: int) -> List[str]:
@@ -90,7 +90,7 @@ class MLXController:
         return self.config.step_formats(step, total_steps)
 
     def current_format(self) -> str:
-        return self.config.make_schedule().format_at(self.step, self.total_steps)
+        return self.config.step_formats(self.step, self.total_steps)[0]
 
 
 def qat_layers(model: nn.Module) -> Iterator[Tuple[str, MFQATLinear]]:

@@ -32,8 +32,13 @@ from .qat import prepare, set_format
 
 def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
     """Mean next-token cross-entropy over every position (as HF's ``labels=input_ids`` loss)."""
+    return loss_and_logits(model, batch)[0]
+
+
+def loss_and_logits(model: nn.Module, batch: mx.array):
+    """(mean next-token CE, float32 logits): ``loss_fn`` that also hands back its logits."""
     logits = model(batch[:, :-1]).astype(mx.float32)
-    return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")
+    return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean"), logits
 
 
 def perplexity(model: nn.Module, blocks: mx.array, batch_size: int = 4, desc: Optional[str] = None) -> float:
@@ -64,19 +69,22 @@ def distill_loss_fn(model: nn.Module, batch: mx.array, teacher: mx.array, alpha:
 
 def joint_grads(model: nn.Module, batch: mx.array, formats: List[str], cfg: QATConfig):
     """The joint MF-QAT step on MLX: sum_f w_f * grad L_f / sum w, one format at a time; returns
-    (weighted loss, grads). The teacher for distillation is the highest format's logits."""
+    (weighted loss, grads). The distillation teacher is the highest format's logits, returned by
+    its own loss pass (no extra forward)."""
     total_w = sum(cfg.weight_of(f) for f in formats)
+    alpha = cfg.distill_weight
     loss_sum, grads_sum, teacher = 0.0, None, None
     for i, fmt in enumerate(formats):
         set_format(model, fmt)
         w = cfg.weight_of(fmt) / total_w
-        if i and cfg.distill_weight and teacher is not None:
-            fn = nn.value_and_grad(model, lambda m, b: distill_loss_fn(m, b, teacher, cfg.distill_weight))
+        if teacher is not None:
+            fn = nn.value_and_grad(model, lambda m, b: distill_loss_fn(m, b, teacher, alpha))
+            loss, grads = fn(model, batch)
+        elif alpha and i == 0:
+            (loss, logits), grads = nn.value_and_grad(model, loss_and_logits)(model, batch)
+            teacher = mx.stop_gradient(logits)
         else:
-            fn = nn.value_and_grad(model, loss_fn)
-        loss, grads = fn(model, batch)
-        if i == 0 and cfg.distill_weight:
-            teacher = mx.stop_gradient(model(batch[:, :-1]).astype(mx.float32))
+            loss, grads = nn.value_and_grad(model, loss_fn)(model, batch)
         grads = tree_map(lambda g: g * w, grads)
         grads_sum = grads if grads_sum is None else tree_map(lambda a, b: a + b, grads_sum, grads)
         mx.eval(grads_sum)

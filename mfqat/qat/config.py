@@ -196,6 +196,13 @@ class QATConfig:
         """The joint-loss weight of ``fmt`` (1.0 unless ``loss_weights`` says otherwise)."""
         return self.loss_weights.get(fmt, 1.0)
 
+    def layer_format_at(self, schedule: Schedule, step: int, total_steps: int) -> str:
+        """One layer's format at ``step``: the anchor format during ``anchor_warmup_steps``, else
+        its schedule's (shared by the PyTorch and MLX controllers)."""
+        if step < self.anchor_warmup_steps and self.anchor_format is not None:
+            return self.anchor_format
+        return schedule.format_at(step, total_steps)
+
     def step_formats(self, step: int, total_steps: int) -> List[str]:
         """The formats one optimizer step trains, highest first: the anchor format alone during
         ``anchor_warmup_steps``, the joint schedule's set, else the one scheduled format."""

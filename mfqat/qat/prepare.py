@@ -41,7 +41,7 @@ class MFQATController:
         for name, m in qat_modules(model):
             sched = self.schedules.get(_strip_peft(name))
             if sched is not None:
-                m.fmt = sched.format_at(step, total_steps)
+                m.fmt = self.config.layer_format_at(sched, step, total_steps)
         return self.current_format()
 
     def step_formats(self, step: int, total_steps: int) -> List[str]:
@@ -49,8 +49,8 @@ class MFQATController:
         return self.config.step_formats(step, total_steps)
 
     def current_format(self) -> str:
-        """The global schedule's format at the current step."""
-        return self.config.make_schedule().format_at(self.step, self.total_steps)
+        """The global schedule's format at the current step (the highest of a joint step)."""
+        return self.config.step_formats(self.step, self.total_steps)[0]
 
 
 def _strip_peft(name: str) -> str:
