@@ -36,7 +36,8 @@ from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
 from .quant.api import quantize
 from .quant.mxtensor import MXTensor
-from .slice import check_sliceable, slice_and_scale
+from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
+from .slice import slice_and_scale
 
 META_FILE = "mfqat.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -59,18 +60,23 @@ class Anchor:
         """The anchor's own format."""
         return self.meta["anchor_format"]
 
-    def in_format(self, fmt: Optional[str]) -> Dict[str, MXTensor]:
-        """Every quantized tensor converted to ``fmt`` by Slice-and-Scale (None: the anchor's)."""
+    def in_format(self, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE) -> Dict[str, MXTensor]:
+        """Every quantized tensor converted to ``fmt`` (None: the anchor's) by Slice-and-Scale, or
+        for a derived affine format by re-quantizing the dequantized anchor in groups of ``group_size``
+        (mfqat.derive)."""
         if fmt is None:
             return dict(self.quantized)
         fmt = canonical_name(fmt)
-        check_sliceable(self.format, fmt, name=str(self.path))
+        check_reachable(self.format, fmt, name=str(self.path))
+        if is_derived(fmt):
+            return {k: derive_affine(q.dequantize(torch.float32), fmt, group_size) for k, q in self.quantized.items()}
         return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}
 
-    def state_dict(self, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    def state_dict(self, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32,
+                   group_size: int = DERIVED_GROUP_SIZE) -> Dict[str, torch.Tensor]:
         """A full state dict with quantized weights dequantized in ``fmt``."""
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.plain.items()}
-        for k, q in self.in_format(fmt).items():
+        for k, q in self.in_format(fmt, group_size).items():
             sd[k] = q.dequantize(dtype)
         return sd
 
@@ -269,16 +275,17 @@ def read_anchor(path: PathLike, verify: bool = True) -> Anchor:
 
 
 def load_anchor(path: PathLike, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+                dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE) -> nn.Module:
     """A ready Hugging Face model whose quantized weights hold ``fmt`` values (Slice-and-Scale).
 
     ``fmt=None`` gives the anchor's own format. Any format of the anchor's family at or below
-    its bits can be asked for; others raise AnchorError / ValueError with the reason.
+    its bits can be asked for, and the derived affine formats (``affine4``: MLX's layout in groups
+    of ``group_size``, mfqat.derive); others raise AnchorError / ValueError with the reason.
     """
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     anchor = read_anchor(path)
-    sd = anchor.state_dict(fmt, dtype)
+    sd = anchor.state_dict(fmt, dtype, group_size)
     odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if why != "not a target"]
     if fmt is not None and odd and canonical_name(fmt) != anchor.format:
         warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "

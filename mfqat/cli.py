@@ -92,9 +92,9 @@ def _export(a) -> None:
 
     calib = load_text(a.calib_text) if a.calib_text else None
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
-                 awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite)
+                 awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size)
     v = rep.get("verify", {})
-    print(f"wrote {a.out}: recipe {a.recipe}, MX {rep['bits_per_weight']:.3f} bits/weight, stored "
+    print(f"wrote {a.out}: recipe {a.recipe}, nominal {rep['bits_per_weight']:.3f} bits/weight, stored "
           f"{rep['stored_bits_per_weight']:.3f} bits/weight on disk ({rep['stored_bits_per_weight_quantized']:.3f} "
           f"for the quantized matrices, {rep['scale_dtype']} scales), "
           f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
@@ -133,7 +133,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     x.add_argument("anchor")
     x.add_argument("--out", required=True)
-    x.add_argument("--recipe", default="uniform:mxint4", help="uniform:FMT | seed | auto:BPW (e.g. auto:4.5)")
+    x.add_argument("--recipe", default="uniform:mxint4",
+                   help="uniform:FMT | seed[:FAMILY] | auto:BPW[:FAMILY] (e.g. auto:4.5, uniform:affine4, seed:affine)")
+    x.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="group of the affine formats derived from the anchor (uniform:affineK, seed:affine); "
+                        "MX formats keep the anchor's block size")
     x.add_argument("--calib-text", default=None, help="auto/AWQ: calibration text file or folder (default: pydoc)")
     x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -54,10 +54,14 @@ def test_affine_equals_mlx_quantize(bits, group):
 
 
 def test_affine_dequantizes_like_mlx():
-    """Float32 groups: mfqat's dequantization equals mx.dequantize of MLX's own quantization."""
+    """mfqat's dequantization (and fake_quantize) equals mx.dequantize of MLX's own quantization, in
+    float32 and in bfloat16, where MLX computes code * scale + bias in bfloat16 arithmetic."""
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)) * 3 + 1
-    for bits in (2, 4, 8):
-        wq, s, b = mx.quantize(mx.array(x.numpy()), group_size=64, bits=bits)
-        want = np.array(mx.dequantize(wq, s, b, group_size=64, bits=bits))
-        got = mfqat.quantize(x, f"affine{bits}", 64).dequantize().numpy()
-        np.testing.assert_array_equal(got, want)
+    for tdt, mdt in DTYPES:
+        for bits in (2, 4, 8):
+            wq, s, b = mx.quantize(mx.array(x.numpy()).astype(mdt), group_size=64, bits=bits)
+            want = np.array(mx.dequantize(wq, s, b, group_size=64, bits=bits).astype(mx.float32))
+            got = mfqat.quantize(x.to(tdt), f"affine{bits}", 64).dequantize(torch.float32).numpy()
+            np.testing.assert_array_equal(got, want, err_msg=f"affine{bits} {tdt}")
+            fq = mfqat.fake_quantize(x.to(tdt), f"affine{bits}", 64).float().numpy()
+            np.testing.assert_array_equal(fq, want, err_msg=f"fake_quantize affine{bits} {tdt}")

@@ -67,8 +67,8 @@ def test_qdq_and_codes_bit_exact_with_pytorch(name):
             np.testing.assert_array_equal(np.array(scales), q.scales.numpy())
             if biases is not None:
                 np.testing.assert_array_equal(np.array(biases), q.biases.numpy())
-            back = mq.dequantize(codes, scales, fmt, 32, biases)
-            assert_bits_equal(to_torch(back, torch.float32), q.dequantize(torch.float32), f"{name} dequantize")
+            back = mq.dequantize(codes, scales, fmt, 32, biases, mdt)
+            assert_bits_equal(to_torch(back, tdt), q.dequantize(), f"{name} {tdt} dequantize")
 
 
 @given(name=st.sampled_from(MX_FORMATS), exponent=st.integers(-130, 120),

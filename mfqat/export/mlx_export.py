@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..anchor import MAX_SHARD_BYTES, Anchor, AnchorError, read_anchor, save_anchor
+from ..derive import DERIVED_GROUP_SIZE
 from ..formats import get_format
 from ..io import atomic_directory, write_json
 from ..manifest import seal
@@ -64,6 +65,10 @@ def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
     """Lay one MX tensor out as MLX stores it (see module table)."""
     f = q.fmt
     rows = q.shape[:-1]
+    if f.family == "affine":  # derived: MLX's own codes, scales and biases (mfqat.derive)
+        from ..quant.packing import pack_codes
+        words = pack_codes(q.codes.to(torch.int32), AFFINE_BITS[f.bits]).numpy().view(np.uint32)
+        return MLXTensor(words, q.scales.numpy(), q.biases.numpy(), "affine", AFFINE_BITS[f.bits], True)
     if f.family == "mxint":
         bits = AFFINE_BITS[f.bits]
         qu = q.codes.to(torch.int32) + 2 ** (bits - 1)
@@ -97,7 +102,7 @@ def mlx_model_config(config: dict) -> dict:
 
 def _config_for_mlx(config: dict, plan: Plan) -> dict:
     cfg = mlx_model_config(config)
-    quant = {"group_size": plan.group_size, "bits": plan.base_bits, "mode": plan.base_mode}
+    quant = {"group_size": plan.base_group, "bits": plan.base_bits, "mode": plan.base_mode}
     for module, entry in plan.module_entries().items():
         quant[module] = entry
     cfg["quantization"] = quant
@@ -122,6 +127,10 @@ def plan_from_report(report: dict) -> Plan:
     for name, t in report["tensors"].items():
         if "origin" in t:
             plan.formats[name], plan.origin[name] = t["source"], t["origin"]
+            if get_format(t["source"]).family == "affine" and "group_size" in t:
+                plan.derived_group = t["group_size"]
+            elif "group_size" in t:
+                plan.group_size = t["group_size"]
         else:  # kept in 16 bits
             plan.kept16.add(name)
     return plan
@@ -129,7 +138,8 @@ def plan_from_report(report: dict) -> Plan:
 
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
-           scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> dict:
+           scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+           group_size: int = DERIVED_GROUP_SIZE) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -155,10 +165,12 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         anchor = read_anchor(src)
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
-        plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text)
+        plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
+        if all(get_format(f).family == "affine" for f in plan.formats.values()):
+            report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
         _write(anchor, plan, anchor.config, src, tmp, report, scale_dtype, max_shard_bytes)
         if not is_anchor:
             shutil.rmtree(src)  # the temporary PTQ anchor is not part of the export
@@ -240,13 +252,16 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
             arrays[name] = mx.array(st.weight).astype(mx.bfloat16)
         else:
             arrays[name] = mx.array(st.weight)
-            cast = mx.bfloat16 if (scale_dtype == "bfloat16" and st.mode == "affine") else None
+            derived = get_format(plan.formats[name]).family == "affine"  # made with bfloat16 scales
+            cast = mx.bfloat16 if (st.mode == "affine" and (scale_dtype == "bfloat16" or derived)) else None
             arrays[f"{module}.scales"] = mx.array(st.scales) if cast is None else mx.array(st.scales).astype(cast)
             if st.biases is not None:
                 arrays[f"{module}.biases"] = mx.array(st.biases) if cast is None else mx.array(st.biases).astype(cast)
         report["tensors"][name] = {"source": plan.formats[name], "origin": plan.origin[name],
                                    "mlx": st.mode or "bfloat16", "bits": st.bits,
-                                   "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(plan.group_size),
+                                   "group_size": plan.group_of(plan.formats[name]),
+                                   "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(
+                                       plan.group_of(plan.formats[name])),
                                    "exact": st.exact}
     save_sharded(arrays, tmp, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan), indent=2))
@@ -267,7 +282,7 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
         if f"{module}.scales" in weights:
             mode, bits = mlx_storage(plan.formats[name])
             got = mx.dequantize(weights[name], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
-                                group_size=plan.group_size, bits=bits, mode=mode)
+                                group_size=plan.group_of(plan.formats[name]), bits=bits, mode=mode)
         else:
             got = weights[name]
         got = np.array(got.astype(mx.float32))

@@ -1,6 +1,8 @@
 """Per-tensor format plans for export: ``uniform:FMT`` and ``seed`` (docs/file-formats.md).
 
-Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"); 2-D
+Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"), or for the
+derived affine formats (``uniform:affine4``, ``seed:affine``) re-quantized from the anchor's values
+in MLX's own layout, groups of ``Plan.derived_group`` (mfqat.derive); 2-D
 weights the anchor keeps in full precision (embeddings, an untied lm_head) are quantized
 directly when the plan names a format for them (origin "ptq"), else kept in bfloat16.
 """
@@ -13,17 +15,19 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from ..anchor import Anchor
+from ..derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
 from ..formats import canonical_name, get_format
 from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
-from ..slice import check_sliceable, slice_and_scale
+from ..slice import slice_and_scale
 from .storage import check_mlx_group_size
 
 FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
+    "affine": {b: f"affine{b}" for b in (2, 3, 4, 5, 6, 8)},
 }
-RECIPES = ("uniform:FMT", "seed[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint or mxfp
+RECIPES = ("uniform:FMT", "seed[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp (auto) or affine (seed)
 AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
 
 
@@ -31,7 +35,7 @@ def mlx_storage(fmt) -> Optional[Tuple[str, int]]:
     """(MLX quantization mode, bits) that carries ``fmt`` code-for-code (docs/file-formats.md), or None for
     mxfp8_e5m2, which is stored as bfloat16."""
     f = get_format(fmt)
-    if f.family == "mxint":
+    if f.family in ("mxint", "affine"):
         return "affine", AFFINE_BITS[f.bits]
     if f.name == "mxfp4_e2m1":
         return "mxfp4", 4
@@ -50,12 +54,22 @@ class Plan:
     base_mode: str = "affine"
     group_size: int = 32  # the anchor's block size, checked against what MLX takes (storage.py)
     sensitivity: Optional[dict] = None  # auto:BPW - written beside the model as sensitivity.json
+    derived_group: int = DERIVED_GROUP_SIZE  # group of the derived affine formats
+    base_group: int = 32  # the config's top-level group size (that of the top-level format)
+
+    def group_of(self, fmt: str) -> int:
+        """MLX group size of a tensor in ``fmt``."""
+        return self.derived_group if is_derived(fmt) else self.group_size
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
         """Every planned tensor as an MXTensor in its planned format."""
         out = {}
         for name, fmt in self.formats.items():
-            if self.origin[name] == "anchor":
+            if is_derived(fmt):
+                src = anchor.quantized[name].dequantize(torch.float32) if self.origin[name] == "anchor" \
+                    else anchor.plain[name].float()
+                out[name] = derive_affine(src, fmt, self.derived_group)
+            elif self.origin[name] == "anchor":
                 out[name] = slice_and_scale(anchor.quantized[name], fmt)
             else:
                 out[name] = quantize(anchor.plain[name].float(), fmt, self.group_size)
@@ -68,8 +82,9 @@ class Plan:
             storage = mlx_storage(fmt)
             if storage is None:
                 entries[name[: -len(".weight")]] = False
-            elif storage != (self.base_mode, self.base_bits):
-                entries[name[: -len(".weight")]] = {"group_size": self.group_size, "bits": storage[1], "mode": storage[0]}
+            elif storage != (self.base_mode, self.base_bits) or self.group_of(fmt) != self.base_group:
+                entries[name[: -len(".weight")]] = {"group_size": self.group_of(fmt), "bits": storage[1],
+                                                    "mode": storage[0]}
         for name in self.kept16:
             entries[name[: -len(".weight")]] = False
         return entries
@@ -84,7 +99,8 @@ class Plan:
         shapes = {**{k: q.shape for k, q in anchor.quantized.items()}, **{k: v.shape for k, v in anchor.plain.items()}}
         for name in list(self.formats) + sorted(self.kept16):
             n = int(torch.Size(shapes[name]).numel())
-            bpw = get_format(self.formats[name]).bits_per_weight(self.group_size) if name in self.formats else 16.0
+            bpw = (get_format(self.formats[name]).bits_per_weight(self.group_of(self.formats[name]))
+                   if name in self.formats else 16.0)
             total_bits += bpw * n
             total += n
         return total_bits / max(total, 1)
@@ -126,8 +142,8 @@ def _shape(anchor: Anchor, name: str) -> tuple:
     return tuple(anchor.quantized[name].shape if name in anchor.quantized else anchor.plain[name].shape)
 
 
-def _check_group_size(anchor: Anchor, names) -> None:
-    bs = anchor.meta.get("block_size", 32)
+def _check_group_size(anchor: Anchor, names, group: int = 0) -> None:
+    bs = group or anchor.meta.get("block_size", 32)
     for name in names:
         if _shape(anchor, name)[-1] % bs:
             raise ValueError(f"{name}: shape {_shape(anchor, name)} is not divisible by the MLX group size {bs}")
@@ -161,23 +177,29 @@ def ptq_anchor_format(recipe: str) -> str:
     kind, arg, family = parse_recipe(recipe)
     if kind == "uniform" and get_format(arg).bits == 8:
         return arg
-    if family not in (None, "mxint", "mxfp"):
-        raise ValueError(f"recipe '{recipe}': unknown family '{family}'; choose mxint or mxfp")
-    return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3"}[family]
+    if family not in (None, "mxint", "mxfp", "affine"):
+        raise ValueError(f"recipe '{recipe}': unknown family '{family}'; choose mxint, mxfp or affine")
+    return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3", "affine": "mxint8"}[family]
 
 
-def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None) -> Plan:
+def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None,
+               derived_group: int = DERIVED_GROUP_SIZE) -> Plan:
     """A per-tensor plan from a recipe name; checks everything before anything is written."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
-    if want is not None and want != family:
+    if want == "affine" and kind == "auto":
+        raise ValueError(f"recipe '{recipe}': auto:BPW plans MX formats only; for MLX's affine layout use "
+                         "uniform:affineK or seed:affine")
+    if want == "affine":
+        family = "affine"  # derived from the anchor (mfqat.derive), not sliced
+    elif want is not None and want != family:
         raise ValueError(f"recipe '{recipe}' asks for the {want} family but the anchor is {anchor.format} "
                          f"({family}): Slice-and-Scale stays inside one MX family")
-    plan = Plan(group_size=anchor.meta.get("block_size", 32))
+    plan = Plan(group_size=anchor.meta.get("block_size", 32), derived_group=derived_group)
     tied = bool(anchor.meta.get("tied"))
     if kind == "uniform":
         fmt = arg
-        check_sliceable(anchor.format, fmt, name=str(anchor.path))
+        check_reachable(anchor.format, fmt, name=str(anchor.path))
         for name in anchor.quantized:
             plan.formats[name], plan.origin[name] = fmt, "anchor"
         for name in _matrix_weights(anchor):
@@ -186,7 +208,7 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     elif kind == "seed":
         for name in list(anchor.quantized) + _matrix_weights(anchor):
             bits = seed_bits(name, base_bits, tied)
-            plan.formats[name] = _fmt_for_bits(family, bits, get_format(anchor.format).bits)
+            plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))
     elif kind == "auto":
@@ -207,10 +229,13 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     for name in _matrix_weights(anchor):
         if name not in plan.formats:
             plan.kept16.add(name)
-    _check_group_size(anchor, plan.formats)
+    _check_group_size(anchor, [n for n, f in plan.formats.items() if not is_derived(f)])
+    _check_group_size(anchor, [n for n, f in plan.formats.items() if is_derived(f)], plan.derived_group)
     for name, fmt in plan.formats.items():
         if plan.origin[name] == "anchor":
-            check_sliceable(anchor.format, fmt, name=name)
-    check_mlx_group_size(plan.group_size, [(n, mlx_storage(f)) for n, f in plan.formats.items()])
+            check_reachable(anchor.format, fmt, name=name)
+    check_mlx_group_size(plan.group_size, [(n, mlx_storage(f)) for n, f in plan.formats.items() if not is_derived(f)])
+    check_mlx_group_size(plan.derived_group, [(n, mlx_storage(f)) for n, f in plan.formats.items() if is_derived(f)])
     plan.base_mode, plan.base_bits = mlx_storage(top) or ("mxfp8", 8)
+    plan.base_group = plan.group_of(top.name)
     return plan

@@ -171,7 +171,8 @@ def quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, sca
 
 def dequantize(codes: mx.array, scales: mx.array, fmt: FormatLike, block_size: Optional[int] = None,
                biases: Optional[mx.array] = None, dtype=mx.float32) -> mx.array:
-    """Codes and scales (from :func:`quantize`) -> values in ``dtype``."""
+    """Codes and scales (from :func:`quantize`) -> values in ``dtype`` (affine: computed in ``dtype``'s
+    arithmetic, as ``mx.dequantize`` does with scales of that dtype)."""
     f = get_format(fmt)
     bs = f.resolve_block_size(block_size)
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // bs, bs)
@@ -182,7 +183,7 @@ def dequantize(codes: mx.array, scales: mx.array, fmt: FormatLike, block_size: O
     elif f.family == "nf4":
         out = mx.array(NF4_CODEBOOK, dtype=mx.float32)[c.astype(mx.int32)] * scales[..., None]
     else:
-        out = c.astype(mx.float32) * scales[..., None] + biases[..., None]
+        out = c.astype(dtype) * scales.astype(dtype)[..., None] + biases.astype(dtype)[..., None]
     return out.reshape(codes.shape).astype(dtype)
 
 

@@ -9,7 +9,10 @@ from typing import Any, Dict, List, NoReturn, Optional, Tuple, Union
 
 import yaml
 
-from ..formats import MX_BLOCK_SIZES, canonical_name, check_sliceable, get_format
+import math
+
+from ..derive import DERIVED_GROUP_SIZE, check_reachable
+from ..formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
 from ..quant.reference import SCALE_RULES
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
@@ -76,6 +79,19 @@ def _check_mx_formats(field_name: str, value: Any, block_size: int) -> None:
         _check_mx_format(field_name, f, block_size)
 
 
+def _check_qat_formats(field_name: str, value: Any, block_size: int) -> None:
+    """Like _check_mx_formats, but the derived affine formats (affine2..8, mfqat.derive) may join."""
+    if isinstance(value, (list, tuple)) and value:
+        value = [f for f in value if not (isinstance(f, str) and f.lower() in _affine_names())]
+        if not value:
+            return
+    _check_mx_formats(field_name, value, block_size)
+
+
+def _affine_names() -> List[str]:
+    return [f"affine{k}" for k in range(2, 9)]
+
+
 def _check_mx_format(field_name: str, value: Any, block_size: int) -> None:
     """One MX format name that allows ``block_size``."""
     _check_type(field_name, value, (str,), "MX format names")
@@ -135,6 +151,10 @@ class QATConfig:
             Slice-and-Scale contract, to qdq_f(qdq_anchor(W))), straight-through gradient.
             Default: on for MF-QAT, off for ``fixed`` (the dedicated single-format baseline).
         anchor_warmup_steps: the first N optimizer steps train the anchor format only.
+        affine_group_size: group of the derived affine formats (``affine2``..``affine8`` in
+            ``formats``): MLX's own layout, a bfloat16 scale and bias per group, derived from the
+            anchor as W_k = dequantize(mx.quantize(bf16(qdq_anchor(W)), group, k)) (mfqat.derive);
+            64 is mlx_lm.convert's default (4.5 bits/weight at k = 4).
     """
 
     formats: List[str] = field(default_factory=lambda: ["mxint8", "mxint6", "mxint4"])
@@ -156,6 +176,7 @@ class QATConfig:
     anchor_format: Optional[str] = None
     through_anchor: Optional[bool] = None
     anchor_warmup_steps: int = 0
+    affine_group_size: int = DERIVED_GROUP_SIZE
 
     def __post_init__(self) -> None:
         self.validate()
@@ -178,9 +199,9 @@ class QATConfig:
             raise ValueError(f"QATConfig.anchor_warmup_steps must be >= 0, got {self.anchor_warmup_steps}")
         if self.schedule == "joint" and self.layer_formats:
             raise ValueError("QATConfig: schedule 'joint' takes one global format set; layer_formats is not supported with it")
-        families = {get_format(f).family for f in self.formats}
-        if self.anchor_format is None and len(families) == 1:
-            self.anchor_format = "mxint8" if families == {"mxint"} else "mxfp8_e4m3"
+        families = {get_format(f).family for f in self.formats} - {"affine"}
+        if self.anchor_format is None and len(families) <= 1:  # only derived affine formats: an MXINT8 anchor
+            self.anchor_format = "mxfp8_e4m3" if families == {"mxfp"} else "mxint8"
         if self.anchor_format is not None:
             self.anchor_format = canonical_name(self.anchor_format)
         if self.through_anchor is None:
@@ -190,7 +211,14 @@ class QATConfig:
                 raise ValueError(f"QATConfig.through_anchor needs one format family, got {self.formats}; "
                                  f"set through_anchor: false or anchor_format")
             for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
-                check_sliceable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
+                check_reachable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
+
+    def group_multiple(self) -> int:
+        """What a layer's width must be a multiple of: the MX block size, and the affine group
+        size when a derived affine format is trained."""
+        if any(get_format(f).family == "affine" for f in self.formats):
+            return self.block_size * self.affine_group_size // math.gcd(self.block_size, self.affine_group_size)
+        return self.block_size
 
     def weight_of(self, fmt: str) -> float:
         """The joint-loss weight of ``fmt`` (1.0 unless ``loss_weights`` says otherwise)."""
@@ -222,7 +250,11 @@ class QATConfig:
         _check_type("block_size", self.block_size, (int,), "an int")
         if self.block_size not in MX_BLOCK_SIZES:
             _fail("block_size", f"{self.block_size} is not an MX block size; choose one of {list(MX_BLOCK_SIZES)}")
-        _check_mx_formats("formats", self.formats, self.block_size)
+        _check_qat_formats("formats", self.formats, self.block_size)
+        _check_type("affine_group_size", self.affine_group_size, (int,), "an int")
+        if self.affine_group_size not in AFFINE_GROUP_SIZES:
+            _fail("affine_group_size", f"{self.affine_group_size} is not an MLX group size; choose one of "
+                                       f"{list(AFFINE_GROUP_SIZES)}")
         _check_type("schedule", self.schedule, (str,), "a schedule name")
         if self.schedule not in SCHEDULES:
             _fail("schedule", f"unknown schedule '{self.schedule}'; choose one of {SCHEDULES}")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize
 
 
@@ -23,6 +24,7 @@ class MFQATMixin:
     scale_rule: str
     mask_saturated: bool
     anchor_format: Optional[str]
+    affine_group_size: int = DERIVED_GROUP_SIZE  # group of the derived affine formats (mfqat.derive)
 
     def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
                   anchor_format: Optional[str] = None) -> None:
@@ -45,11 +47,18 @@ class MFQATMixin:
         if fmt is None:
             return w
         if self.anchor_format is None:
-            return fake_quantize(w, fmt, self.block_size, self.scale_rule, self.mask_saturated)
+            return self._qdq(w, fmt, self.scale_rule)
         w = fake_quantize(w, self.anchor_format, self.block_size, self.scale_rule, self.mask_saturated)
         if fmt == self.anchor_format:
             return w
-        return fake_quantize(w, fmt, self.block_size, "floor", self.mask_saturated)
+        return self._qdq(w, fmt, "floor")
+
+    def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:
+        """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
+        stores it (bfloat16 scale and bias per ``affine_group_size``, mfqat.derive)."""
+        if is_derived(fmt):
+            return fake_derive_affine(w, fmt, self.affine_group_size)
+        return fake_quantize(w, fmt, self.block_size, scale_rule, self.mask_saturated)
 
 
 class _RecomputedQuantLinear(torch.autograd.Function):

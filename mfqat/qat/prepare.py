@@ -91,14 +91,15 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
         if is_linear and not config.selects(name):
             continue
         width = m.in_features if is_linear else m.embedding_dim
-        if width % config.block_size:
-            skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
+        if width % config.group_multiple():
+            skipped.append(f"{name} ({width} not a multiple of {config.group_multiple()})")
             continue
         act = config.activation_format if config.quantize_activations else None
         anchor = config.anchor_format if config.through_anchor else None
         new = (MFQATLinear.from_linear(m, config.block_size, config.scale_rule, config.mask_saturated, act, anchor)
                if is_linear else
                MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated, anchor))
+        new.affine_group_size = config.affine_group_size
         _set_submodule(model, name, new)
         schedules[name] = config.schedule_for(name)
     if skipped:

@@ -43,7 +43,7 @@ class MXTensor:
         """Decode to a float tensor (the original dtype unless ``dtype`` is given)."""
         bs = self.block_size
         codes = self.codes.reshape(*self.shape[:-1], self.shape[-1] // bs, bs)
-        out = dequantize_blocks(codes, self.scales, self.biases, self.fmt)
+        out = dequantize_blocks(codes, self.scales, self.biases, self.fmt, self.dtype)
         return out.reshape(self.shape).to(dtype or self.dtype)
 
     def pack(self) -> torch.Tensor:

@@ -231,9 +231,14 @@ def affine_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, dtype: torc
     return q.to(torch.uint8), scale.to(dtype).float(), bias.to(dtype).float()
 
 
-def affine_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
-    """Affine codes -> float32 blocks."""
-    return codes.to(torch.float32) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
+def affine_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Affine codes -> float32 blocks, computed as ``mx.dequantize`` does for scales of ``dtype``:
+    ``code * scale + bias`` in that dtype's arithmetic (bfloat16: two roundings, product then sum;
+    they differ from one float32 evaluation in up to a third of the elements)."""
+    if dtype == torch.float32:
+        return codes.to(torch.float32) * scales.unsqueeze(-1) + biases.unsqueeze(-1)
+    return (codes.to(dtype) * scales.to(dtype).unsqueeze(-1) + biases.to(dtype).unsqueeze(-1)).float()
 
 
 # ----------------------------------------------------------------------------- whole tensors
@@ -259,13 +264,14 @@ def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = 
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optional[torch.Tensor],
-                      fmt: ElementFormat) -> torch.Tensor:
-    """Dispatch on the family: float32 blocks from stored codes."""
+                      fmt: ElementFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dispatch on the family: float32 blocks from stored codes (affine: in the arithmetic of the
+    ``dtype`` its scales were made for, as MLX dequantizes)."""
     if fmt.is_mx:
         return mx_dequantize_blocks(codes, scales, fmt)
     if fmt.family == "nf4":
         return nf4_dequantize_blocks(codes, scales)
-    return affine_dequantize_blocks(codes, scales, biases)
+    return affine_dequantize_blocks(codes, scales, biases, dtype)
 
 
 def fake_quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int,
@@ -276,7 +282,7 @@ def fake_quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int
         out, saturated = mx_fake_quantize_blocks(blocks, fmt, scale_rule, dtype_max_exponent(x.dtype))
     else:
         codes, scales, biases = quantize_blocks(blocks, fmt, scale_rule, x.dtype)
-        out = dequantize_blocks(codes, scales, biases, fmt)
+        out = dequantize_blocks(codes, scales, biases, fmt, x.dtype)
         saturated = torch.zeros_like(out, dtype=torch.bool)
     return out.reshape(x.shape).to(x.dtype), saturated.reshape(x.shape)
 

@@ -1,0 +1,50 @@
+"""Derived affine formats: MLX's own affine layout, derived from an MX anchor.
+
+MLX stores a k-bit affine weight as codes plus a bfloat16 scale and bias per group of 64 (what
+``mlx_lm.convert`` writes for a bfloat16 model: 4.5 bits/weight at k = 4). An MXINT8 / MXFP8 anchor
+gives such a model without re-training by *re-quantizing its dequantized values*:
+
+    W_affine_k = dequantize(mx.quantize(bfloat16(dequantize(anchor)), group_size=g, bits=k))
+
+where ``mx.quantize`` is MLX's affine rule (reproduced bit for bit by ``affine{k}`` in
+mfqat.quant.reference) and the dequantization is MLX's too (``code * scale + bias`` in bfloat16
+arithmetic). The bfloat16 cast of an MXINT8 / MXFP8 value is exact. MF-QAT trains through this
+derivation (``formats: [mxint8, affine4, affine3]``), so the exported codes are the ones it learnt,
+stored at exactly mlx_lm's cost (docs/numerics.md, "Derived affine").
+"""
+from __future__ import annotations
+
+import torch
+
+from .formats import FormatLike, check_sliceable, get_format
+from .quant.api import fake_quantize, quantize
+from .quant.mxtensor import MXTensor
+
+DERIVED_GROUP_SIZE = 64  # mlx_lm.convert's default group size
+DERIVED_DTYPE = torch.bfloat16  # the scale / bias dtype mlx_lm.convert writes for a bf16 model
+
+
+def is_derived(fmt: FormatLike) -> bool:
+    """True for the affine formats, which an MX anchor reaches by re-quantization, not slicing."""
+    return get_format(fmt).family == "affine"
+
+
+def check_reachable(anchor_fmt: FormatLike, fmt: FormatLike, name: str = "tensor") -> None:
+    """Raise ValueError unless ``fmt`` comes from an ``anchor_fmt`` anchor: by Slice-and-Scale (same
+    MX family, at or below its bits) or by affine derivation (from any MX anchor)."""
+    if is_derived(fmt):
+        if not get_format(anchor_fmt).is_mx:
+            raise ValueError(f"{name}: {get_format(fmt).name} is derived from an MX anchor, not from {anchor_fmt}")
+        return
+    check_sliceable(anchor_fmt, fmt, name=name)
+
+
+def derive_affine(values: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:
+    """The affine codes, bfloat16 scales and biases MLX would store for ``values`` (an anchor's
+    dequantized weights); ``.dequantize()`` gives what mx.dequantize gives."""
+    return quantize(values.to(DERIVED_DTYPE), fmt, group_size)
+
+
+def fake_derive_affine(w: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> torch.Tensor:
+    """``derive_affine(w, fmt).dequantize()`` in w's dtype, straight-through gradient (for MF-QAT)."""
+    return fake_quantize(w.to(DERIVED_DTYPE), fmt, group_size).to(w.dtype)
