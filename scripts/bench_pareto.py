@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""mfqat's MLX exports against every mlx_lm option at equal stored bytes, on the same fine-tuned weights.
+
+Each --run is a `mfqat train --save-master` output (anchor/ + master/, e.g. from scripts/bench_joint.py).
+For every run: `mlx_lm.convert` of its full-precision master (bfloat16, as a Mac user converts) at
+q2/q3/q4/q5/q6/q8 x group 32/64, `--q-mode mxfp4` / `mxfp8`, and the mixed_3_4 / mixed_3_6 / mixed_4_6
+recipes; and mfqat's exports of its anchor (the recipes given per run). Perplexity in MLX on held-out
+text no run trains on (pydoc held-out split and numpy's licence), stored bits/weight = 8 x bytes of the
+safetensors files / parameter count, generation tokens/s of the --speed points. MLX's CPU backend is
+slow (bfloat16 quantized matmuls ~100x more), so perplexity runs the exactly dequantized MLX weights in
+PyTorch (float32 activations) and tokens/s the quantized model with float32 scales, alike for every method. One table, one plot
+(perplexity vs stored bits/weight, every method a line), and the Pareto verdict: for each mlx_lm
+point, the best mfqat point of the same run at equal or fewer bytes.
+
+    python scripts/bench_pareto.py --run out/joint/joint-affine:uniform:affine8,uniform:affine6,uniform:affine4,uniform:affine3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from mfqat.data import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.eval.report import format_table, plot_ppl_vs_bpw
+from mfqat.export import to_mlx
+from mfqat.eval.perplexity import perplexity as torch_ppl
+
+MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
+                  + [("mxfp4", dict(q_mode="mxfp4", q_bits=4, q_group_size=32)),
+                     ("mxfp8", dict(q_mode="mxfp8", q_bits=8, q_group_size=32))]
+                  + [(r, dict(quant_predicate=r)) for r in ("mixed_3_4", "mixed_3_6", "mixed_4_6")])
+PROMPT = "The Python language is"
+
+
+def stored_bpw(folder: Path, n_params: int) -> float:
+    """8 x bytes of the model's safetensors files / parameters (what the user downloads)."""
+    return 8 * sum(f.stat().st_size for f in folder.glob("*.safetensors")) / n_params
+
+
+def as_float32(model) -> None:
+    """bfloat16 parameters (scales, biases, norms) -> float32 in place: MLX's CPU backend runs bfloat16
+    quantized matmuls ~100x slower than float32 (a Mac's GPU does not)."""
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
+
+
+def tokens_per_second(folder: Path) -> float:
+    """Generation speed of the quantized model (float32 scales on CPU, the same for every method)."""
+    from mlx_lm import load, stream_generate
+
+    model, tok = load(str(folder))
+    as_float32(model)
+    last = None
+    for last in stream_generate(model, tok, PROMPT, max_tokens=48):
+        pass
+    return float(last.generation_tps)
+
+
+def mlx_weights_as_torch(folder: Path) -> Dict[str, torch.Tensor]:
+    """Every weight of an MLX model folder exactly as mx.dequantize gives it from the stored codes,
+    scales and biases (bfloat16 arithmetic, as on a Mac), as float32 torch tensors under HF names."""
+    cfg = json.loads((folder / "config.json").read_text()).get("quantization", {})
+    arrays = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        arrays.update(mx.load(str(f)))
+    out = {}
+    for name, w in arrays.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module is not None and f"{module}.scales" in arrays:
+            q = cfg.get(module) if isinstance(cfg.get(module), dict) else cfg
+            w = mx.dequantize(w, arrays[f"{module}.scales"], arrays.get(f"{module}.biases"), q["group_size"],
+                              q["bits"], q.get("mode", "affine"))
+        out[name] = torch.from_numpy(np.array(w.astype(mx.float32)))
+    return out
+
+
+def evaluate(folder: Path, model, held: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """Perplexity of the exact MLX weights, run in PyTorch with float32 activations: MLX's CPU backend
+    takes ~80 s per 256-token forward of this model on 2 busy cores (a Mac's GPU does not), and the
+    exporters' check shows MLX and PyTorch agree on the same weights (BENCHMARKS "MLX export")."""
+    missing, unexpected = model.load_state_dict(mlx_weights_as_torch(folder), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    model.tie_weights()
+    return {t: torch_ppl(model, blocks) for t, blocks in held.items()}
+
+
+def mlx_lm_convert(master: Path, dest: Path, opts: dict) -> None:
+    from mlx_lm import convert
+
+    if not (dest / "config.json").is_file():
+        shutil.rmtree(dest, ignore_errors=True)
+        convert(str(master), str(dest), quantize=True, dtype="bfloat16", **opts)
+
+
+def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
+    if not (dest / "mfqat_export.json").is_file():
+        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True)
+
+
+def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,
+                options: List[str], speed: List[str] = ()) -> List[dict]:
+    """Rows for one run: every mlx_lm option on its master, every mfqat recipe on its anchor."""
+    rows = []
+    jobs = [("mlx_lm", name, lambda d, o=opts: mlx_lm_convert(run / "master", d, o))
+            for name, opts in MLX_LM_OPTIONS if not options or name in options]
+    jobs += [("mfqat", r, lambda d, r=r: mfqat_export(run / "anchor", d, r)) for r in recipes]
+    for method, name, make in jobs:
+        key = f"{run.name}|{method}|{name}"
+        if key not in cache:
+            dest = out / run.name / f"{method}-{name.replace(' ', '_').replace(':', '_')}"
+            print(f"[pareto] {key}")
+            make(dest)
+            row = {"run": run.name, "method": method, "option": name, "stored bits/w": stored_bpw(dest, n_params),
+                   **evaluate(dest, model, held)}
+            if name in speed:
+                row["tokens/s"] = tokens_per_second(dest)
+            cache[key] = row
+            save()
+            shutil.rmtree(dest)  # keep the disk small: the numbers are cached
+        rows.append(cache[key])
+    return rows
+
+
+def verdict(rows: List[dict], text: str) -> List[dict]:
+    """For each mlx_lm point: the best mfqat point of the same run with <= its stored bytes."""
+    out = []
+    for r in [r for r in rows if r["method"] == "mlx_lm"]:
+        ours = [o for o in rows if o["method"] == "mfqat" and o["run"] == r["run"]
+                and o["stored bits/w"] <= r["stored bits/w"] + 1e-9]
+        best = min(ours, key=lambda o: o[text]) if ours else None
+        out.append({"run": r["run"], "mlx_lm": r["option"], "bits/w": round(r["stored bits/w"], 3), "mlx_lm ppl": r[text],
+                    "best mfqat (<= bytes)": best["option"] if best else "-", "mfqat ppl": best[text] if best else None,
+                    "win": (best[text] <= r[text]) if best else False})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="append", required=True, help="RUN_DIR:RECIPE,RECIPE,... (repeatable)")
+    p.add_argument("--blocks", type=int, default=8, help="held-out blocks of --seq-len tokens per text")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--out", default="out/pareto")
+    p.add_argument("--speed", default="", help="comma list of options / recipes to time generation for")
+    p.add_argument("--mlx-lm", default="", help="comma list of mlx_lm options to run (default: all), e.g. 'q4 g64,mxfp4'")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(None)
+    n_params = sum(t.numel() for t in model.parameters())
+    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
+            "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.blocks)}
+    cache_path = out / "pareto.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    save = lambda: cache_path.write_text(json.dumps(cache, indent=2))  # noqa: E731
+    rows = []
+    for spec in a.run:
+        run, _, recipes = spec.partition(":")
+        rows += measure_run(Path(run), [r for r in recipes.split(",") if r], out, model, held, n_params, cache, save,
+                            [o for o in a.mlx_lm.split(",") if o], [o for o in a.speed.split(",") if o])
+    rows.sort(key=lambda r: (r["run"], r["stored bits/w"]))
+    cols = ["run", "method", "option", "stored bits/w", "pydoc", "licence", "tokens/s"]
+    print(format_table([{c: r.get(c, "") for c in cols} for r in rows], cols))
+    for text in ("pydoc", "licence"):
+        v = verdict(rows, text)
+        print(f"\nPareto verdict, {text}: mfqat wins {sum(x['win'] for x in v)}/{len(v)} mlx_lm points")
+        print(format_table(v, list(v[0])))
+    for run in sorted({r["run"] for r in rows}):
+        series: Dict[str, list] = {}
+        for r in [r for r in rows if r["run"] == run and r["pydoc"] < 100]:  # q2 points off the chart
+            series.setdefault(line_of(r), []).append((r["stored bits/w"], r["pydoc"], r["option"]))
+        plot = plot_ppl_vs_bpw(series, out / f"pareto-{run}.png",
+                               title=f"{run}: MLX perplexity (held-out pydoc) vs stored bits/weight")
+        print(f"plot: {plot}")
+
+
+def line_of(row: dict) -> str:
+    """The plot line a point belongs to: one per mlx_lm kind, one per mfqat anchor family."""
+    opt = row["option"]
+    if row["method"] == "mlx_lm":
+        return "mlx_lm " + ("mixed" if "mixed" in opt else "mxfp" if "mxfp" in opt else "affine " + opt.split()[-1])
+    return "mfqat " + ("seed/auto" if not opt.startswith("uniform") else opt.split(":")[1].rstrip("0123456789_e"))
+
+
+if __name__ == "__main__":
+    main()
