@@ -30,6 +30,7 @@ from ..io import atomic_directory
 from ..qat.config import QATConfig
 from ..qat.joint import joint_backward, token_kl, weighted_loss
 from .train_args import build_parser
+from . import grad_compress
 from ..qat.prepare import prepare, set_format
 
 
@@ -178,10 +179,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     model, opt, loader = acc.prepare(model, opt, loader)
     acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
     base = acc.unwrap_model(model)
+    gc = grad_compress.setup(acc, model, args.grad_compress, not args.no_error_feedback)
     start = 0
     if args.resume:
         acc.load_state(args.resume)
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
+        if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
+            gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index)))
+    grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []
     bar = progress(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
@@ -201,6 +206,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        if gc:
+            grad_bytes.append(gc.pop_bytes()[0])
         per_fmt = {f: sum(v) / len(v) for f, v in step_losses.items()}
         losses.append(weighted_loss(per_fmt, cfg.weight_of) if cfg else per_fmt["fp"])
         fmts.append("+".join(per_fmt))
@@ -209,6 +216,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if args.save_every and step % args.save_every == 0 and step < args.steps:
             ckpt = out / f"checkpoint-{step}"
             acc.save_state(str(ckpt))
+            if gc:  # each rank's own residuals
+                ckpt.mkdir(parents=True, exist_ok=True)
+                torch.save(gc.state_dict(), grad_compress.residual_file(ckpt, acc.process_index))
             if acc.is_main_process:
                 (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
                 if cfg:
@@ -219,6 +229,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     acc.wait_for_everyone()
     summary = {"steps": args.steps, "train_seconds": train_s, "final_loss": losses[-1] if losses else None,
                "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib()}
+    if gc:
+        summary["grad_compress"] = {"format": gc.fmt, "error_feedback": gc.error_feedback,
+                                    "bytes_sent_per_step": grad_bytes}
     if args.dump_weights:
         flat = torch.cat([p.detach().float().flatten() for p in base.parameters()])
         Path(f"{args.dump_weights}.rank{acc.process_index}").write_text(repr(flat.double().sum().item()) + " " +
