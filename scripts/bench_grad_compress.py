@@ -2,10 +2,12 @@
 """MX-compressed gradient all-reduce vs fp32, 2 gloo ranks: bytes sent per step and the loss curve.
 
     python scripts/bench_grad_compress.py [--steps 150] [--hidden 128] [--layers 4]
-                                          [--modes fp32,mxfp8,mxfp8-noef,mxint8,mxint4,mxint4-noef]
+                                          [--modes fp32,fp16,mxfp8,mxint4-noef,...]
 
 Each mode trains the same tiny Llama (byte tokens of Python's pydoc text, a different shard per
-rank, AdamW, same seed) with DDP over gloo; ``-noef`` turns error feedback off. Reported per mode:
+rank, AdamW, same seed) with DDP over gloo; ``-noef`` turns error feedback off; ``fp16`` is torch's
+own ``fp16_compress_hook`` (the usual 2x compression, and a yardstick for how far any rounding of
+the gradients moves an AdamW trajectory). Reported per mode:
 bytes this rank hands the backend per optimizer step (fp32: the flat fp32 buckets the default
 all-reduce sends; compressed: packed codes + one E8M0 byte per 32 gradients, all-gathered), the
 final loss (mean of the last 10 steps), the held-out loss, and the largest gap to the fp32 loss curve.
@@ -57,7 +59,12 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         model.train()
         ddp = DDP(model)
         fmt = mode.split("-")[0]
-        state = None if fmt == "fp32" else register(ddp, fmt, error_feedback=not mode.endswith("-noef"))
+        state = None
+        if fmt == "fp16":  # torch's own compression hook, the usual 2x (its bf16 one needs NCCL)
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+            ddp.register_comm_hook(None, fp16_compress_hook)
+        elif fmt != "fp32":
+            state = register(ddp, fmt, error_feedback=not mode.endswith("-noef"))
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         g = torch.Generator().manual_seed(1 + rank)
         losses, sent = [], []
@@ -71,7 +78,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             t = loss.detach().clone()
             dist.all_reduce(t)
             losses.append(t.item() / 2)
-            sent.append(state.pop_bytes()[0] if state else 4 * sum(p.numel() for p in model.parameters()))
+            n = sum(p.numel() for p in model.parameters())
+            sent.append(state.pop_bytes()[0] if state else (2 if fmt == "fp16" else 4) * n)
         secs = time.perf_counter() - t0
         model.eval()
         with torch.no_grad():
@@ -92,7 +100,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--modes", default="fp32,mxfp8,mxfp8-noef,mxint8,mxint4,mxint4-noef,mxfp4,mxfp4-noef")
+    p.add_argument("--modes", default="fp32,fp16,mxfp8,mxfp8-noef,mxint8,mxint4,mxint4-noef,mxfp4,mxfp4-noef")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "res.json")
