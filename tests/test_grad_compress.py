@@ -147,3 +147,25 @@ def test_single_process_says_compression_has_no_effect(tmp_path, capsys):
     s = train_main(["--model", "tiny", "--steps", "1", "--seq-len", "32", "--eval-blocks", "1", "--no-qat",
                     "--out", str(tmp_path / "r"), "--grad-compress", "mxfp8"])
     assert "has no effect in a single process" in capsys.readouterr().out and "grad_compress" not in s
+
+
+def test_an_overflowing_step_does_not_poison_the_residual():
+    """A step with inf gradients (fp16 loss scaling skips it) must not leave NaN residuals behind."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mfqat.data import tiny_llama
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        model = tiny_llama(vocab_size=320)
+        ddp = DDP(model)
+        state = register(ddp, "mxfp8")
+        batch = torch.randint(0, 320, (2, 16))
+        (ddp(input_ids=batch, labels=batch).loss * float("inf")).backward()
+        assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+        assert state.residuals and all(torch.isfinite(r).all() for r in state.residuals.values())
+        model.zero_grad()
+        ddp(input_ids=batch, labels=batch).loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

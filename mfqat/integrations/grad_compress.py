@@ -127,6 +127,8 @@ def mx_compress_hook(state: GradCompressState, bucket: dist.GradBucket) -> torch
     codes, scales, q = encode(grad, state.fmt)
     if state.error_feedback:
         res = grad - q.dequantize(torch.float32).reshape(-1)[: buf.numel()]
+        if not torch.isfinite(res).all():  # an overflowing step (fp16 loss scaling skips it): carry nothing
+            res = torch.zeros_like(res)
         state.residual_ratio = max(state.residual_ratio,  # residual vs this step's own gradient
                                    float(res.abs().max() / buf.abs().max().clamp_min(1e-30)))
         offset = 0
