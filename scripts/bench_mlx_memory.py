@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """MLX MF-QAT step time and peak memory, with and without activation checkpointing (--grad-checkpoint).
 
-    python scripts/bench_mlx_memory.py [--steps 4] [--batch-size 4] [--seq-len 256] [--format mxint4]
+    python scripts/bench_mlx_memory.py [--steps 2] [--batch-size 2] [--seq-len 128] [--format mxint4]
 
 SmolLM2-135M (embedded), MF-QAT in one fixed format, AdamW, same batch every step. Each
 configuration runs in its own process so ``mx.get_peak_memory`` is its own; the first step
@@ -43,9 +43,9 @@ def one(args: argparse.Namespace, checkpoint: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--format", default="mxint4")
     p.add_argument("--one", choices=["plain", "checkpoint"], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -116,7 +116,7 @@ def test_compressed_loss_tracks_fp32_and_error_feedback_helps(two_rank_runs):
 
 def test_train_two_ranks_with_compressed_gradients(tmp_path):
     """`mfqat train --grad-compress mxint8` under accelerate (2 gloo ranks): same weights on both ranks,
-    8.25 bits per gradient on the wire, each rank's residuals in the checkpoint."""
+    8.25 bits per gradient on the wire, each rank's residuals in the checkpoint, an exact resume."""
     import subprocess
     import sys
 
@@ -124,13 +124,20 @@ def test_train_two_ranks_with_compressed_gradients(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     dump, out = tmp_path / "w", tmp_path / "run"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), str(root / "scripts" / "train.py"), "--model", "tiny",
-           "--steps", "3", "--seq-len", "32", "--out", str(out), "--dump-weights", str(dump),
-           "--grad-compress", "mxint8", "--save-every", "2", "--eval-blocks", "1"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+
+    def launch(*extra):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), str(root / "scripts" / "train.py"), "--model", "tiny",
+               "--steps", "3", "--seq-len", "32", "--grad-compress", "mxint8", "--eval-blocks", "1", *extra]
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)},
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    launch("--out", str(out), "--dump-weights", str(dump), "--save-every", "2")
+    # resumed from step 2 with each rank's residuals: the uninterrupted run's weights
+    launch("--out", str(tmp_path / "resumed"), "--dump-weights", str(tmp_path / "wr"),
+           "--resume", str(out / "checkpoint-2"))
+    assert Path(f"{tmp_path / 'wr'}.rank0").read_text() == Path(f"{dump}.rank0").read_text()
     assert Path(f"{dump}.rank0").read_text() == Path(f"{dump}.rank1").read_text()
     gc = json.loads((out / "summary.json").read_text())["grad_compress"]
     n = sum(p.numel() for p in tiny_llama(vocab_size=320).parameters())
