@@ -86,7 +86,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
             held_loss = model(input_ids=held, labels=held).loss.item()
         results[mode] = {"losses": losses, "bytes_per_step": sent[-1], "held_loss": held_loss, "seconds": secs}
         if rank == 0:
-            print(f"{mode}: final loss {sum(losses[-10:]) / len(losses[-10:]):.4f} held-out {held_loss:.4f} ({secs:.0f}s)", flush=True)
+            tail = losses[-10:]
+            print(f"{mode}: final loss {sum(tail) / len(tail):.4f} held-out {held_loss:.4f} ({secs:.0f}s)", flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -112,7 +113,8 @@ def main() -> None:
     for mode, r in res.items():
         ratio = fp["bytes_per_step"] / r["bytes_per_step"] if fp else float("nan")
         gap = max(abs(a - b) for a, b in zip(r["losses"], fp["losses"])) if fp else float("nan")
-        print(f"| {mode} | {r['bytes_per_step']:,} | {ratio:.2f}x smaller | {sum(r['losses'][-10:]) / len(r['losses'][-10:]):.4f} | "
+        tail = r["losses"][-10:]
+        print(f"| {mode} | {r['bytes_per_step']:,} | {ratio:.2f}x smaller | {sum(tail) / len(tail):.4f} | "
               f"{r['held_loss']:.4f} | {gap:.4f} |")
 
 

@@ -43,8 +43,8 @@ def check_args(args, acc) -> None:
         raise SystemExit("mfqat train: fsdp_offload_params has no meaning on CPU ranks; set it to false")
     if args.mixed_precision != "no":
         raise SystemExit("mfqat train: FSDP on CPU ranks trains in float32; use --mixed-precision no")
-    refused = {"--save-every": args.save_every, "--resume": args.resume, "--grad-compress": args.grad_compress != "none",
-               "--optim (8-bit)": args.optim != "adamw"}
+    refused = {"--save-every": args.save_every, "--resume": args.resume,
+               "--grad-compress": args.grad_compress != "none", "--optim (8-bit)": args.optim != "adamw"}
     bad = [k for k, v in refused.items() if v]
     if bad:
         raise SystemExit(f"mfqat train: {', '.join(bad)} not supported with FSDP on CPU ranks (the model is sharded by "
