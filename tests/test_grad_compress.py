@@ -154,6 +154,8 @@ def test_single_process_says_compression_has_no_effect(tmp_path, capsys):
     s = train_main(["--model", "tiny", "--steps", "1", "--seq-len", "32", "--eval-blocks", "1", "--no-qat",
                     "--out", str(tmp_path / "r"), "--grad-compress", "mxfp8"])
     assert "has no effect in a single process" in capsys.readouterr().out and "grad_compress" not in s
+    with pytest.raises(ValueError, match="MX format"):
+        train_main(["--model", "tiny", "--steps", "1", "--out", str(tmp_path / "r2"), "--grad-compress", "nf4"])
 
 
 def test_an_overflowing_step_does_not_poison_the_residual():

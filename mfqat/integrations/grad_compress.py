@@ -176,6 +176,7 @@ def setup(acc, model: torch.nn.Module, fmt: str, error_feedback: bool = True) ->
     """
     if fmt == "none":
         return None
+    GradCompressState(fmt)  # a bad format is an error even where compression would not run
     kind = str(getattr(acc, "distributed_type", "NO")).rsplit(".", 1)[-1]
     if kind == "FSDP":
         raise SystemExit(f"mfqat train: --grad-compress {fmt} works with DDP only; FSDP reduce-scatters its "
