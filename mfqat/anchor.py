@@ -35,6 +35,7 @@ from .manifest import AnchorError, Snapshot, load_meta, retry_read, seal
 from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
 from .quant.api import quantize
+from .sharded import unique_state_dict
 from .quant.mxtensor import MXTensor
 from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
 from .slice import slice_and_scale
@@ -94,22 +95,6 @@ def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
     return {f"{n}.weight": f"in_features {m.in_features} not a multiple of {block_size}"
             for n, m in model.named_modules()
             if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size}
-
-
-def _unique_state_dict(model: nn.Module) -> tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """State dict without tied duplicates, plus {alias: kept name}."""
-    seen: Dict[int, str] = {}
-    out: Dict[str, torch.Tensor] = {}
-    tied: Dict[str, str] = {}
-    for k, v in model.state_dict().items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        ptr = hash(key)
-        if ptr in seen:
-            tied[k] = seen[ptr]
-            continue
-        seen[ptr] = k
-        out[k] = v.detach()
-    return out, tied
 
 
 def _shard(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
@@ -176,17 +161,20 @@ def full_precision(model: nn.Module, sd: Dict[str, torch.Tensor], entries: Dict[
 def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer=None,
                 block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
                 step: Optional[int] = None, schedule: Optional[dict] = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+                max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+                state_dict: Optional[Dict[str, torch.Tensor]] = None) -> Path:
     """Write an anchor checkpoint (atomic: a crash never leaves a half anchor that loads).
 
     Quantizes the MF-QAT modules' master weights of a prepared model, or (plain model,
     post-training quantization) every decoder-block Linear weight, to ``fmt``. An existing
     non-empty ``path`` is refused unless ``overwrite`` and it is an anchor (mfqat.io.atomic_directory).
+    A sharded (FSDP2) model needs ``state_dict``: its full state dict, gathered on every rank by
+    :func:`mfqat.sharded.full_state_dict`.
     """
     f = get_format(fmt)
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
-    sd, tied = _unique_state_dict(model)
+    sd, tied = unique_state_dict(model, state_dict)
     if any("lora_" in k for k in sd):
         raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
     if targets is None:

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamw8bit", "paged_adamw8bit"])
+    p.add_argument("--grad-compress", default="none", metavar="FMT",
+                   help="DDP: all-reduce gradients as MX codes + E8M0 scales (mxfp8, mxint8, mxint4, ...: "
+                        "mfqat.integrations.grad_compress) with error feedback; none = fp32 all-reduce")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="--grad-compress without carrying the quantization residual to the next step")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/mfqat")

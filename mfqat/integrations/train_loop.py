@@ -30,6 +30,8 @@ from ..io import atomic_directory
 from ..qat.config import QATConfig
 from ..qat.joint import joint_backward, token_kl, weighted_loss
 from .train_args import build_parser
+from . import fsdp, grad_compress
+from ..sharded import full_state_dict, is_sharded
 from ..qat.prepare import prepare, set_format
 
 
@@ -110,10 +112,10 @@ def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int,
     formats = ctl.step_formats(step, args.steps) if ctl else ["fp"]
     if ctl:
         ctl.set_step(base, step, args.steps)  # per-layer formats of one-format schedules
-    with contextlib.nullcontext() if sync else acc.no_sync(model):
+    with contextlib.nullcontext() if sync else fsdp.no_sync(acc, model):
         if len(formats) > 1:
             return joint_backward(model, base, {"input_ids": batch, "labels": batch}, formats, cfg.weight_of,
-                                  acc.backward, cfg.distill_weight, scale, lambda: acc.no_sync(model))
+                                  acc.backward, cfg.distill_weight, scale, lambda: fsdp.no_sync(acc, model))
         loss = (distillation_loss(model, base, ctl, batch, step, args.steps, args.distill)
                 if ctl and args.distill else model(input_ids=batch, labels=batch).loss)
         acc.backward(loss * scale)
@@ -154,6 +156,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
     acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
     set_seed(args.seed)
+    self_shard = fsdp.self_sharded(acc)  # FSDP asked for on CPU ranks: accelerate cannot, we fully_shard
+    if self_shard:
+        fsdp.check_args(args, acc)
+    elif fsdp.requested() and acc.num_processes == 1:
+        print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
     out = Path(args.out)
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
     train, held = load_data(args, tok, acc.num_processes)
@@ -172,16 +179,25 @@ def main(argv: Optional[List[str]] = None) -> dict:
     model.train()
     g = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(TensorDataset(train), batch_size=args.batch_size, shuffle=True, generator=g, drop_last=True)
+    if self_shard:
+        fsdp.shard(model)  # before the optimizer: it must hold the sharded parameters
     opt = make_optimizer(args.optim, [p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay)
     ctl = model.__dict__.get("mfqat_controller")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, make_lr_lambda(args, ctl))
-    model, opt, loader = acc.prepare(model, opt, loader)
+    if self_shard:
+        opt, loader = acc.prepare(opt, loader)
+    else:
+        model, opt, loader = acc.prepare(model, opt, loader)
     acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
     base = acc.unwrap_model(model)
+    gc = grad_compress.setup(acc, model, args.grad_compress, not args.no_error_feedback)
     start = 0
     if args.resume:
         acc.load_state(args.resume)
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
+        if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
+            gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index)))
+    grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []
     bar = progress(total=args.steps, initial=start, desc="MF-QAT" if cfg else "fine-tune", disable=not acc.is_main_process)
@@ -201,6 +217,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
+        if gc:
+            grad_bytes.append(gc.pop_bytes()[0])
         per_fmt = {f: sum(v) / len(v) for f, v in step_losses.items()}
         losses.append(weighted_loss(per_fmt, cfg.weight_of) if cfg else per_fmt["fp"])
         fmts.append("+".join(per_fmt))
@@ -209,20 +227,31 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if args.save_every and step % args.save_every == 0 and step < args.steps:
             ckpt = out / f"checkpoint-{step}"
             acc.save_state(str(ckpt))
+            if gc:  # each rank's own residuals
+                ckpt.mkdir(parents=True, exist_ok=True)
+                torch.save(gc.state_dict(), grad_compress.residual_file(ckpt, acc.process_index))
+            sd = full_state_dict(base) if cfg and is_sharded(base) else None  # every rank joins the gather
             if acc.is_main_process:
                 (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
                 if cfg:
                     save_anchor(base, ckpt / "mfqat_anchor", anchor_format, tok, step=step,
-                                schedule=cfg.to_dict(), overwrite=True)
+                                schedule=cfg.to_dict(), overwrite=True, state_dict=sd)
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     summary = {"steps": args.steps, "train_seconds": train_s, "final_loss": losses[-1] if losses else None,
                "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib()}
+    if gc:
+        summary["grad_compress"] = {"format": gc.fmt, "error_feedback": gc.error_feedback,
+                                    "bytes_sent_per_step": grad_bytes}
     if args.dump_weights:
-        flat = torch.cat([p.detach().float().flatten() for p in base.parameters()])
+        flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().flatten()
+                          for p in base.parameters()])
         Path(f"{args.dump_weights}.rank{acc.process_index}").write_text(repr(flat.double().sum().item()) + " " +
                                                                         repr(flat.abs().double().sum().item()))
+    if is_sharded(base):  # every rank joins the gather; rank 0 finishes on an unsharded copy
+        base = fsdp.unsharded_copy(base, cfg, acc.is_main_process)
+        summary["fsdp"] = "fully_shard (torch FSDP2) on CPU ranks" if self_shard else "accelerate FSDP"
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if cfg:

@@ -37,8 +37,9 @@ def to_torch_model(model: nn.Module, source_dir: Union[str, Path]):
     weights = {k: torch.from_numpy(np.array(v.astype(mx.float32))) for k, v in tree_flatten(model.parameters())}
     lora = [k for k in weights if "lora_" in k]
     if lora:
-        raise ValueError(f"the model holds LoRA adapters ({lora[0]}, ...); fuse them first "
-                         "(mlx_lm fuse, or mfqat.mlx.lora.fuse) before saving an anchor")
+        raise ValueError(f"the model holds LoRA adapters ({lora[0]}, ...); fuse them first: "
+                         "`mlx_lm.fuse --model BASE --adapter-path ADAPTERS --dequantize --save-path FUSED`, then "
+                         "MF-QAT-train or anchor the fused model")
     missing, unexpected = tmodel.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:

@@ -13,7 +13,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,6 +27,7 @@ from ..formats import canonical_name, get_format
 from ..progress import progress, quiet_dependency_logs
 from ..qat.config import QATConfig
 from .models import hf_tokenizer, load_for_training
+from . import runtime
 from .qat import prepare, set_format
 
 
@@ -93,13 +94,17 @@ def joint_grads(model: nn.Module, batch: mx.array, formats: List[str], cfg: QATC
 
 
 def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: float,
-                grad_clip: float = 1.0, desc: str = "mlx fine-tune") -> List[float]:
-    """Run ``steps`` optimizer steps; the MF-QAT controller (if any) picks each step's format(s)."""
-    opt = make_optimizer(lr)
+                grad_clip: float = 1.0, desc: str = "mlx fine-tune", weight_decay: float = 0.0,
+                opt: Optional[optim.Optimizer] = None, start: int = 0,
+                on_step: Optional[Callable[[int, optim.Optimizer], None]] = None) -> List[float]:
+    """Run optimizer steps ``start`` .. ``steps - 1`` (``batches`` yields the batch of each of them);
+    the MF-QAT controller (if any) picks each step's format(s). ``on_step(step_done, opt)`` runs after
+    every step (checkpoints); ``opt`` continues a restored optimizer."""
+    opt = opt or make_optimizer(lr, weight_decay)
     value_and_grad = nn.value_and_grad(model, loss_fn)
     ctl = model.__dict__.get("mfqat_controller")
     losses = []
-    bar = progress(zip(range(steps), batches), total=steps, desc=desc)
+    bar = progress(zip(range(start, steps), batches), total=steps, initial=start, desc=desc)
     for step, batch in bar:
         fmt = ctl.set_step(model, step, steps) if ctl else "fp"
         formats = ctl.step_formats(step, steps) if ctl else [fmt]
@@ -115,6 +120,8 @@ def train_steps(model: nn.Module, batches: Iterable[mx.array], steps: int, lr: f
         mx.eval(model.parameters(), opt.state)
         losses.append(loss.item() if loss_value is None else loss_value)
         bar.set_postfix(fmt=fmt, loss=f"{losses[-1]:.3f}")
+        if on_step:
+            on_step(step + 1, opt)
     return losses
 
 
@@ -160,6 +167,14 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint (model + optimizer) every N steps")
+    p.add_argument("--resume", default=None, help="OUT/checkpoint-STEP folder to continue from")
+    p.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute each decoder block's activations in backward (mx.checkpoint)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB", help="mx.set_memory_limit")
+    p.add_argument("--cache-limit", type=float, default=None, metavar="GIB", help="mx.set_cache_limit (0: no cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
     p.add_argument("--eval-formats", default="mxint8,mxint4", help="comma list evaluated at the end")
@@ -176,6 +191,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(a.seed)
+    limits = runtime.set_limits(a.memory_limit, a.cache_limit)
     model, tok, src = load_for_training(a.model)
     train_text, held_text = split_text(load_text(a.text))
     htok = hf_tokenizer(tok)
@@ -192,11 +208,26 @@ def main(argv: Optional[List[str]] = None) -> dict:
             data["schedule"] = a.schedule
         cfg = QATConfig(**data)
         prepare(model, cfg)
+    checkpointed = runtime.checkpoint_layers(model) if a.grad_checkpoint else 0
+    opt, start = make_optimizer(a.lr, a.weight_decay), 0
+    if a.resume:
+        start = runtime.load_checkpoint(Path(a.resume), model, opt)
+    batches = batches_from(train, a.batch_size, a.seed)
+    for _ in range(start):  # resume: the batches of an uninterrupted run
+        next(batches)
+
+    def on_step(step: int, o: optim.Optimizer) -> None:
+        if a.save_every and step % a.save_every == 0 and step < a.steps:
+            runtime.save_checkpoint(out / f"checkpoint-{step}", model, o, step)
+    mx.reset_peak_memory()
     t = time.perf_counter()
-    losses = train_steps(model, batches_from(train, a.batch_size, a.seed), a.steps, a.lr)
+    losses = train_steps(model, batches, a.steps, a.lr, a.grad_clip, weight_decay=a.weight_decay, opt=opt,
+                         start=start, on_step=on_step)
     train_s = time.perf_counter() - t
-    summary = {"source": str(src), "steps": a.steps, "train_seconds": train_s,
-               "seconds_per_step": train_s / max(1, a.steps), "final_loss": losses[-1] if losses else None}
+    mem_line, mem = runtime.summary_memory(limits)
+    summary = {"source": str(src), "steps": a.steps, "start_step": start, "train_seconds": train_s,
+               "seconds_per_step": train_s / max(1, a.steps - start), "final_loss": losses[-1] if losses else None,
+               "losses": losses, "grad_checkpoint_blocks": checkpointed, **mem}
     rows = []
     if cfg is not None:
         for f in [canonical_name(x) for x in a.eval_formats.split(",") if x]:
@@ -221,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(format_table(rows, ["format", "bits/weight", "perplexity"]))
     print(f"steps={a.steps} time={train_s:.1f}s ({summary['seconds_per_step']:.2f} s/step) "
-          f"final loss={summary['final_loss']} out={out}")
+          f"final loss={summary['final_loss']} {mem_line} out={out}")
     return summary
 
 

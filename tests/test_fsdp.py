@@ -1,0 +1,114 @@
+"""FSDP2 on 2 CPU gloo ranks: MF-QAT steps run sharded, the anchor is written from the gathered full
+state dict and equals the DDP anchor of the same seed; a sharded model without it gets a clear error."""
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mfqat
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str, tie: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mfqat.data import tiny_llama
+    from mfqat.sharded import full_state_dict, is_sharded
+
+    report = {}
+    for mode in ("ddp", "fsdp"):
+        model = tiny_llama(vocab_size=320, tie=tie)
+        mfqat.prepare(model, mfqat.QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic"))
+        model.train()
+        if mode == "fsdp":
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            wrapped = model
+        else:
+            wrapped = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7 + rank)
+        for step in range(4):
+            model.mfqat_controller.set_step(model, step, 4)
+            batch = torch.randint(0, 320, (2, 32), generator=g)
+            wrapped(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if mode == "fsdp":
+            report["sharded"] = is_sharded(model)
+            if rank == 0:
+                with pytest.raises(ValueError, match="full_state_dict"):
+                    mfqat.save_anchor(model, Path(out) / "refused")
+                report["refused"] = True
+        sd = full_state_dict(model)  # every rank
+        if rank == 0:
+            mfqat.save_anchor(model, Path(out) / mode, "mxint8", state_dict=sd if mode == "fsdp" else None)
+        dist.barrier()
+    if rank == 0:
+        (Path(out) / "report.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fsdp_anchor_equals_ddp_anchor(tmp_path, tie):
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), tie), nprocs=2, join=True)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report == {"sharded": True, "refused": True}
+    a, b = mfqat.read_anchor(tmp_path / "ddp"), mfqat.read_anchor(tmp_path / "fsdp")
+    meta_a, meta_b = (json.loads((tmp_path / m / "mfqat.json").read_text()) for m in ("ddp", "fsdp"))
+    assert meta_a["tied"] == meta_b["tied"] and bool(meta_a["tied"]) == tie
+    assert a.quantized.keys() == b.quantized.keys() and len(a.quantized) > 0
+    assert a.plain.keys() == b.plain.keys() and len(a.plain) > 0
+    for k in a.quantized:
+        assert torch.equal(a.quantized[k].codes, b.quantized[k].codes), k
+        assert torch.equal(a.quantized[k].scales, b.quantized[k].scales), k
+    for k in a.plain:
+        assert torch.equal(a.plain[k], b.plain[k]), k
+    from mfqat.data import tiny_llama
+    init = tiny_llama(vocab_size=320, tie=tie).state_dict()["model.embed_tokens.weight"]
+    assert not torch.equal(b.plain["model.embed_tokens.weight"], init)  # the sharded steps trained it
+
+
+def _launch(config: str, out: Path, *extra: str):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "mfqat" / "configs" / "accelerate" / f"{config}.yaml"), "--main_process_port", str(free_port()),
+           str(root / "scripts" / "train.py"), "--model", "tiny", "--steps", "3", "--seq-len", "32",
+           "--eval-blocks", "1", "--out", str(out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+
+
+def test_train_with_the_fsdp_config_shards_and_saves_the_ddp_anchor(tmp_path):
+    """`accelerate launch --config_file fsdp.yaml scripts/train.py` on CPU: really sharded (not the DDP
+    fallback), joint MF-QAT steps reduced once per step, the anchor byte-identical to the DDP run's."""
+    for config in ("fsdp", "ddp"):
+        r = _launch(config, tmp_path / config, "--grad-clip", "0")
+        assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    assert summary["fsdp"].startswith("fully_shard") and "fsdp" not in json.loads(
+        (tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["formats"] == ["mxint8+mxint6+mxint4"] * 3  # the joint step: 3 backwards per step
+    a, b = (mfqat.read_anchor(tmp_path / c / "anchor") for c in ("ddp", "fsdp"))
+    assert a.quantized.keys() == b.quantized.keys() and a.plain.keys() == b.plain.keys()
+    assert all(torch.equal(a.quantized[k].codes, b.quantized[k].codes) for k in a.quantized)
+    assert all(torch.equal(a.plain[k], b.plain[k]) for k in a.plain)
+    r = _launch("fsdp", tmp_path / "refused", "--save-every", "1")
+    assert r.returncode != 0 and "--save-every" in r.stderr and "not supported with FSDP" in r.stderr
