@@ -20,11 +20,12 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(model prepared with mxint8 + affine4 + affine3 through the anchor, its anchor, tokenizer)."""
+    """(model prepared with mxint8 + affine4 + affine3 through the anchor, embeddings too (tied: the
+    lm_head must see the quantized table, as the anchor gives it), its anchor, ids)."""
     d = tmp_path_factory.mktemp("derive")
     tok = tiny_tokenizer()
     model = tiny_llama(vocab_size=len(tok), hidden=128, intermediate=256, tie=True)
-    mfqat.prepare(model, QATConfig(formats=["mxint8", "affine4", "affine3"]))
+    mfqat.prepare(model, QATConfig(formats=["mxint8", "affine4", "affine3"], quantize_embeddings=True))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
     for fmt in ("mxint8", "affine4", "affine3"):  # a few real updates so the weights leave init

@@ -102,6 +102,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
         new.affine_group_size = config.affine_group_size
         _set_submodule(model, name, new)
         schedules[name] = config.schedule_for(name)
+    _wrap_tied_output(model, config, schedules)
     if skipped:
         warnings.warn("mfqat.prepare skipped layers (kept full precision): " + ", ".join(skipped))
     if not schedules:
@@ -113,6 +114,22 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     object.__setattr__(model, "mfqat_controller", controller)
     controller.set_step(model, 0, 1)
     return model
+
+
+def _wrap_tied_output(model: nn.Module, config: QATConfig, schedules: Dict[str, Schedule]) -> None:
+    """An output projection tied to a fake-quantized embedding sees the same quantized table in
+    training as the anchor (which stores the shared tensor once, quantized) gives it in deployment."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(out) is not nn.Linear:
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, MFQATEmbedding) and m.weight is out.weight:
+            head = next(n for n, x in model.named_modules() if x is out)
+            new = MFQATLinear.from_linear(out, m.block_size, m.scale_rule, m.mask_saturated, None, m.anchor_format)
+            new.affine_group_size = m.affine_group_size
+            _set_submodule(model, head, new)
+            schedules[head] = schedules[name]
+            return
 
 
 def set_format(model: nn.Module, fmt: Optional[str]) -> None:
