@@ -26,7 +26,8 @@ from typing import Callable, Iterator, List, Optional, Sequence
 LOG = logging.getLogger("mfqat")
 
 # kind -> the marker file that makes a folder an mfqat artifact of that kind
-KINDS = {"anchor": "mfqat.json", "mlx-export": "mfqat_export.json", "convert": "mfqat_convert.json"}
+KINDS = {"anchor": "mfqat.json", "mlx-export": "mfqat_export.json", "convert": "mfqat_convert.json",
+         "peft-adapter": "adapter_config.json"}
 
 
 class WriterBusyError(RuntimeError):
