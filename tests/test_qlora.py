@@ -48,3 +48,37 @@ def test_lora_flags_refuse_nonsense(tmp_path):
         train_main(TINY + ["--steps", "1", "--no-qat", "--base", "nf4", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="do not combine"):
         train_main(TINY + ["--steps", "1", "--lora-rank", "4", "--base", "nf4", "--out", str(tmp_path / "b")])
+
+
+def test_prepare_refuses_a_peft_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="already holds PEFT adapters.*prepare\\(model, config\\) first"):
+        mfqat.prepare(model, mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
+
+
+def test_trainer_callback_saves_the_merged_anchor_of_a_peft_model(tmp_path):
+    """mfqat.prepare -> peft.get_peft_model -> Trainer + MFQATCallback: the checkpoint's anchor holds
+    the adapters merged into the base weights; the training model keeps its adapters unmerged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from mfqat.integrations.hf import MFQATCallback
+
+    model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint4", "mxint8"], schedule="cyclic"))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]))
+    assert type(model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]) is torch.nn.Linear
+    ids = torch.randint(0, 256, (8, 32))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, save_steps=2,
+                             report_to=[], use_cpu=True, learning_rate=1e-2)
+    Trainer(model=model, args=args, train_dataset=ds, callbacks=[MFQATCallback(anchor_format="mxint8")]).train()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+    assert delta.abs().max() > 0  # the adapters trained
+    merged = layer.base_layer.weight.detach() + delta.detach()
+    loaded = mfqat.load_anchor(tmp_path / "checkpoint-2" / "mfqat_anchor", "mxint8")
+    assert torch.equal(loaded.model.layers[0].self_attn.q_proj.weight, mfqat.fake_quantize(merged, "mxint8"))
+    assert (tmp_path / "checkpoint-2" / "adapter_config.json").is_file()  # Trainer saved the adapters
+    assert not layer.merged
