@@ -74,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         set_base_format(model, f)  # refuses formats the anchor cannot slice to, before training
     tok = AutoTokenizer.from_pretrained(a.anchor)
     text_train, text_eval = split_text(load_text(a.text))
-    train = token_blocks(tok, text_train, a.seq_len, max_blocks=a.steps * a.batch_size)
+    train = token_blocks(tok, text_train, a.seq_len, max_blocks=max(a.steps * a.batch_size, 1))
     held = token_blocks(tok, text_eval, a.seq_len, max_blocks=a.eval_blocks)
     opt = torch.optim.AdamW(lora_parameters(model), lr=a.lr)
     g = torch.Generator().manual_seed(a.seed)
