@@ -82,3 +82,12 @@ def test_trainer_callback_saves_the_merged_anchor_of_a_peft_model(tmp_path):
     assert torch.equal(loaded.model.layers[0].self_attn.q_proj.weight, mfqat.fake_quantize(merged, "mxint8"))
     assert (tmp_path / "checkpoint-2" / "adapter_config.json").is_file()  # Trainer saved the adapters
     assert not layer.merged
+
+
+def test_lora_with_mf_qat_follows_the_schedule_and_saves_anchor_and_adapter(tmp_path):
+    out = tmp_path / "qat_lora"
+    s = train_main(TINY + ["--steps", "2", "--formats", "mxint4,mxint8", "--schedule", "cyclic",
+                           "--lora-rank", "4", "--out", str(out)])
+    assert s["formats"] == ["mxint4", "mxint8"]  # the controller is found under the peft wrapper
+    assert (out / "anchor" / "mfqat.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+    assert s["trainable_params"] < s["total_params"] / 10

@@ -167,7 +167,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     loader = DataLoader(TensorDataset(train), batch_size=args.batch_size, shuffle=True, generator=g, drop_last=True)
     opt = make_optimizer(args.optim, [p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay)
-    ctl = model.__dict__.get("mfqat_controller")
+    ctl = (model.get_base_model() if lora is not None else model).__dict__.get("mfqat_controller")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, make_lr_lambda(args, ctl))
     model, opt, loader = acc.prepare(model, opt, loader)
     acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
