@@ -1,4 +1,4 @@
-"""The `mfqat` command: train, convert, eval, export-mlx, verify, demo, bench."""
+"""The `mfqat` command: train, mx-qlora, convert, eval, export-mlx, verify, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -153,6 +153,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     demo_parser(d)
     sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)
     sub.add_parser("mlx-train", help="MF-QAT or LoRA fine-tune on MLX (mfqat mlx-train --help)", add_help=False)
+    sub.add_parser("mx-qlora", help="one LoRA adapter on a frozen MX anchor, for all its formats "
+                   "(mfqat mx-qlora --help)", add_help=False)
     g = sub.add_parser("generate", help="complete a prompt with an MLX model directory (mlx-lm)")
     g.add_argument("model")
     g.add_argument("--prompt", required=True)
@@ -170,6 +172,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.cmd == "train":
         from .integrations.train_loop import main as train_main
         train_main(rest)
+    elif args.cmd == "mx-qlora":
+        from .mxqlora_train import main as mx_qlora_main
+        mx_qlora_main(rest)
     elif args.cmd == "mlx-train":
         _mlx()
         from .mlx.train import main as mlx_train_main

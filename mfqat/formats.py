@@ -1,5 +1,9 @@
 """One registry of element formats: MXINT-k, MXFP ExMy (OCP Microscaling), NF4 and affine.
 
+Also the bitsandbytes baselines: ``nf4_dq`` (NF4 with double quantization of the absmax, as
+``quantize_4bit(compress_statistics=True)``) and ``int8_absmax`` (symmetric 127/absmax per block;
+any block size, so per row / per tensor by choosing the row / tensor length).
+
 Every format knows its bit width, its family (Slice-and-Scale converts only inside a family),
 its largest element exponent ``emax``, its largest normal value and its code range. Names are
 lower case; ``mxfp8`` means ``mxfp8_e4m3`` and ``mxfp6`` means ``mxfp6_e2m3`` (docs/numerics.md).
@@ -12,6 +16,7 @@ from typing import Dict, Tuple, Union
 MX_BLOCK_SIZES: Tuple[int, ...] = (8, 16, 32, 64, 128, 256)
 NF4_BLOCK_SIZES: Tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 AFFINE_GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
+DQ_GROUP = 256  # double quantization: absmax values per 8-bit group (bitsandbytes)
 
 # The QLoRA NF4 code book (normal-float quantiles), as in bitsandbytes.
 NF4_CODEBOOK: Tuple[float, ...] = (
@@ -35,7 +40,8 @@ class ElementFormat:
         ebits, mbits, bias: exponent / mantissa bits and exponent bias (MXFP only).
         code_min, code_max: range of the stored integer codes (bit patterns for MXFP).
         default_block_size: block (group) size used when none is given.
-        block_sizes: block sizes the format allows.
+        block_sizes: block sizes the format allows (empty: any positive size).
+        double_quant: NF4 only: the absmax are themselves 8-bit quantized (bitsandbytes).
     """
 
     name: str
@@ -50,6 +56,7 @@ class ElementFormat:
     code_max: int = 0
     default_block_size: int = 32
     block_sizes: Tuple[int, ...] = field(default=MX_BLOCK_SIZES)
+    double_quant: bool = False
 
     @property
     def is_mx(self) -> bool:
@@ -71,7 +78,9 @@ class ElementFormat:
         bs = self.default_block_size if block_size is None else block_size
         if self.is_mx:
             return self.bits + 8.0 / bs
-        if self.family == "nf4":
+        if self.family == "nf4" and self.double_quant:
+            return self.bits + (8.0 + 32.0 / DQ_GROUP) / bs  # 8-bit absmax + fp32 per 256 of them
+        if self.family in ("nf4", "absmax"):
             return self.bits + 32.0 / bs
         return self.bits + 32.0 / bs  # affine: 16-bit scale + 16-bit bias per group
 
@@ -83,6 +92,11 @@ class ElementFormat:
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError when ``block_size`` is not allowed for this format."""
+        if not self.block_sizes:
+            if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+                raise ValueError(f"block_size={block_size} is not allowed for format '{self.name}'; "
+                                 f"give a positive integer (the row length for per-row scales)")
+            return
         if isinstance(block_size, bool) or block_size not in self.block_sizes:
             raise ValueError(
                 f"block_size={block_size} is not allowed for format '{self.name}'; "
@@ -130,6 +144,14 @@ for _f in (
 FORMATS["nf4"] = ElementFormat(
     name="nf4", family="nf4", bits=4, max_normal=1.0, code_min=0, code_max=15,
     default_block_size=64, block_sizes=NF4_BLOCK_SIZES,
+)
+FORMATS["nf4_dq"] = ElementFormat(
+    name="nf4_dq", family="nf4", bits=4, max_normal=1.0, code_min=0, code_max=15,
+    default_block_size=64, block_sizes=NF4_BLOCK_SIZES, double_quant=True,
+)
+FORMATS["int8_absmax"] = ElementFormat(
+    name="int8_absmax", family="absmax", bits=8, max_normal=127.0, code_min=-127, code_max=127,
+    default_block_size=64, block_sizes=(),
 )
 for _k in range(2, 9):
     FORMATS[f"affine{_k}"] = _affine(_k)

@@ -27,7 +27,7 @@ LOG = logging.getLogger("mfqat")
 
 # kind -> the marker file that makes a folder an mfqat artifact of that kind
 KINDS = {"anchor": "mfqat.json", "mlx-export": "mfqat_export.json", "convert": "mfqat_convert.json",
-         "mlx-checkpoint": "mlx_step.json"}
+         "mlx-checkpoint": "mlx_step.json", "peft-adapter": "adapter_config.json"}
 
 
 class WriterBusyError(RuntimeError):

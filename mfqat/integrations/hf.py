@@ -13,6 +13,7 @@ from ..anchor import save_anchor
 from ..formats import canonical_name, get_format
 from ..qat.joint import normalized_weights, token_kl
 from ..qat.prepare import MFQATController, set_format
+from .lora import merged_copy
 
 
 def find_controller(model) -> MFQATController:
@@ -33,6 +34,8 @@ def find_controller(model) -> MFQATController:
 class MFQATCallback(TrainerCallback):
     """Drives the format schedule from ``state.global_step``, logs the active format, evaluates
     the eval set at several formats (elastic evaluation) and saves an anchor with each checkpoint.
+    A PEFT model's anchor is written from a merged copy (adapters folded into the base weights;
+    the training model is untouched); Trainer itself saves the adapters in PEFT's format.
 
     Args:
         eval_formats: formats evaluated at each evaluation (``eval_{fmt}_loss`` / ``_ppl`` metrics).
@@ -94,7 +97,7 @@ class MFQATCallback(TrainerCallback):
         while hasattr(base, "module"):
             base = base.module
         fmt = (ctl.config.anchor_format or "mxint8") if self.anchor_format == "auto" else self.anchor_format
-        save_anchor(base, ckpt, fmt, tokenizer=self.tokenizer, step=state.global_step,
+        save_anchor(merged_copy(base), ckpt, fmt, tokenizer=self.tokenizer, step=state.global_step,
                     schedule=ctl.config.to_dict(), overwrite=True)
 
 

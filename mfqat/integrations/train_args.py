@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from .lora import add_lora_args
+
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \\
@@ -66,4 +68,5 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-master", action="store_true",
                    help="also write the full-precision master weights as an HF folder OUT/master")
     p.add_argument("--dump-weights", default=None, help="(tests) write a per-rank weight checksum here")
+    add_lora_args(p)
     return p

@@ -29,23 +29,12 @@ from ..formats import canonical_name, get_format
 from ..io import atomic_directory
 from ..qat.config import QATConfig
 from ..qat.joint import joint_backward, token_kl, weighted_loss
+from .lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
+from .optim import make_optimizer
 from .train_args import build_parser
 from . import fsdp, grad_compress
 from ..sharded import full_state_dict, is_sharded
 from ..qat.prepare import prepare, set_format
-
-
-def make_optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW, or bitsandbytes' 8-bit / paged AdamW when asked and available (else AdamW, said once)."""
-    if name != "adamw":
-        try:
-            import bitsandbytes as bnb
-
-            cls = bnb.optim.AdamW8bit if name == "adamw8bit" else bnb.optim.PagedAdamW8bit
-            return cls(params, lr=lr, weight_decay=weight_decay)
-        except Exception as e:  # pragma: no cover - depends on the bnb build
-            print(f"[mfqat] {name} unavailable ({e}); using torch AdamW")
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: int, alpha: float) -> torch.Tensor:
@@ -170,6 +159,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
             raise SystemExit("mfqat train: --distill (from the fp master) and the joint schedule do not combine; "
                              "set distill_weight in the QAT config (the joint step distills from its anchor branch)")
         prepare(model, cfg)
+    lora = maybe_lora(model, args, qat=cfg is not None)  # --lora-rank / --base (after prepare: LoRA wraps MF-QAT layers)
+    if lora is not None and args.eval_formats and cfg is None:
+        raise SystemExit("mfqat train: --eval-formats post-training-quantizes the fine-tuned weights; with "
+                         "--lora-rank and --no-qat merge the adapter first (or train with MF-QAT)")
+    model = lora if lora is not None else model
     anchor_format = args.anchor_format or (cfg.anchor_format if cfg else None) or "mxint8"
     if args.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2
@@ -182,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if self_shard:
         fsdp.shard(model)  # before the optimizer: it must hold the sharded parameters
     opt = make_optimizer(args.optim, [p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay)
-    ctl = model.__dict__.get("mfqat_controller")
+    ctl = (model.get_base_model() if lora is not None else model).__dict__.get("mfqat_controller")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, make_lr_lambda(args, ctl))
     if self_shard:
         opt, loader = acc.prepare(opt, loader)
@@ -234,13 +228,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
             if acc.is_main_process:
                 (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
                 if cfg:
-                    save_anchor(base, ckpt / "mfqat_anchor", anchor_format, tok, step=step,
+                    save_anchor(merged_copy(base), ckpt / "mfqat_anchor", anchor_format, tok, step=step,
                                 schedule=cfg.to_dict(), overwrite=True, state_dict=sd)
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     summary = {"steps": args.steps, "train_seconds": train_s, "final_loss": losses[-1] if losses else None,
-               "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib()}
+               "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib(),
+               "optimizer": type(getattr(opt, "optimizer", opt)).__name__}  # the class behind accelerate's wrapper
     if gc:
         summary["grad_compress"] = {"format": gc.fmt, "error_feedback": gc.error_feedback,
                                     "bytes_sent_per_step": grad_bytes}
@@ -255,9 +250,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         if cfg:
-            save_anchor(base, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
+            save_anchor(merged_copy(base), out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
                         overwrite=True)  # a rerun into the same --out replaces its own anchor
             summary["anchor"] = str(out / "anchor")
+        if lora is not None:
+            summary["adapter"] = str(save_adapter(base, out / "adapter", tok))
+            summary.update(trainable_summary(base), base=args.base)
         if args.save_master:
             save_master(base, tok, out / "master")
             summary["master"] = str(out / "master")
@@ -271,7 +269,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "perplexity": ppl})
         if cfg:
             set_format(base, None)
-        rows.append({"format": "fp (master)", "bits/weight": 32.0, "perplexity": perplexity(base, held, desc="eval fp")})
+        top = "fp (master)" if lora is None else f"{args.base} base + LoRA"
+        rows.append({"format": top, "bits/weight": base_bits_per_weight(args.base),
+                     "perplexity": perplexity(base, held, desc="eval fp")})
         summary["eval"] = rows
         if losses:
             plot_curve(losses, out / "loss.png", "training loss", labels=fmts)

@@ -148,7 +148,14 @@ def _blocked(x: mx.array, fmt: FormatLike, block_size: Optional[int]) -> Tuple[E
     """(format, checked block size, float32 blocks of x)."""
     f = get_format(fmt)
     bs = f.resolve_block_size(block_size)
+    _check_mlx_format(f)
     return f, bs, to_blocks(x, bs)
+
+
+def _check_mlx_format(f: ElementFormat) -> None:
+    if f.family == "absmax" or f.double_quant:
+        raise ValueError(f"format '{f.name}' is a bitsandbytes baseline for PyTorch only; MLX takes "
+                         f"MX, nf4 and affine formats")
 
 
 def quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, scale_rule: str = "floor"
@@ -175,6 +182,7 @@ def dequantize(codes: mx.array, scales: mx.array, fmt: FormatLike, block_size: O
     arithmetic, as ``mx.dequantize`` does with scales of that dtype)."""
     f = get_format(fmt)
     bs = f.resolve_block_size(block_size)
+    _check_mlx_format(f)
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // bs, bs)
     if f.is_mx:
         sc = scales.astype(mx.int32)

@@ -70,6 +70,18 @@ def _refuse_prepared(model: nn.Module) -> None:
         )
 
 
+def _refuse_peft(model: nn.Module) -> None:
+    """Raise when PEFT adapters were applied before prepare (their lora_A/lora_B are nn.Linear and
+    would be fake-quantized, and the base layers, wrapped by PEFT, would not)."""
+    lora = [name for name, _ in model.named_modules() if "lora_" in name.rsplit(".", 1)[-1]]
+    if lora or hasattr(model, "peft_config"):
+        raise ValueError(
+            f"mfqat.prepare: {type(model).__name__} already holds PEFT adapters (e.g. {lora[:1]}); call "
+            "mfqat.prepare(model, config) first and peft.get_peft_model(model, lora_config) after it, so the "
+            "base layers are MF-QAT layers and the adapters stay full precision"
+        )
+
+
 def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     """Swap targeted nn.Linear (and optionally nn.Embedding) modules for MF-QAT modules, in place.
 
@@ -77,16 +89,19 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     that names them (padding would change the layer's math and its state_dict). Raises
     ValueError when the targets match no layer, instead of silently training full precision.
     The controller is stored as ``model.mfqat_controller``; the format starts at the
-    schedule's step 0. Preparing an already prepared model is a ValueError that says so.
+    schedule's step 0. Preparing an already prepared model is a ValueError that says so, and so
+    is a model that already holds PEFT adapters (apply PEFT after prepare); ``lora_*`` layers are
+    never quantized.
     """
     config = config or QATConfig()
     _refuse_prepared(model)
+    _refuse_peft(model)
     schedules: Dict[str, Schedule] = {}
     skipped: List[str] = []
     for name, m in list(model.named_modules()):
         is_linear = type(m) is nn.Linear
         is_emb = type(m) is nn.Embedding and config.quantize_embeddings
-        if not (is_linear or is_emb) or config.excludes(name):
+        if not (is_linear or is_emb) or config.excludes(name) or ".lora_" in f".{name}":
             continue
         if is_linear and not config.selects(name):
             continue

@@ -17,7 +17,8 @@ class MXTensor:
 
     Attributes:
         codes: unpacked integer codes with the original shape (int8 for MXINT, uint8 otherwise).
-        scales: per block: E8M0 bytes (uint8) for MX formats, float32 absmax (nf4) or scale (affine).
+        scales: per block: E8M0 bytes (uint8) for MX formats, float32 absmax (nf4, int8_absmax; for
+            nf4_dq the decoded double-quantized absmax) or scale (affine).
             Shape ``shape[:-1] + (shape[-1] // block_size,)``.
         fmt: the element format.
         block_size: elements per block along the last axis.
@@ -56,7 +57,7 @@ class MXTensor:
                biases: Optional[torch.Tensor] = None, scale_rule: str = "floor") -> "MXTensor":
         """Rebuild an MXTensor from :meth:`pack` output and its scales."""
         f = get_format(fmt)
-        codes = unpack_codes(packed, f.bits, shape[-1], signed=f.family == "mxint")
+        codes = unpack_codes(packed, f.bits, shape[-1], signed=f.family in ("mxint", "absmax"))
         return cls(codes.reshape(shape), scales, f, block_size, dtype, biases, scale_rule)
 
     def to(self, device: torch.device | str) -> "MXTensor":

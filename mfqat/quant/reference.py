@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..formats import NF4_CODEBOOK, ElementFormat
+from .reference_bnb import int8_absmax_dequantize_blocks, int8_absmax_quantize_blocks, nf4_double_quant_absmax
 
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -259,6 +260,9 @@ def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = 
         return codes, scales, None
     if fmt.family == "nf4":
         codes, absmax = nf4_quantize_blocks(blocks)
+        return codes, (nf4_double_quant_absmax(absmax) if fmt.double_quant else absmax), None
+    if fmt.family == "absmax":
+        codes, absmax = int8_absmax_quantize_blocks(blocks)
         return codes, absmax, None
     return affine_quantize_blocks(blocks, fmt, dtype)
 
@@ -271,6 +275,8 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optiona
         return mx_dequantize_blocks(codes, scales, fmt)
     if fmt.family == "nf4":
         return nf4_dequantize_blocks(codes, scales)
+    if fmt.family == "absmax":
+        return int8_absmax_dequantize_blocks(codes, scales)
     return affine_dequantize_blocks(codes, scales, biases, dtype)
 
 

@@ -1,0 +1,93 @@
+"""LoRA / QLoRA in `mfqat train` (peft + bitsandbytes, real), 8-bit optimizers, PEFT + MF-QAT."""
+import json
+import sys
+
+import pytest
+import torch
+
+import mfqat
+from mfqat.data import tiny_llama
+from mfqat.integrations.train_loop import main as train_main
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3"]
+
+
+@pytest.mark.parametrize("optim,cls", [("adamw8bit", "AdamW8bit"), ("paged_adamw8bit", "PagedAdamW8bit")])
+def test_bnb_optimizers_train_and_are_recorded(tmp_path, optim, cls):
+    s = train_main(TINY + ["--steps", "3", "--no-qat", "--optim", optim, "--out", str(tmp_path / optim)])
+    assert s["optimizer"] == cls
+    assert all(torch.isfinite(torch.tensor(s["losses"])))
+
+
+def test_missing_bitsandbytes_is_an_error_not_a_fallback(monkeypatch):
+    from mfqat.integrations.optim import make_optimizer
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    with pytest.raises(RuntimeError, match="adamw8bit needs bitsandbytes.*--optim adamw"):
+        make_optimizer("adamw8bit", torch.nn.Linear(4, 4).parameters(), 1e-3, 0.0)
+
+
+@pytest.mark.parametrize("base", ["nf4", "int8"])
+def test_qlora_on_bnb_base_trains_only_adapters(tmp_path, base):
+    out = tmp_path / base
+    s = train_main(TINY + ["--steps", "3", "--no-qat", "--lora-rank", "4", "--base", base, "--out", str(out)])
+    assert s["base"] == base and 0 < s["trainable_params"] < s["total_params"] / 10
+    cfg = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["peft_type"] == "LORA"
+    from safetensors.torch import load_file
+    keys = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert keys and all("lora_" in k for k in keys)
+    assert s["eval"][-1]["format"] == f"{base} base + LoRA"
+
+
+def test_lora_flags_refuse_nonsense(tmp_path):
+    with pytest.raises(SystemExit, match="add --lora-rank"):
+        train_main(TINY + ["--steps", "1", "--no-qat", "--base", "nf4", "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="do not combine"):
+        train_main(TINY + ["--steps", "1", "--lora-rank", "4", "--base", "nf4", "--out", str(tmp_path / "b")])
+
+
+def test_prepare_refuses_a_peft_model():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="already holds PEFT adapters.*prepare\\(model, config\\) first"):
+        mfqat.prepare(model, mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
+
+
+def test_trainer_callback_saves_the_merged_anchor_of_a_peft_model(tmp_path):
+    """mfqat.prepare -> peft.get_peft_model -> Trainer + MFQATCallback: the checkpoint's anchor holds
+    the adapters merged into the base weights; the training model keeps its adapters unmerged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from mfqat.integrations.hf import MFQATCallback
+
+    model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint4", "mxint8"], schedule="cyclic"))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]))
+    assert type(model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]) is torch.nn.Linear
+    ids = torch.randint(0, 256, (8, 32))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, save_steps=2,
+                             report_to=[], use_cpu=True, learning_rate=1e-2)
+    Trainer(model=model, args=args, train_dataset=ds, callbacks=[MFQATCallback(anchor_format="mxint8")]).train()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+    assert delta.abs().max() > 0  # the adapters trained
+    merged = layer.base_layer.weight.detach() + delta.detach()
+    loaded = mfqat.load_anchor(tmp_path / "checkpoint-2" / "mfqat_anchor", "mxint8")
+    assert torch.equal(loaded.model.layers[0].self_attn.q_proj.weight, mfqat.fake_quantize(merged, "mxint8"))
+    assert (tmp_path / "checkpoint-2" / "adapter_config.json").is_file()  # Trainer saved the adapters
+    assert not layer.merged
+
+
+def test_lora_with_mf_qat_follows_the_schedule_and_saves_anchor_and_adapter(tmp_path):
+    out = tmp_path / "qat_lora"
+    s = train_main(TINY + ["--steps", "2", "--formats", "mxint4,mxint8", "--schedule", "cyclic",
+                           "--lora-rank", "4", "--out", str(out)])
+    assert s["formats"] == ["mxint4", "mxint8"]  # the controller is found under the peft wrapper
+    assert (out / "anchor" / "mfqat.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+    assert s["trainable_params"] < s["total_params"] / 10
