@@ -29,6 +29,7 @@ import torch
 from ..anchor import MAX_SHARD_BYTES, Anchor, AnchorError, read_anchor, save_anchor
 from ..formats import get_format
 from ..io import atomic_directory, write_json
+from ..model_card import write_model_card
 from ..manifest import seal
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
@@ -129,7 +130,8 @@ def plan_from_report(report: dict) -> Plan:
 
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
-           scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> dict:
+           scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+           tokenizer: Optional[str] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -138,7 +140,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     :data:`LOGIT_RTOL`; it carries a manifest (``mfqat verify``). An existing non-empty
     ``out_dir`` is refused unless ``overwrite`` and it is an MLX export; the source never is.
     The PTQ path's temporary anchor lives inside the partial output, so a killed export leaves
-    nothing in the temp dir (the next export to ``out_dir`` cleans the partial). Returns the report.
+    nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
+    folder whose tokenizer files are copied instead of the source's (for an anchor saved without one).
+    Returns the report.
     """
     import time
 
@@ -153,13 +157,21 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if not is_anchor:
             src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe))
         anchor = read_anchor(src)
+        tok_dir = Path(tokenizer) if tokenizer else src
+        if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise AnchorError(f"{tok_dir}: no tokenizer files; mlx_lm.load needs them: pass a folder that has them "
+                              "(tokenizer=..., mfqat export-mlx --tokenizer DIR)")
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
-        _write(anchor, plan, anchor.config, src, tmp, report, scale_dtype, max_shard_bytes)
+        _write(anchor, plan, anchor.config, tok_dir, tmp, report, scale_dtype,
+               max_shard_bytes)
+        write_model_card(tmp, "mlx", str(source), sorted(set(plan.formats.values())),
+                         note=f"Recipe `{recipe}`: MX formats stored as MLX quantized weights, bit-exact.",
+                         name=Path(out_dir).name)
         if not is_anchor:
             shutil.rmtree(src)  # the temporary PTQ anchor is not part of the export
         report.update(stored_size(tmp, anchor_parameters(anchor), plan.numels(anchor)))

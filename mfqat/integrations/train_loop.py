@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..progress import progress, quiet_dependency_logs
 from ..anchor import save_anchor
-from ..data import load_model, load_text, split_text, token_blocks, tiny_llama
+from ..data import load_model, token_blocks, tiny_llama
+from ..datasets import training_texts
 from ..eval.elastic import evaluate_formats, ptq_state
 from ..eval.perplexity import perplexity
 from ..eval.report import format_table, plot_curve
@@ -91,7 +92,7 @@ def make_lr_lambda(args, ctl) -> Callable[[int], float]:
 
 def load_data(args, tok, num_processes: int):
     """(train blocks, held-out blocks) of --seq-len tokens; the tiny model reads bytes as tokens."""
-    text_train, text_eval = split_text(load_text(args.text))
+    text_train, text_eval = training_texts(args.text, args.dataset, tok)
     need_blocks = args.steps * args.batch_size * args.grad_accum * num_processes
     if tok is not None:
         return (token_blocks(tok, text_train, args.seq_len, max_blocks=need_blocks),
