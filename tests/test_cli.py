@@ -143,14 +143,42 @@ def test_jsonl_datasets(tmp_path):
         training_texts(None, str(f), tok)
 
 
-def test_train_on_a_jsonl_dataset(tmp_path):
+def test_train_on_a_jsonl_dataset_logs_to_accelerate_trackers(tmp_path):
+    from accelerate.tracking import GeneralTracker
+
     from mfqat.integrations.train_loop import main as train_main
+
+    class Tracker(GeneralTracker):  # accelerate's API for custom trackers (what --report-to names build)
+        name, requires_logging_directory, main_process_only = "record", False, True
+
+        def __init__(self):
+            super().__init__()
+            self.config, self.logged, self.finished = None, [], False
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            self.config = values
+
+        def log(self, values, step=None, **kw):
+            self.logged.append((step, dict(values)))
+
+        def finish(self):
+            self.finished = True
 
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps({"text": f"record {i} " + "words " * 40}) for i in range(40)))
+    rec = Tracker()
     s = train_main(["--model", "tiny", "--dataset", str(f), "--steps", "2", "--batch-size", "2", "--seq-len", "32",
-                    "--eval-blocks", "2", "--output-dir", str(tmp_path / "run"), "--formats", "mxint8"])
+                    "--eval-blocks", "2", "--output-dir", str(tmp_path / "run"), "--formats", "mxint8",
+                    "--eval-formats", "mxint8"], trackers=[rec])
     assert len(s["losses"]) == 2 and (tmp_path / "run" / "anchor" / "README.md").is_file()
+    assert rec.config["steps"] == 2 and rec.finished
+    assert [st for st, v in rec.logged if "train/loss" in v] == [1, 2]
+    assert rec.logged[1][1]["train/loss"] == pytest.approx(s["losses"][1])
+    assert rec.logged[-1][1]["eval/mxint8_ppl"] == pytest.approx(s["eval"][0]["perplexity"])
 
 
 def test_export_mlx_with_tokenizer_flag_and_model_card(anchors, tmp_path, capsys):

@@ -144,8 +144,24 @@ def _forever(loader) -> Iterator:
             yield batch
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
-    """Run training; return a summary dict (also written to OUT/summary.json)."""
+def log_with(report_to: str):
+    """accelerate's ``log_with`` for --report-to: None ('none'), 'all', or a list of tracker names."""
+    names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
+    if names == ["all"]:
+        return "all"
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, _available_trackers
+
+    for n in names:
+        if n not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(f"--report-to {n}: not an accelerate tracker ({', '.join(LOGGER_TYPE_TO_CLASS)})")
+        if n not in _available_trackers:
+            raise ValueError(f"--report-to {n}: the {n} package is not installed (pip install {n})")
+    return names or None
+
+
+def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> dict:
+    """Run training; return a summary dict (also written to OUT/summary.json). ``trackers``:
+    accelerate ``GeneralTracker`` objects to log to, besides those named by --report-to."""
     quiet_dependency_logs()  # before transformers pulls torchao in (see mfqat.progress)
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -153,9 +169,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
-    acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
-    set_seed(args.seed)
     out = Path(args.out)
+    named = log_with(args.report_to)
+    wanted = (list(trackers or []) + ([named] if isinstance(named, str) else named or [])) or None
+    acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available(),
+                      log_with=wanted, project_dir=str(out))
+    if wanted:
+        acc.init_trackers("mfqat", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+    set_seed(args.seed)
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
     train, held = load_data(args, tok, acc.num_processes)
     cfg = None if args.no_qat else load_qat_config(args)
@@ -206,6 +227,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         losses.append(weighted_loss(per_fmt, cfg.weight_of) if cfg else per_fmt["fp"])
         fmts.append("+".join(per_fmt))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", fmt=fmts[-1])
+        if wanted:
+            acc.log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0],
+                     **{f"train/loss_{f}": v for f, v in per_fmt.items()}}, step=step)
         bar.update(1)
         if args.save_every and step % args.save_every == 0 and step < args.steps:
             ckpt = out / f"checkpoint-{step}"
@@ -245,12 +269,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
             set_format(base, None)
         rows.append({"format": "fp (master)", "bits/weight": 32.0, "perplexity": perplexity(base, held, desc="eval fp")})
         summary["eval"] = rows
+        if wanted:
+            acc.log({f"eval/{r['format'].split()[0]}_ppl": r["perplexity"] for r in rows}, step=step)
         if losses:
             plot_curve(losses, out / "loss.png", "training loss", labels=fmts)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(rows, ["format", "bits/weight", "perplexity"]))
         print(f"steps={args.steps} time={train_s:.1f}s ({train_s / max(len(losses), 1):.2f} s/step) "
               f"final loss={summary['final_loss']} peak memory={summary['peak_memory_mib']:.0f} MiB out={out}")
+    if wanted:
+        acc.end_training()
     return summary
 
 
