@@ -14,6 +14,7 @@ _PUBLIC = {
     ".slice": ["slice_and_scale"],
     ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare"],
     ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
+    ".integrations.hf_quantizer": ["register_hf_quantizer"],
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -21,6 +22,7 @@ __all__ = [
     "__version__", "ElementFormat", "FORMATS", "ALIASES", "get_format", "known_formats",
     "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
+    "register_hf_quantizer",
 ]
 
 

@@ -84,3 +84,19 @@ def test_plain_trainer_callback_uses_processing_class(setup, tmp_path):
                              report_to=[], use_cpu=True)
     Trainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[MFQATCallback()]).train()
     assert (tmp_path / "checkpoint-1" / "mfqat_anchor" / "tokenizer.json").is_file()
+
+
+def test_from_pretrained_of_an_anchor_is_the_anchor(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    mfqat.register_hf_quantizer()
+    tok = tiny_tokenizer()
+    anchor = mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), tmp_path / "a", "mxint8", tok)
+    model = AutoModelForCausalLM.from_pretrained(anchor)
+    ref = mfqat.load_anchor(anchor)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.mfqat_format == "mxint8" and getattr(model.config, "quantization_config", None) is None
+    model.save_pretrained(tmp_path / "plain")  # a plain checkpoint again
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").state_dict()
+    assert all(torch.equal(again[k], want[k]) for k in want)

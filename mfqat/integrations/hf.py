@@ -13,6 +13,7 @@ from ..anchor import save_anchor
 from ..formats import canonical_name, get_format
 from ..qat.joint import normalized_weights, token_kl
 from ..qat.prepare import MFQATController, set_format
+from .hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
 
 
 def find_controller(model) -> MFQATController:
