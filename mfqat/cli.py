@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `mfqat` parser (train / mlx-train / bench take their own flags: see main)."""
     p = argparse.ArgumentParser(prog="mfqat", description="Multi-format QAT, anchors, Slice-and-Scale, MLX export")
     p.add_argument("--version", action="version", version=f"mfqat {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("train", help="MF-QAT fine-tune with accelerate (mfqat train --help)", add_help=False)
     c = sub.add_parser("convert", help="anchor -> plain HF checkpoint holding one format's dequantized weights",
                        description="Write a from_pretrained-loadable HF checkpoint whose weights hold exactly the "
