@@ -6,11 +6,13 @@ Only cheap checks live here (paths, names, flag combinations), so they import no
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUILTIN_MODELS = ("smollm2", "tiny")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class UsageError(ValueError):
@@ -41,8 +43,10 @@ def need_model(path: Optional[str], flag: str) -> None:
     if p.suffix == ".gguf":
         return need_path(path, flag, ".gguf file")
     if not p.is_dir():
-        raise UsageError(f"{flag} {path}: no such model folder (give a local HF folder, an anchor, a .gguf file "
-                         f"or one of {', '.join(BUILTIN_MODELS)}; models are not downloaded)")
+        if HUB_ID.fullmatch(path):
+            return  # a Hub id: transformers resolves it (from its cache when offline)
+        raise UsageError(f"{flag} {path}: no such model folder (give a local HF folder, an anchor, a .gguf file, "
+                         f"a Hub id or one of {', '.join(BUILTIN_MODELS)})")
     if not (p / "config.json").is_file():
         raise UsageError(f"{flag} {path}: not a model folder (no config.json)")
 

@@ -216,3 +216,25 @@ def test_generate_applies_the_chat_template_as_mlx_lm_does(anchors, tmp_path):
     assert generate(str(tmp_path / "m"), "Python is", 8, chat_template=False) == raw
     a = generate(str(tmp_path / "m"), "Python is", 8, temp=1.0, seed=3)
     assert a == generate(str(tmp_path / "m"), "Python is", 8, temp=1.0, seed=3)
+
+
+def test_mlx_train_reads_mlx_lm_data_folder(tmp_path):
+    pytest.importorskip("mlx_lm")
+    tok = tiny_tokenizer()
+    model_dir = tmp_path / "hf"
+    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("\n".join(json.dumps({"text": f"train {i} " + "alpha beta " * 30})
+                                                for i in range(30)))
+    (data / "valid.jsonl").write_text("\n".join(json.dumps({"prompt": "Q: ", "completion": "gamma delta " * 30})
+                                                for _ in range(10)))
+    main(["mlx-train", "--model", str(model_dir), "--data", str(data), "--formats", "mxint8", "--iters", "2",
+          "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "2", "--save-path", str(tmp_path / "run"),
+          "--eval-formats", "mxint8"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and (tmp_path / "run" / "anchor" / "README.md").is_file()
+    with pytest.raises(SystemExit) as e:
+        main(["mlx-train", str(model_dir), "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "r2")])
+    assert e.value.code == 2 and "--data" in str(e.value)
