@@ -173,6 +173,10 @@ class MFQATTrainer(Trainer):
             return
         base = self.accelerator.unwrap_model(self.model)
         ctl = find_controller(base)
+        if any("lora_" in n for n, _ in base.named_parameters()):
+            print("[mfqat] save_model: the model holds LoRA adapters, so no anchor was written; merge them "
+                  "(model.merge_and_unload()) and call mfqat.save_anchor")
+            return
         save_anchor(base, os.path.join(output_dir or self.args.output_dir, "mfqat_anchor"), fmt,
                     tokenizer=self.mfqat_callback.tokenizer or self.processing_class, step=self.state.global_step,
                     schedule=ctl.config.to_dict(), overwrite=True)
