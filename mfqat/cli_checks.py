@@ -53,10 +53,9 @@ def need_model(path: Optional[str], flag: str) -> None:
 
 def need_formats(names: Iterable[str], flag: str) -> None:
     """Every name is a known element format."""
-    from .formats import known_formats
+    from .formats import ALIASES, known_formats
 
     known = set(known_formats())
-    from .formats import ALIASES
     for n in names:
         if n and n.lower() not in known and n.lower() not in ALIASES:
             raise UsageError(f"{flag}: unknown format '{n}'; known formats: {', '.join(sorted(known))}")
