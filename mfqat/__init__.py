@@ -1,16 +1,41 @@
-"""mfqat: multi-format quantization-aware training in OCP Microscaling formats, with MLX export."""
+"""mfqat: multi-format quantization-aware training in OCP Microscaling formats, with MLX export.
+
+The public names are imported on first use (PEP 562), so ``mfqat --version`` / ``--help`` and
+``import mfqat`` do not load torch.
+"""
+from importlib import import_module
+from typing import Any, List
+
 __version__ = "0.1.0"
 
-from .formats import ALIASES, FORMATS, ElementFormat, get_format, known_formats  # noqa: E402
-from .quant import MXTensor, dequantize, fake_quantize, quantize  # noqa: E402
-from .slice import slice_and_scale  # noqa: E402
-from .qat import QATConfig, joint_backward, prepare, set_format, unprepare  # noqa: E402
-from .anchor import load_anchor, read_anchor, save_anchor  # noqa: E402
-from .mxqlora import load_with_adapter, mx_qlora_model, save_mx_adapter, set_base_format  # noqa: E402
+_PUBLIC = {
+    ".formats": ["ALIASES", "FORMATS", "ElementFormat", "get_format", "known_formats"],
+    ".quant": ["MXTensor", "dequantize", "fake_quantize", "quantize"],
+    ".slice": ["slice_and_scale"],
+    ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare"],
+    ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
+    ".integrations.hf_quantizer": ["register_hf_quantizer"],
+    ".mxqlora": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
+}
+_WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
 __all__ = [
     "__version__", "ElementFormat", "FORMATS", "ALIASES", "get_format", "known_formats",
     "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
     "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter",
+    "register_hf_quantizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first access."""
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mfqat' has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

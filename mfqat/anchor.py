@@ -31,7 +31,9 @@ from .anchor_meta import (ANCHOR_FORMAT_VERSION, TENSOR_DTYPES, check_quantized,
                           validate_meta, weight_files)
 from .formats import canonical_name, get_format
 from .io import PathLike, atomic_directory, sha256_file, write_json
+from .anchor_config import model_config, write_anchor_config
 from .manifest import AnchorError, Snapshot, load_meta, retry_read, seal
+from .model_card import write_model_card
 from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
 from .quant.api import quantize
@@ -54,7 +56,7 @@ class Anchor:
     meta: dict
     quantized: Dict[str, MXTensor] = field(default_factory=dict)
     plain: Dict[str, torch.Tensor] = field(default_factory=dict)
-    config: Optional[dict] = None  # config.json as read (and checked, from version 2) with the weights
+    config: Optional[dict] = None  # config.json as read (checked from version 2), less mfqat's quantization_config
 
     @property
     def format(self) -> str:
@@ -189,9 +191,10 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
     with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
         config = getattr(model, "config", None)
         if config is not None:
-            config.save_pretrained(tmp)
+            write_anchor_config(config, tmp, f.name, block_size, scale_rule)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        write_model_card(tmp, "anchor", getattr(config, "_name_or_path", None) or None, [f.name], name=Path(path).name)
         files = write_safetensors(tmp, tensors, max_shard_bytes)
         meta = {"format_version": ANCHOR_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
                 "block_size": block_size, "scale_rule": scale_rule, "tensors": entries, "tied": tied,
@@ -235,7 +238,8 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
     config = None
     if snap.exists("config.json") or "config.json" in manifest:
         try:
-            config = json.loads(snap.read_checked("config.json", manifest.get("config.json") if verify else None))
+            config = model_config(json.loads(snap.read_checked("config.json", manifest.get("config.json") if verify
+                                                               else None)))
         except ValueError as e:
             raise AnchorError(f"{snap.path / 'config.json'}: corrupt JSON ({e})") from None
     raw, origin = _parse_weights(snap, meta, verify)

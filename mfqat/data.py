@@ -93,14 +93,37 @@ def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.fl
         path, kwargs = os.path.dirname(os.path.abspath(name_or_path)), {"gguf_file": os.path.basename(name_or_path)}
     else:
         path = name_or_path
+        if (Path(path) / "mfqat.json").is_file():
+            return _load_anchor_model(path, dtype)
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+    if info.get("missing_keys"):  # transformers only logs these (and mfqat turns its logs down): refuse
+        raise ValueError(f"{name_or_path}: the checkpoint lacks weights the model needs "
+                         f"({', '.join(sorted(info['missing_keys'])[:4])}, ...); refusing to use random weights")
     if getattr(model.config, "quantization_config", None) and kwargs.get("gguf_file"):
         # weights were de-quantized from GGUF on load; the config must not claim otherwise
         del model.config.quantization_config
         model.hf_quantizer = None  # so save_pretrained writes the (de-quantized) weights
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def _load_anchor_model(path: str, dtype: torch.dtype):
+    """(model, tokenizer) of an mfqat anchor folder: its own format's weights, dequantized."""
+    from transformers import AutoTokenizer
+
+    from .anchor import load_anchor
+
+    model = load_anchor(path, dtype=dtype)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: the anchor has no usable tokenizer ({str(e).splitlines()[0]}); save it with "
+                         "save_anchor(..., tokenizer=tok)") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    print(f"[mfqat] {path}: an mfqat anchor; loaded its {model.mfqat_format} weights (dequantized)")
     return model, tok
 
 

@@ -3,7 +3,6 @@ by Slice-and-Scale -> MLX exports that mlx_lm loads and generates from. Re-runs 
 stages (OUT/stages/*.json) unless --force."""
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import time
@@ -18,6 +17,7 @@ from .eval.perplexity import perplexity
 from .eval.report import format_table, plot_ppl_vs_bpw
 from .formats import get_format
 from .progress import quiet_dependency_logs
+from .demo_args import build_parser
 
 ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 PROMPT = "The Python language is"
@@ -138,17 +138,6 @@ def stored_bits(e: dict) -> str:
         return "? bits/weight"
     return (f"{e['stored_bits_per_weight']:.2f} bits/weight ({e['stored_bits_per_weight_quantized']:.2f} for the "
             "quantized matrices)")
-
-
-def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", default="out/demo")
-    p.add_argument("--steps", type=int, default=40, help="joint MF-QAT steps (mxint8/6/4 in each: about 10 s a step on 2 cores)")
-    p.add_argument("--eval-blocks", type=int, default=24, help="held-out blocks of 128 tokens")
-    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    p.add_argument("--force", action="store_true", help="redo every stage")
-    p.add_argument("--skip-mlx", action="store_true")
-    return p
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

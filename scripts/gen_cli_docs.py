@@ -28,6 +28,9 @@ Notes that the help text cannot carry:
 - `train` is `scripts/train.py` (run it under `accelerate launch` for DDP/FSDP), `bench` runs
   `scripts/bench_quant.py` from a source checkout (the scripts are not part of the installed package).
 - `mlx-train`, `generate` and `serve` need MLX: `pip install 'mfqat[mlx]'`.
+- User mistakes (missing paths, unknown formats, bad flag combinations, unreadable anchors) end in
+  one line, `mfqat <command>: error: ...`, with exit status 2; `MFQAT_DEBUG=1` shows the traceback.
+- `serve` hands every flag it does not define to `mlx_lm.server` (e.g. `--max-tokens 256`).
 - `MFQAT_PROGRESS=0` turns progress bars off (`=1` forces them); when the output is not a terminal
   they redraw every 30 s. `MFQAT_BACKEND=reference|cpp|triton` forces a quantizer backend.
 """

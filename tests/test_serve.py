@@ -114,3 +114,19 @@ def test_serve_missing_directory_fails_at_once(tmp_path):
                            "--port", str(_free_port())], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "does not exist" in done.stderr
+
+
+def test_serve_passes_mlx_lm_server_flags(model_dirs):
+    """Flags mfqat does not define go to mlx_lm.server: --max-tokens sets the default completion length."""
+    port = _free_port()
+    proc = _start(model_dirs[0], port, "--max-tokens", "3")
+    try:
+        status, _, body = _request(port, "POST", "/v1/completions", {"prompt": "def f"})
+        assert status == 200, body
+        assert json.loads(body)["usage"]["completion_tokens"] <= 3
+    finally:
+        _stop(proc)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, "-m", "mfqat.cli", "serve", str(model_dirs[0]), "--no-such-flag"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--no-such-flag" in done.stderr

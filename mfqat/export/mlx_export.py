@@ -30,6 +30,7 @@ from ..anchor import MAX_SHARD_BYTES, Anchor, AnchorError, read_anchor, save_anc
 from ..derive import DERIVED_GROUP_SIZE
 from ..formats import get_format
 from ..io import atomic_directory, write_json
+from ..model_card import write_model_card
 from ..manifest import seal
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
@@ -139,7 +140,7 @@ def plan_from_report(report: dict) -> Plan:
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
-           group_size: int = DERIVED_GROUP_SIZE) -> dict:
+           group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -148,7 +149,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     :data:`LOGIT_RTOL`; it carries a manifest (``mfqat verify``). An existing non-empty
     ``out_dir`` is refused unless ``overwrite`` and it is an MLX export; the source never is.
     The PTQ path's temporary anchor lives inside the partial output, so a killed export leaves
-    nothing in the temp dir (the next export to ``out_dir`` cleans the partial). Returns the report.
+    nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
+    folder whose tokenizer files are copied instead of the source's (for an anchor saved without one).
+    Returns the report.
     """
     import time
 
@@ -163,6 +166,10 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if not is_anchor:
             src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe))
         anchor = read_anchor(src)
+        tok_dir = Path(tokenizer) if tokenizer else src
+        if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise AnchorError(f"{tok_dir}: no tokenizer files; mlx_lm.load needs them: pass a folder that has them "
+                              "(tokenizer=..., mfqat export-mlx --tokenizer DIR)")
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
@@ -171,7 +178,11 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
         if all(get_format(f).family == "affine" for f in plan.formats.values()):
             report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
-        _write(anchor, plan, anchor.config, src, tmp, report, scale_dtype, max_shard_bytes)
+        _write(anchor, plan, anchor.config, tok_dir, tmp, report, scale_dtype,
+               max_shard_bytes)
+        write_model_card(tmp, "mlx", str(source), sorted(set(plan.formats.values())),
+                         note=f"Recipe `{recipe}`: codes stored as MLX quantized weights, bit-exact with PyTorch.",
+                         name=Path(out_dir).name)
         if not is_anchor:
             shutil.rmtree(src)  # the temporary PTQ anchor is not part of the export
         report.update(stored_size(tmp, anchor_parameters(anchor), plan.numels(anchor)))

@@ -14,6 +14,7 @@ from ..formats import canonical_name, get_format
 from ..qat.joint import normalized_weights, token_kl
 from ..qat.prepare import MFQATController, set_format
 from .lora import merged_copy
+from .hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
 
 
 def find_controller(model) -> MFQATController:
@@ -41,7 +42,7 @@ class MFQATCallback(TrainerCallback):
         eval_formats: formats evaluated at each evaluation (``eval_{fmt}_loss`` / ``_ppl`` metrics).
         anchor_format: format of the anchor saved into each checkpoint (None: no anchors;
             "auto": the QAT config's ``anchor_format``, mxint8 if it has none).
-        tokenizer: saved into the anchor directories.
+        tokenizer: saved into the anchor directories (default: the Trainer's ``processing_class``).
         max_eval_batches: cap on batches per format (None: the whole eval set).
     """
 
@@ -51,6 +52,12 @@ class MFQATCallback(TrainerCallback):
         self.anchor_format = anchor_format
         self.tokenizer = tokenizer
         self.max_eval_batches = max_eval_batches
+
+    def anchor_fmt(self, ctl: MFQATController) -> Optional[str]:
+        """The format of the anchors saved (None: no anchors)."""
+        if self.anchor_format == "auto":
+            return ctl.config.anchor_format or "mxint8"
+        return self.anchor_format
 
     def on_step_begin(self, args, state, control, model=None, **kw):
         find_controller(model).set_step(model, state.global_step, max(state.max_steps, 1))
@@ -96,9 +103,8 @@ class MFQATCallback(TrainerCallback):
         base = model
         while hasattr(base, "module"):
             base = base.module
-        fmt = (ctl.config.anchor_format or "mxint8") if self.anchor_format == "auto" else self.anchor_format
-        save_anchor(merged_copy(base), ckpt, fmt, tokenizer=self.tokenizer, step=state.global_step,
-                    schedule=ctl.config.to_dict(), overwrite=True)
+        save_anchor(merged_copy(base), ckpt, self.anchor_fmt(ctl), tokenizer=self.tokenizer or kw.get("processing_class"),
+                    step=state.global_step, schedule=ctl.config.to_dict(), overwrite=True)
 
 
 class MFQATTrainer(Trainer):
@@ -107,14 +113,76 @@ class MFQATTrainer(Trainer):
     Each training step backpropagates ``w_f * L_f`` once per format of the step (highest first,
     gradients accumulate, DDP all-reduces once), with in-step distillation from the highest
     format's logits when ``distill_weight`` > 0. Single-format schedules run the plain step. An
-    :class:`MFQATCallback` (which drives the schedule and saves anchors) is added when absent.
+    :class:`MFQATCallback` (which drives the schedule and saves anchors) is added when absent and
+    runs before the reporters, so TensorBoard / W&B / the console see ``mfqat_format``.
+
+    Evaluation (:meth:`evaluation_loop`): ``eval_loss`` is measured in one fixed format,
+    ``eval_format`` (default "auto": the QAT config's anchor format), so it does not jump when the
+    schedule switches; each of ``eval_formats`` adds ``eval_{fmt}_loss`` / ``eval_{fmt}_ppl`` to the
+    same metrics, logged through the normal ``log()`` path. ``save_model()`` also writes an anchor
+    (``OUTPUT_DIR/mfqat_anchor``, with the ``processing_class`` tokenizer).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, eval_formats: Optional[List[str]] = None, eval_format: Optional[str] = "auto",
+                 **kwargs):
         super().__init__(*args, **kwargs)
-        if not any(isinstance(c, MFQATCallback) for c in self.callback_handler.callbacks):
-            self.add_callback(MFQATCallback())
+        cbs = self.callback_handler.callbacks
+        cb = next((c for c in cbs if isinstance(c, MFQATCallback)), None)
+        if cb is None:
+            cb = MFQATCallback()
+        else:
+            cbs.remove(cb)
+        cbs.insert(0, cb)  # before the reporters: they log what its on_log adds
+        self.eval_formats = [canonical_name(f) for f in (eval_formats or cb.eval_formats)]
+        cb.eval_formats = []  # evaluated here, inside the Trainer's own log() call
+        self.mfqat_callback = cb
+        self.eval_format = eval_format
         self._mfqat = {"weight": 1.0, "distill": 0.0, "teacher": None, "keep": False}
+
+    def fixed_eval_format(self, ctl: MFQATController) -> Optional[str]:
+        """The format ``eval_loss`` is measured in (None: full precision)."""
+        if self.eval_format != "auto":
+            return self.eval_format
+        return ctl.config.anchor_format or max(ctl.config.formats, key=lambda f: get_format(f).bits)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """The Trainer's loop in the fixed format, then once per ``eval_formats`` (``{prefix}_{fmt}_*``)."""
+        base = self.accelerator.unwrap_model(self.model)
+        ctl = find_controller(base)
+        fixed = self.fixed_eval_format(ctl)
+        try:
+            set_format(base, fixed)
+            out = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+            for fmt in self.eval_formats:
+                set_format(base, fmt)
+                sub = super().evaluation_loop(dataloader, f"{description} ({fmt})", prediction_loss_only, ignore_keys,
+                                              f"{metric_key_prefix}_{fmt}")
+                out.metrics.update({k: v for k, v in sub.metrics.items() if not k.endswith("preparation_time")})
+                loss = sub.metrics.get(f"{metric_key_prefix}_{fmt}_loss")
+                if loss is not None:
+                    out.metrics[f"{metric_key_prefix}_{fmt}_ppl"] = math.exp(min(loss, 50))
+        finally:
+            ctl.set_step(base, self.state.global_step, max(self.state.max_steps, 1))
+        out.metrics[f"{metric_key_prefix}_mfqat_bits"] = get_format(fixed).bits if fixed else 32
+        return out
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Save as the Trainer does, plus an anchor in ``output_dir/mfqat_anchor`` (checkpoints get
+        theirs from :class:`MFQATCallback`)."""
+        super().save_model(output_dir, _internal_call)
+        fmt = self.mfqat_callback.anchor_fmt(find_controller(self.model))
+        if _internal_call or fmt is None or not self.args.should_save:
+            return
+        base = self.accelerator.unwrap_model(self.model)
+        ctl = find_controller(base)
+        if any("lora_" in n for n, _ in base.named_parameters()):
+            print("[mfqat] save_model: the model holds LoRA adapters, so no anchor was written; merge them "
+                  "(model.merge_and_unload()) and call mfqat.save_anchor")
+            return
+        save_anchor(base, os.path.join(output_dir or self.args.output_dir, "mfqat_anchor"), fmt,
+                    tokenizer=self.mfqat_callback.tokenizer or self.processing_class, step=self.state.global_step,
+                    schedule=ctl.config.to_dict(), overwrite=True)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         ctl = find_controller(model)

@@ -17,11 +17,14 @@ perplexity table.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
+    """The flags of `mfqat train` (HF Trainer / mlx-lm names are accepted as aliases)."""
+    p = argparse.ArgumentParser(prog=prog, description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M); "
                    "'tiny' builds a tiny random Llama")
-    p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
+    p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default); a .jsonl is read "
+                   "as --dataset")
+    p.add_argument("--dataset", default=None, help="a .jsonl file (or a folder with train.jsonl [+ valid.jsonl]) of records with a 'text' field, chat 'messages' (rendered with the tokenizer's chat template) or 'prompt'/'completion'")
     p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
                    "mxint_468_cyclic, ...: see docs/recipes.md); default: joint mxint8/6/4 (mxint_joint)")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
@@ -36,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="joint schedule: formats below the highest learn (1-ALPHA)*CE + ALPHA*KL from its logits")
     p.add_argument("--joint-sample", type=int, default=None, metavar="K",
                    help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps")
+    p.add_argument("--steps", "--max-steps", "--iters", dest="steps", type=int, default=120, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--lr", "--learning-rate", dest="lr", type=float, default=2e-5)
     p.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
                    help="after --warmup-steps of linear warm-up: constant, or cosine decay to 0")
     p.add_argument("--warmup-steps", type=int, default=0)
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--grad-compress without carrying the quantization residual to the next step")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/mfqat")
+    p.add_argument("--out", "--output-dir", "--save-path", dest="out", default="runs/mfqat")
     p.add_argument("--anchor-format", default=None,
                    help="format of the saved anchor (default: the QAT config's anchor_format, else mxint8)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint (accelerate state + anchor) every N steps")
@@ -67,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks of seq-len tokens")
     p.add_argument("--save-master", action="store_true",
                    help="also write the full-precision master weights as an HF folder OUT/master")
+    p.add_argument("--report-to", default="none", metavar="TRACKERS",
+                   help="accelerate trackers for the training and eval metrics: comma list (tensorboard, wandb, mlflow, ...), 'all' (every installed one) or 'none'; logs go to OUT")
     p.add_argument("--dump-weights", default=None, help="(tests) write a per-rank weight checksum here")
     add_lora_args(p)
     return p

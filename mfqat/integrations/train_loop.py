@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..progress import progress, quiet_dependency_logs
 from ..anchor import save_anchor
-from ..data import load_model, load_text, split_text, token_blocks, tiny_llama
+from ..data import load_model, token_blocks, tiny_llama
+from ..datasets import training_texts
 from ..eval.elastic import evaluate_formats, ptq_state
 from ..eval.perplexity import perplexity
 from ..eval.report import format_table, plot_curve
@@ -82,7 +83,7 @@ def make_lr_lambda(args, ctl) -> Callable[[int], float]:
 
 def load_data(args, tok, num_processes: int):
     """(train blocks, held-out blocks) of --seq-len tokens; the tiny model reads bytes as tokens."""
-    text_train, text_eval = split_text(load_text(args.text))
+    text_train, text_eval = training_texts(args.text, args.dataset, tok)
     need_blocks = args.steps * args.batch_size * args.grad_accum * num_processes
     if tok is not None:
         return (token_blocks(tok, text_train, args.seq_len, max_blocks=need_blocks),
@@ -134,8 +135,24 @@ def _forever(loader) -> Iterator:
             yield batch
 
 
-def main(argv: Optional[List[str]] = None) -> dict:
-    """Run training; return a summary dict (also written to OUT/summary.json)."""
+def log_with(report_to: str):
+    """accelerate's ``log_with`` for --report-to: None ('none'), 'all', or a list of tracker names."""
+    names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
+    if names == ["all"]:
+        return "all"
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, _available_trackers
+
+    for n in names:
+        if n not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(f"--report-to {n}: not an accelerate tracker ({', '.join(LOGGER_TYPE_TO_CLASS)})")
+        if n not in _available_trackers:
+            raise ValueError(f"--report-to {n}: the {n} package is not installed (pip install {n})")
+    return names or None
+
+
+def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> dict:
+    """Run training; return a summary dict (also written to OUT/summary.json). ``trackers``:
+    accelerate ``GeneralTracker`` objects to log to, besides those named by --report-to."""
     quiet_dependency_logs()  # before transformers pulls torchao in (see mfqat.progress)
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -143,14 +160,19 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = build_parser().parse_args(argv)
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
-    acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available())
+    out = Path(args.out)
+    named = log_with(args.report_to)
+    wanted = (list(trackers or []) + ([named] if isinstance(named, str) else named or [])) or None
+    acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available(),
+                      log_with=wanted, project_dir=str(out))
+    if wanted:
+        acc.init_trackers("mfqat", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
     set_seed(args.seed)
     self_shard = fsdp.self_sharded(acc)  # FSDP asked for on CPU ranks: accelerate cannot, we fully_shard
     if self_shard:
         fsdp.check_args(args, acc)
     elif fsdp.requested() and acc.num_processes == 1:
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
-    out = Path(args.out)
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
     train, held = load_data(args, tok, acc.num_processes)
     cfg = None if args.no_qat else load_qat_config(args)
@@ -217,6 +239,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
         losses.append(weighted_loss(per_fmt, cfg.weight_of) if cfg else per_fmt["fp"])
         fmts.append("+".join(per_fmt))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", fmt=fmts[-1])
+        if wanted:
+            acc.log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0],
+                     **{f"train/loss_{f}": v for f, v in per_fmt.items()}}, step=step)
         bar.update(1)
         if args.save_every and step % args.save_every == 0 and step < args.steps:
             ckpt = out / f"checkpoint-{step}"
@@ -273,12 +298,16 @@ def main(argv: Optional[List[str]] = None) -> dict:
         rows.append({"format": top, "bits/weight": base_bits_per_weight(args.base),
                      "perplexity": perplexity(base, held, desc="eval fp")})
         summary["eval"] = rows
+        if wanted:
+            acc.log({f"eval/{r['format'].split()[0]}_ppl": r["perplexity"] for r in rows}, step=step)
         if losses:
             plot_curve(losses, out / "loss.png", "training loss", labels=fmts)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_table(rows, ["format", "bits/weight", "perplexity"]))
         print(f"steps={args.steps} time={train_s:.1f}s ({train_s / max(len(losses), 1):.2f} s/step) "
               f"final loss={summary['final_loss']} peak memory={summary['peak_memory_mib']:.0f} MiB out={out}")
+    if wanted:
+        acc.end_training()
     return summary
 
 

@@ -23,13 +23,29 @@ from mlx_lm import server as mlx_server
 
 
 def generate(model_dir: str, prompt: str, max_tokens: int = 64, adapter_path: Optional[str] = None,
-             verbose: bool = False) -> str:
-    """Load an MLX model directory (an mfqat export, optionally with LoRA adapters) and complete ``prompt``."""
+             verbose: bool = False, temp: float = 0.0, top_p: float = 1.0, seed: Optional[int] = None,
+             system_prompt: Optional[str] = None, chat_template: bool = True) -> str:
+    """Load an MLX model directory (an mfqat export, optionally with LoRA adapters) and complete ``prompt``.
+
+    As ``mlx_lm.generate``: the prompt goes through the tokenizer's chat template when it has one
+    (``chat_template=False``: raw text), sampling by ``mlx_lm.sample_utils.make_sampler`` (``temp`` 0: greedy).
+    """
+    import mlx.core as mx
     from mlx_lm import generate as mlx_generate
     from mlx_lm import load
+    from mlx_lm.sample_utils import make_sampler
 
+    if seed is not None:
+        mx.random.seed(seed)
     model, tok = load(model_dir, adapter_path=adapter_path)
-    return mlx_generate(model, tok, prompt=prompt, max_tokens=max_tokens, verbose=verbose)
+    use_template = chat_template and tok.has_chat_template
+    if use_template:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=not use_template)  # what mlx_lm.generate's command line does
+    return mlx_generate(model, tok, prompt=ids, max_tokens=max_tokens, verbose=verbose,
+                        sampler=make_sampler(temp=temp, top_p=top_p))
 
 
 def check_model_dir(model_dir: str) -> Path:

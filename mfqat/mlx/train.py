@@ -21,7 +21,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from ..data import load_text, split_text, token_blocks
+from ..data import token_blocks
+from ..datasets import training_texts
 from ..eval.report import format_table, plot_curve
 from ..formats import canonical_name, get_format
 from ..progress import progress, quiet_dependency_logs
@@ -157,16 +158,17 @@ def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_laye
 def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="mlx-lm/HF dir or mfqat export (default: SmolLM2-135M)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="same as the positional model")
     p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
                    "mxint_468_cyclic, ...: see docs/recipes.md); default: joint mxint8/6/4 (mxint_joint)")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None)
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters instead of MF-QAT")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", "--iters", "--max-steps", dest="steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--lr", "--learning-rate", dest="lr", type=float, default=2e-5)
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint (model + optimizer) every N steps")
@@ -177,10 +179,11 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--cache-limit", type=float, default=None, metavar="GIB", help="mx.set_cache_limit (0: no cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
+    p.add_argument("--data", default=None, help="mlx-lm's data layout: a folder with train.jsonl [+ valid.jsonl] ('text', chat 'messages' or 'prompt'/'completion' records; see mfqat.datasets)")
     p.add_argument("--eval-formats", default="mxint8,mxint4", help="comma list evaluated at the end")
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--anchor-format", default=None, help="default: the QAT config's anchor_format")
-    p.add_argument("--out", default="runs/mlx")
+    p.add_argument("--out", "--save-path", "--output-dir", dest="out", default="runs/mlx")
     return p
 
 
@@ -192,9 +195,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(a.seed)
     limits = runtime.set_limits(a.memory_limit, a.cache_limit)
-    model, tok, src = load_for_training(a.model)
-    train_text, held_text = split_text(load_text(a.text))
+    model, tok, src = load_for_training(a.model or a.model_flag)
     htok = hf_tokenizer(tok)
+    train_text, held_text = training_texts(a.text, a.data, htok)
     train = token_blocks(htok, train_text, a.seq_len, max_blocks=a.steps * a.batch_size).numpy()
     held = mx.array(token_blocks(htok, held_text, a.seq_len, max_blocks=a.eval_blocks).numpy())
     cfg = None

@@ -1,0 +1,142 @@
+"""Up-front checks of the `mfqat` command line: user mistakes fail in a line, before any model loads.
+
+Each check raises :class:`UsageError`; mfqat.cli prints it as ``mfqat <cmd>: error: ...`` and exits 2.
+Only cheap checks live here (paths, names, flag combinations), so they import nothing heavy.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Iterable, Optional
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+BUILTIN_MODELS = ("smollm2", "tiny")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+class UsageError(ValueError):
+    """A mistake on the command line (exit status 2)."""
+
+
+def is_anchor(path: Optional[str]) -> bool:
+    """True when ``path`` is an mfqat anchor folder."""
+    return bool(path) and (Path(path) / "mfqat.json").is_file()
+
+
+def has_tokenizer(folder: str) -> bool:
+    """True when ``folder`` holds tokenizer files (what AutoTokenizer / mlx_lm.load read)."""
+    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def need_path(path: Optional[str], flag: str, what: str = "file or folder") -> None:
+    """``path`` (given with ``flag``) must exist."""
+    if path and not Path(path).exists():
+        raise UsageError(f"{flag} {path}: no such {what}")
+
+
+def need_model(path: Optional[str], flag: str) -> None:
+    """A model argument: a built-in name, an existing folder with config.json, or a .gguf file."""
+    if not path or path in BUILTIN_MODELS:
+        return
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return need_path(path, flag, ".gguf file")
+    if not p.is_dir():
+        if HUB_ID.fullmatch(path):
+            return  # a Hub id: transformers resolves it (from its cache when offline)
+        raise UsageError(f"{flag} {path}: no such model folder (give a local HF folder, an anchor, a .gguf file, "
+                         f"a Hub id or one of {', '.join(BUILTIN_MODELS)})")
+    if not (p / "config.json").is_file():
+        raise UsageError(f"{flag} {path}: not a model folder (no config.json)")
+
+
+def need_formats(names: Iterable[str], flag: str) -> None:
+    """Every name is a known element format."""
+    from .formats import ALIASES, known_formats
+
+    known = set(known_formats())
+    for n in names:
+        if n and n.lower() not in known and n.lower() not in ALIASES:
+            raise UsageError(f"{flag}: unknown format '{n}'; known formats: {', '.join(sorted(known))}")
+
+
+def need_tokenizer(model: str, tokenizer: Optional[str], cmd: str) -> None:
+    """An anchor without tokenizer files needs --tokenizer (a folder that has them)."""
+    if tokenizer:
+        need_path(tokenizer, "--tokenizer", "folder")
+        if not has_tokenizer(tokenizer):
+            raise UsageError(f"--tokenizer {tokenizer}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) there")
+    elif is_anchor(model) and not has_tokenizer(model):
+        raise UsageError(f"{model}: the anchor has no tokenizer (it was saved without one); pass --tokenizer DIR, a "
+                         f"folder with the model's tokenizer files, e.g. the model it was trained from")
+
+
+def positional_or_model(a: argparse.Namespace, dest: str, cmd: str) -> None:
+    """``mfqat CMD X`` or ``mfqat CMD --model X`` (mlx-lm's spelling): set ``a.<dest>``."""
+    pos, flag = getattr(a, dest), getattr(a, "model_flag", None)
+    if pos and flag and pos != flag:
+        raise UsageError(f"two models given ({pos} and --model {flag}); give one")
+    setattr(a, dest, pos or flag)
+    if not getattr(a, dest):
+        raise UsageError(f"the model is missing: mfqat {cmd} MODEL (or --model MODEL)")
+
+
+def check(cmd: str, a: argparse.Namespace) -> None:
+    """The up-front checks of one subcommand's parsed arguments."""
+    if cmd == "train":
+        need_model(a.model, "--model")
+        if a.text and a.dataset:
+            raise UsageError("give --text (plain text) or --dataset, not both")
+        need_path(a.text, "--text")
+        need_path(a.dataset, "--dataset")
+        need_path(a.resume, "--resume", "checkpoint folder")
+        need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
+        if a.anchor_format:
+            need_formats([a.anchor_format], "--anchor-format")
+    elif cmd == "mlx-train":
+        if a.model and a.model_flag and a.model != a.model_flag:
+            raise UsageError(f"two models given ({a.model} and --model {a.model_flag}); give one")
+        need_model(a.model or a.model_flag, "MODEL")
+        if a.text and getattr(a, "data", None):
+            raise UsageError("give --text (plain text) or --data (a folder with train.jsonl), not both")
+        need_path(a.text, "--text")
+        need_path(getattr(a, "data", None), "--data", "folder")
+        need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
+    elif cmd in ("convert", "export-mlx"):
+        positional_or_model(a, "anchor", cmd)
+        if cmd == "convert":
+            if not is_anchor(a.anchor):
+                raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); convert reads anchors")
+            need_formats([a.to or ""], "--to")
+        else:
+            need_model(a.anchor, "ANCHOR")
+            need_tokenizer(a.anchor, a.tokenizer, cmd)
+            if a.tokenizer and a.recipe.startswith("auto") and not has_tokenizer(a.anchor):
+                raise UsageError("--recipe auto:BPW calibrates with the anchor's own tokenizer; this anchor has "
+                                 "none: use uniform:FMT or seed with --tokenizer")
+            need_path(a.calib_text, "--calib-text")
+    elif cmd == "eval":
+        positional_or_model(a, "model", cmd)
+        need_model(a.model, "MODEL")
+        need_tokenizer(a.model, a.tokenizer, cmd)
+        need_formats(a.formats.split(","), "--formats")
+        need_path(a.text, "--text")
+        if a.compare and not (is_anchor(a.model) and a.fp_model):
+            raise UsageError("--compare: give an anchor and --fp-model (the full-precision model whose direct "
+                             "quantization is compared with Slice-and-Scale)")
+        need_model(a.fp_model, "--fp-model")
+    elif cmd in ("generate", "serve"):
+        positional_or_model(a, "model", cmd)
+        p = Path(a.model)
+        if not p.is_dir():
+            raise UsageError(f"model directory '{a.model}' does not exist (give a local MLX model directory, e.g. "
+                             "one written by mfqat export-mlx)")
+        if not (p / "config.json").is_file():
+            raise UsageError(f"'{a.model}' is not an MLX model directory: it has no config.json")
+        if is_anchor(a.model):
+            raise UsageError(f"{a.model} is an anchor (PyTorch); run it on MLX after `mfqat export-mlx {a.model} "
+                             "--out DIR`")
+        need_path(a.adapter_path, "--adapter-path", "folder")
+    elif cmd == "verify":
+        need_path(a.path, "PATH", "folder")

@@ -1,0 +1,105 @@
+"""What the `mfqat` subcommands convert, eval, export-mlx and verify do (argument parsing: mfqat.cli)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def convert(a: argparse.Namespace) -> None:
+    """Anchor -> a plain HF checkpoint holding the *dequantized* weights of one format."""
+    from transformers import AutoTokenizer
+
+    from .anchor import load_anchor
+    from .io import atomic_directory, write_json
+    from .manifest import seal
+    from .model_card import write_model_card
+
+    model = load_anchor(a.anchor, a.to)
+    with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
+        model.save_pretrained(tmp)
+        try:
+            AutoTokenizer.from_pretrained(a.anchor).save_pretrained(tmp)
+        except Exception:
+            print(f"[mfqat] {a.anchor}: no tokenizer saved with the anchor; wrote weights only")
+        fmt = model.mfqat_format
+        write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
+                         note=f"float32 weights that hold exactly the {fmt} values of the anchor (dequantized: "
+                              "as large as a full-precision checkpoint; `mfqat export-mlx` writes packed weights)")
+        marker = {"source": str(Path(a.anchor).absolute()), "format": fmt}
+        write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
+    print(f"wrote {a.out}: {model.mfqat_format} values as dequantized float32 weights (a plain from_pretrained "
+          "checkpoint, not smaller than full precision; for packed low-bit weights use mfqat export-mlx)")
+
+
+def verify(a: argparse.Namespace) -> None:
+    """Check every file of an anchor, MLX export or converted checkpoint against its manifest."""
+    from .anchor import META_FILE, read_anchor
+    from .manifest import verify_folder
+
+    path = Path(a.path)
+    for meta_name, what in ((META_FILE, "anchor"), ("mfqat_export.json", "MLX export"),
+                            ("mfqat_convert.json", "converted checkpoint")):
+        if (path / meta_name).is_file():
+            if what == "anchor":
+                read_anchor(path, verify=True)
+            meta = verify_folder(path, meta_name)
+            print(f"OK {path}: {what}, {len(meta['manifest']) + 1} files match the manifest")
+            return
+    raise ValueError(f"{path} is not an mfqat anchor, MLX export or converted checkpoint")
+
+
+def evaluate(a: argparse.Namespace) -> None:
+    """Perplexity table + PNG over formats, from an anchor (Slice-and-Scale) or a model (PTQ)."""
+    from .anchor import read_anchor
+    from .data import load_model, load_text, split_text, token_blocks
+    from .eval.elastic import anchor_state, evaluate_formats, ptq_state
+    from .eval.perplexity import perplexity
+    from .eval.report import format_table, plot_ppl_vs_bpw
+
+    formats = a.formats.split(",")
+    is_anchor = (Path(a.model) / "mfqat.json").is_file()
+    if is_anchor:
+        from transformers import AutoTokenizer
+
+        from .anchor import load_anchor
+        model, tok = load_anchor(a.model), AutoTokenizer.from_pretrained(a.tokenizer or a.model)
+    else:
+        model, tok = load_model(a.model)
+    text = load_text(a.text) if a.text else split_text(load_text(None))[1]
+    blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
+    base_ppl = perplexity(model, blocks, desc="ppl base")
+    if is_anchor:
+        anchor = read_anchor(a.model)
+        rows = evaluate_formats(model, {f: anchor_state(anchor, f) for f in formats}, blocks)
+    else:
+        rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
+    for r in rows:
+        r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
+    series = {"Slice-and-Scale from anchor" if is_anchor else "PTQ": [(r["bits/weight"], r["perplexity"], r["format"]) for r in rows]}
+    if a.compare:
+        fp_model, _ = load_model(a.fp_model)
+        direct = evaluate_formats(fp_model, {f: ptq_state(fp_model, f) for f in formats}, blocks)
+        for r, d in zip(rows, direct):
+            r["direct ppl"] = d["perplexity"]
+        series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]
+    print(f"base ({'anchor format' if is_anchor else 'full precision'}) perplexity: {base_ppl:.3f}")
+    cols = ["format", "bits/weight", "perplexity", "delta vs base"] + (["direct ppl"] if a.compare else [])
+    print(format_table(rows, cols))
+    png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl)
+    print(f"plot: {png}")
+
+
+def export(a: argparse.Namespace) -> None:
+    """Anchor (or HF model) -> MLX model directory."""
+    from .data import load_text
+    from .export import to_mlx
+
+    calib = load_text(a.calib_text) if a.calib_text else None
+    rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
+                 awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer)
+    v = rep.get("verify", {})
+    print(f"wrote {a.out}: recipe {a.recipe}, nominal {rep['bits_per_weight']:.3f} bits/weight, stored "
+          f"{rep['stored_bits_per_weight']:.3f} bits/weight on disk ({rep['stored_bits_per_weight_quantized']:.3f} "
+          f"for the quantized matrices, {rep['scale_dtype']} scales), "
+          f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
+          f"max |logit diff| {v.get('max_abs_logit_diff')}")

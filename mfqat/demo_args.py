@@ -1,0 +1,21 @@
+"""Command-line arguments of `mfqat demo` (kept apart from mfqat.demo so `--help` does not import torch)."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+DEMO_DOC = """The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune -> anchor -> elastic formats
+by Slice-and-Scale -> MLX exports that mlx_lm loads and generates from. Re-runs reuse finished
+stages (OUT/stages/*.json) unless --force."""
+
+
+def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    """The demo's flags, added to ``p`` (a new parser when None)."""
+    p = p or argparse.ArgumentParser(description=DEMO_DOC)
+    p.add_argument("--out", "--output-dir", dest="out", default="out/demo")
+    p.add_argument("--steps", type=int, default=40, help="joint MF-QAT steps (mxint8/6/4 in each: about 10 s a step on 2 cores)")
+    p.add_argument("--eval-blocks", type=int, default=24, help="held-out blocks of 128 tokens")
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--force", action="store_true", help="redo every stage")
+    p.add_argument("--skip-mlx", action="store_true")
+    return p
