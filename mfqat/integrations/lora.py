@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import tempfile
 from pathlib import Path
@@ -24,20 +23,7 @@ from torch import nn
 from ..formats import get_format
 from ..io import atomic_directory
 
-DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-BASES = ("fp", "nf4", "int8")
-
-
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    """The LoRA / QLoRA flags of `mfqat train`."""
-    g = p.add_argument_group("LoRA / QLoRA (peft, bitsandbytes)")
-    g.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank (0: off)")
-    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / rank)")
-    g.add_argument("--lora-dropout", type=float, default=0.0)
-    g.add_argument("--lora-targets", default=DEFAULT_TARGETS, help="comma list of module names to adapt")
-    g.add_argument("--base", default="fp", choices=BASES,
-                   help="frozen base under LoRA: fp, or bitsandbytes nf4 (double quant, bf16 compute) / "
-                        "int8 (LLM.int8, outlier threshold 6)")
+from .train_args import BASES, LORA_TARGETS as DEFAULT_TARGETS  # noqa: E402,F401 (the flags live with the parser)
 
 
 def check_lora_args(args, qat: bool) -> None:

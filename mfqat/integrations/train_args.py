@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from .lora import add_lora_args
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.integrations.lora reads these
 
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
@@ -75,3 +76,15 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
     p.add_argument("--dump-weights", default=None, help="(tests) write a per-rank weight checksum here")
     add_lora_args(p)
     return p
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """The LoRA / QLoRA flags of `mfqat train`."""
+    g = p.add_argument_group("LoRA / QLoRA (peft, bitsandbytes)")
+    g.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank (0: off)")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / rank)")
+    g.add_argument("--lora-dropout", type=float, default=0.0)
+    g.add_argument("--lora-targets", default=LORA_TARGETS, help="comma list of module names to adapt")
+    g.add_argument("--base", default="fp", choices=BASES,
+                   help="frozen base under LoRA: fp, or bitsandbytes nf4 (double quant, bf16 compute) / "
+                        "int8 (LLM.int8, outlier threshold 6)")
