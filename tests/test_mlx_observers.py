@@ -43,6 +43,17 @@ def test_mlx_observer_matches_pytorch_bit_exactly_step_by_step():
     assert t.clip_rate() == m.clip_rate() > 0
 
 
+def test_mlx_rounds_ties_to_even_as_pytorch():
+    """a_c = 127 gives a step of 1: x = k + 0.5 are exact ties (round half to even on both)."""
+    t, m = TorchObserver(64, window=1).train(), WindowMinMaxObserver(64, window=1)
+    m.train()
+    t(torch.full((1, 64), 127.0)), m(mx.full((1, 64), 127.0))
+    t.eval(), m.eval()
+    x = torch.arange(-32, 32, dtype=torch.float32).reshape(1, 64) + 0.5
+    a, b = t(x).numpy(), np.array(m(mx.array(x.numpy())))
+    assert a.tobytes() == b.tobytes() and a[0, 32] == 0.0 and a[0, 33] == 2.0
+
+
 def test_mlx_linear_with_observer_equals_pytorch_for_the_same_window():
     """PyTorch and MLX MFQATLinear (mxint4 weight + observer) on the same weight and window: the
     quantized activations are bit-exact; the matmul output within 1e-5 relative (the two
