@@ -101,3 +101,16 @@ def test_joint_step_fills_the_window_once_per_format_and_trains():
     assert observers and all(o.filled == 2 * len(cfg.formats) for o in observers)
     assert all(p.grad is not None for n, p in model.named_parameters() if "proj" in n)
     assert 0 <= mfqat.qat.mean_clip_rate(model) <= 1
+
+
+def test_train_loop_reports_the_clip_rate_and_saves_a_plain_anchor(tmp_path):
+    from mfqat.integrations.train_loop import main as train_main
+    cfg = tmp_path / "obs.yaml"
+    cfg.write_text("qat:\n  formats: [mxint8, mxint4]\n  schedule: joint\n  activation_observer: window_minmax\n"
+                   "  observer_window: 4\n")
+    common = ["--model", "tiny", "--steps", "3", "--seq-len", "32", "--qat-config", str(cfg)]
+    summary = train_main(common + ["--out", str(tmp_path / "run")])
+    assert 0 <= summary["activation_clip_rate"] <= 1
+    mfqat.load_anchor(tmp_path / "run" / "anchor", "mxint4")  # the window is not part of the anchor
+    with pytest.raises(SystemExit, match="gradient-checkpointing"):
+        train_main(common + ["--out", str(tmp_path / "gc"), "--gradient-checkpointing"])
