@@ -96,3 +96,19 @@ def test_mlx_training_steps_fill_the_window_and_report_clip_rates():
     assert all(len(o._mins) == 2 for _, o in model.named_modules() if isinstance(o, WindowMinMaxObserver))
     rates = clip_rates(model)
     assert set(rates) == {"layers.0", "layers.1"} and all(0 <= r <= 1 for r in rates.values())
+
+
+def test_mlx_train_cli_reports_the_clip_rate(tmp_path):
+    from mfqat.data import tiny_llama, tiny_tokenizer
+    from mfqat.mlx.train import main as mlx_train
+    tok = tiny_tokenizer()
+    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(tmp_path / "tiny", safe_serialization=True)
+    tok.save_pretrained(tmp_path / "tiny")
+    cfg = tmp_path / "obs.yaml"
+    cfg.write_text("qat:\n  formats: [mxint8, mxint4]\n  activation_observer: window_minmax\n  observer_window: 4\n")
+    common = [str(tmp_path / "tiny"), "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "1",
+              "--qat-config", str(cfg), "--eval-formats", "mxint4"]
+    summary = mlx_train(common + ["--out", str(tmp_path / "run")])
+    assert 0 <= summary["activation_clip_rate"] <= 1 and len(summary["losses"]) == 2
+    with pytest.raises(SystemExit, match="grad-checkpoint"):
+        mlx_train(common + ["--out", str(tmp_path / "gc"), "--grad-checkpoint"])
