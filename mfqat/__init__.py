@@ -12,7 +12,7 @@ _PUBLIC = {
     ".formats": ["ALIASES", "FORMATS", "ElementFormat", "get_format", "known_formats"],
     ".quant": ["MXTensor", "dequantize", "fake_quantize", "quantize"],
     ".slice": ["slice_and_scale"],
-    ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare"],
+    ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare", "clip_rates"],
     ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
     ".mxqlora": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
@@ -24,7 +24,7 @@ __all__ = [
     "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
     "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter",
-    "register_hf_quantizer",
+    "register_hf_quantizer", "clip_rates",
 ]
 
 

@@ -30,6 +30,7 @@ from ..formats import canonical_name, get_format
 from ..io import atomic_directory
 from ..qat.config import QATConfig
 from ..qat.joint import joint_backward, token_kl, weighted_loss
+from ..qat.observers import mean_clip_rate
 from .lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
 from .optim import make_optimizer
 from .train_args import build_parser
@@ -187,6 +188,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                          "--lora-rank and --no-qat merge the adapter first (or train with MF-QAT)")
     model = lora if lora is not None else model
     anchor_format = args.anchor_format or (cfg.anchor_format if cfg else None) or "mxint8"
+    if args.gradient_checkpointing and cfg is not None and cfg.activation_observer:
+        raise SystemExit("mfqat train: --gradient-checkpointing reruns each forward in backward, which would "
+                         "enter the activation observer's window twice; drop one of the two")
     if args.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -261,6 +265,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     summary = {"steps": args.steps, "train_seconds": train_s, "final_loss": losses[-1] if losses else None,
                "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib(),
                "optimizer": type(getattr(opt, "optimizer", opt)).__name__}  # the class behind accelerate's wrapper
+    if cfg is not None and cfg.activation_observer:  # mean over layers of the clipped fraction of inputs
+        summary["activation_clip_rate"] = mean_clip_rate(base)
     if gc:
         summary["grad_compress"] = {"format": gc.fmt, "error_feedback": gc.error_feedback,
                                     "bytes_sent_per_step": grad_bytes}

@@ -15,6 +15,7 @@ from mlx.utils import tree_unflatten
 from ..formats import canonical_name
 from ..qat.config import QATConfig
 from ..qat.schedules import Schedule
+from .observers import WindowMinMaxObserver
 from .quant import fake_quantize
 
 
@@ -60,6 +61,8 @@ class MFQATLinear(nn.Module):
         return w if self.fmt == self.anchor_format else fake_quantize(w, self.fmt, self.block_size, "floor")
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.fmt is not None and "act_observer" in self:  # static activation observer (.observers)
+            x = self.act_observer(x)
         w = self.quantized_weight()
         if "bias" in self:
             return mx.addmm(self["bias"], x, w.T)
@@ -105,7 +108,8 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
 
     Same rules as :func:`mfqat.prepare`: layers whose input width is not a multiple of the block
     size are skipped with a warning naming them; targets that match nothing raise. Weight-only:
-    activation and embedding fake-quant are PyTorch-side features and are refused here.
+    the dynamic MX activation and embedding fake-quant are PyTorch-side features and are refused
+    here; the static ``activation_observer`` is supported (:mod:`mfqat.mlx.observers`).
     """
     config = config or QATConfig()
     if config.quantize_activations or config.quantize_embeddings:
@@ -124,7 +128,10 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
             skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
             continue
         anchor = config.anchor_format if config.through_anchor else None
-        swaps.append((name, MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor)))
+        layer = MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor)
+        if config.activation_observer:
+            layer.act_observer = WindowMinMaxObserver(width, config.observer_window)
+        swaps.append((name, layer))
         schedules[name] = config.schedule_for(name)
     if skipped:
         warnings.warn("mfqat.mlx.prepare skipped layers (kept full precision): " + ", ".join(skipped))

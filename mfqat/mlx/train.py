@@ -29,6 +29,7 @@ from ..progress import progress, quiet_dependency_logs
 from ..qat.config import QATConfig
 from .models import hf_tokenizer, load_for_training
 from . import runtime
+from .observers import clip_rates
 from .qat import prepare, set_format
 
 
@@ -211,6 +212,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
             data["schedule"] = a.schedule
         cfg = QATConfig(**data)
         prepare(model, cfg)
+    if a.grad_checkpoint and cfg is not None and cfg.activation_observer:
+        raise SystemExit("mfqat mlx-train: --grad-checkpoint reruns each forward in backward, which would enter "
+                         "the activation observer's window twice; drop one of the two")
     checkpointed = runtime.checkpoint_layers(model) if a.grad_checkpoint else 0
     opt, start = make_optimizer(a.lr, a.weight_decay), 0
     if a.resume:
@@ -231,6 +235,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     summary = {"source": str(src), "steps": a.steps, "start_step": start, "train_seconds": train_s,
                "seconds_per_step": train_s / max(1, a.steps - start), "final_loss": losses[-1] if losses else None,
                "losses": losses, "grad_checkpoint_blocks": checkpointed, **mem}
+    if cfg is not None and cfg.activation_observer:  # mean over layers of the clipped fraction of inputs
+        rates = clip_rates(model)
+        summary["activation_clip_rate"] = sum(rates.values()) / max(1, len(rates))
     rows = []
     if cfg is not None:
         for f in [canonical_name(x) for x in a.eval_formats.split(",") if x]:

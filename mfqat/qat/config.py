@@ -105,6 +105,24 @@ def _check_mx_format(field_name: str, value: Any, block_size: int) -> None:
         _fail("block_size", f"{block_size} is not allowed for '{fmt.name}'; allowed: {list(fmt.block_sizes)}")
 
 
+OBSERVERS = ("window_minmax",)
+
+
+def _check_observer(kind: Any, window: Any, quantize_activations: bool) -> None:
+    """activation_observer: None or a known observer, with a window >= 1, not with quantize_activations."""
+    _check_type("observer_window", window, (int,), "an int")
+    if window < 1:
+        _fail("observer_window", f"must be >= 1, got {window}")
+    if kind is None:
+        return
+    _check_type("activation_observer", kind, (str,), "an observer name or null")
+    if kind not in OBSERVERS:
+        _fail("activation_observer", f"unknown observer '{kind}'; choose one of {list(OBSERVERS)} or null")
+    if quantize_activations is True:
+        _fail("activation_observer", "static observers replace the dynamic MX activation fake quant; "
+                                     "set quantize_activations: false, or activation_observer: null")
+
+
 def _patterns(p: Union[str, List[str], None]) -> List[re.Pattern]:
     if p is None:
         return []
@@ -133,6 +151,14 @@ class QATConfig:
         exclude: regex (or list) of names never quantized.
         quantize_embeddings: also fake-quantize nn.Embedding weights (blocks along hidden).
         quantize_activations / activation_format: MX fake-quant of Linear inputs (reduction axis).
+        activation_observer: None (default) | "window_minmax": static fake quant of each Linear's
+            input x to symmetric int8 per input channel c from the range seen over the last
+            ``observer_window`` training forwards: a_c = max_window max(-min_c, max_c),
+            q = round_half_even(clamp(x, -a_c, a_c) / (a_c / 127)) * (a_c / 127); clipped
+            elements get no gradient; ``mfqat.clip_rates(model)`` gives each layer's clip rate
+            (mfqat/qat/observers.py). Applied while a weight format is active, as activation_format;
+            exclusive with quantize_activations. The window is not in the state_dict.
+        observer_window: the window length in training forwards (joint: one per format).
         scale_rule: floor (OCP) or ceil.
         seed: for the random schedule.
         repeats: ramps of the progressive schedule.
@@ -165,6 +191,8 @@ class QATConfig:
     quantize_embeddings: bool = False
     quantize_activations: bool = False
     activation_format: Optional[str] = None
+    activation_observer: Optional[str] = None
+    observer_window: int = 64
     scale_rule: str = "floor"
     seed: int = 0
     repeats: int = 1
@@ -266,6 +294,7 @@ class QATConfig:
             _check_type(flag, getattr(self, flag), (bool,), "true or false")
         if self.activation_format is not None:
             _check_mx_format("activation_format", self.activation_format, self.block_size)
+        _check_observer(self.activation_observer, self.observer_window, self.quantize_activations)
         _check_type("scale_rule", self.scale_rule, (str,), "a scale rule name")
         if self.scale_rule not in SCALE_RULES:
             _fail("scale_rule", f"unknown scale rule '{self.scale_rule}'; choose one of {SCALE_RULES}")

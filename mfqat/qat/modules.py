@@ -126,6 +126,9 @@ class MFQATLinear(nn.Linear, MFQATMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_format is not None and self.fmt is not None:
             x = fake_quantize(x, self.activation_format, self.block_size, self.scale_rule)
+        observer = self._modules.get("act_observer")  # static activation observer (mfqat.qat.observers)
+        if observer is not None and self.fmt is not None:
+            x = observer(x)
         if self.fmt is not None and not self.mask_saturated and torch.is_grad_enabled() and self.weight.requires_grad:
             return _RecomputedQuantLinear.apply(x, self.weight, self.bias, self)
         w = self.quantized_weight()

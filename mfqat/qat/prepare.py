@@ -10,6 +10,7 @@ from torch import nn
 from ..formats import canonical_name
 from .config import QATConfig
 from .modules import MFQATEmbedding, MFQATLinear, MFQATMixin
+from .observers import make_observer
 from .schedules import Schedule
 
 
@@ -115,6 +116,9 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
                if is_linear else
                MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated, anchor))
         new.affine_group_size = config.affine_group_size
+        if is_linear and config.activation_observer:
+            new.act_observer = make_observer(config.activation_observer, width, config.observer_window,
+                                             m.weight.device)
         _set_submodule(model, name, new)
         schedules[name] = config.schedule_for(name)
     _wrap_tied_output(model, config, schedules)
