@@ -11,11 +11,11 @@ the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max 
 producer's output channels divided by ``s``, so the full-precision model computes the same function
 (up to float rounding; tested) while the salient input channels get more of the quantization grid.
 ``importance`` is the mean squared activation per input channel on calibration text (the
-"imatrix", computed here with forward hooks; llama.cpp imatrix files are not read).
+"imatrix", computed here with forward hooks, or read from a llama.cpp imatrix GGUF: mfqat.export.imatrix).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -39,8 +39,10 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
     return list(layers)
 
 
-def importance_matrix(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> Dict[str, torch.Tensor]:
-    """Mean squared input activation per channel for every nn.Linear (name -> (in_features,))."""
+def activation_sums(model: nn.Module, blocks: torch.Tensor,
+                    batch_size: int = 4) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
+    """Per nn.Linear: the sum over tokens of the squared input activation (float32) and the token count
+    (llama.cpp's ``in_sum2`` and ``counts``)."""
     sums: Dict[str, torch.Tensor] = {}
     counts: Dict[str, int] = {}
     hooks = []
@@ -62,6 +64,12 @@ def importance_matrix(model: nn.Module, blocks: torch.Tensor, batch_size: int = 
     finally:
         for h in hooks:
             h.remove()
+    return sums, counts
+
+
+def importance_matrix(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> Dict[str, torch.Tensor]:
+    """Mean squared input activation per channel for every nn.Linear (name -> (in_features,))."""
+    sums, counts = activation_sums(model, blocks, batch_size)
     return {k: sums[k] / counts[k] for k in sums}
 
 
@@ -78,25 +86,42 @@ def _scale_producer(producer: nn.Module, s: torch.Tensor) -> None:
         producer.bias.data.div_(s.to(producer.bias.dtype))
 
 
-def apply_awq(model: nn.Module, blocks: torch.Tensor, alpha: float = 0.5) -> Dict[str, dict]:
-    """Fold AWQ scales into the model in place; returns per-group statistics (min/max of s)."""
-    imatrix = importance_matrix(model, blocks)
+def awq_pairs(model: nn.Module) -> List[Tuple[str, List[str]]]:
+    """The (producer, consumers) module names AWQ rescales; pairs whose widths differ are skipped."""
     names = {id(m): n for n, m in model.named_modules()}
-    stats: Dict[str, dict] = {}
+    pairs = []
     for layer in decoder_layers(model):
         for producer_name, consumer_names in GROUPS:
             producer = layer.get_submodule(producer_name)
             consumers = [layer.get_submodule(c) for c in consumer_names]
-            width = producer.weight.shape[0]
-            if any(c.in_features != width for c in consumers):
+            if any(c.in_features != producer.weight.shape[0] for c in consumers):
                 continue  # e.g. v_proj -> o_proj under grouped-query attention
-            imp = imatrix[names[id(consumers[0])]]
-            s = awq_scales(imp, alpha)
-            with torch.no_grad():
-                _scale_producer(producer, s)
-                for c in consumers:
-                    c.weight.data.mul_(s.view(1, -1).to(c.weight.dtype))
-            stats[f"{names[id(producer)]} -> {consumer_names}"] = {"s_min": s.min().item(), "s_max": s.max().item()}
-    if not stats:
+            pairs.append((names[id(producer)], [names[id(c)] for c in consumers]))
+    if not pairs:
         raise ValueError("AWQ: no producer -> consumer pair found to scale")
+    return pairs
+
+
+def apply_awq(model: nn.Module, blocks: Optional[torch.Tensor], alpha: float = 0.5,
+              imatrix: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, dict]:
+    """Fold AWQ scales into the model in place; returns per-group statistics (min/max of s).
+
+    ``imatrix``: module name -> importance (e.g. from a llama.cpp GGUF, mfqat.export.imatrix); when
+    given, ``blocks`` is not used and no calibration forward pass runs."""
+    pairs = awq_pairs(model)
+    if imatrix is None:
+        if blocks is None:
+            raise ValueError("AWQ: pass calibration blocks or an importance matrix")
+        imatrix = importance_matrix(model, blocks)
+    stats: Dict[str, dict] = {}
+    for producer_name, consumer_names in pairs:
+        producer = model.get_submodule(producer_name)
+        consumers = [model.get_submodule(c) for c in consumer_names]
+        s = awq_scales(imatrix[consumer_names[0]], alpha)
+        with torch.no_grad():
+            _scale_producer(producer, s)
+            for c in consumers:
+                c.weight.data.mul_(s.view(1, -1).to(c.weight.dtype))
+        short = [c.split(".", 3)[-1] for c in consumer_names]  # as before: names relative to the layer
+        stats[f"{producer_name} -> {short}"] = {"s_min": s.min().item(), "s_max": s.max().item()}
     return stats

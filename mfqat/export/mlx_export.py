@@ -140,7 +140,8 @@ def plan_from_report(report: dict) -> Plan:
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
-           group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None) -> dict:
+           group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
+           imatrix_path: Optional[str] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -151,6 +152,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     The PTQ path's temporary anchor lives inside the partial output, so a killed export leaves
     nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
     folder whose tokenizer files are copied instead of the source's (for an anchor saved without one).
+    ``imatrix_path``: with ``awq``, a llama.cpp imatrix GGUF used instead of calibrating on ``calib_text``.
     Returns the report.
     """
     import time
@@ -161,10 +163,13 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     if awq and is_anchor:
         raise ValueError(f"{source}: AWQ is a post-training step; pass the full-precision model, not an anchor "
                          "(rescaling an anchor would re-quantize the codes MF-QAT trained)")
+    if imatrix_path is not None and not awq:
+        raise ValueError(f"{imatrix_path}: an imatrix is only used by AWQ; add --awq (awq=True) or drop it")
     report = {"source": str(source), "recipe": recipe, "tensors": {}}
     with atomic_directory(out_dir, overwrite=overwrite, kind="mlx-export", protect=[src]) as tmp:
         if not is_anchor:
-            src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe))
+            src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe),
+                              imatrix_path)
         anchor = read_anchor(src)
         tok_dir = Path(tokenizer) if tokenizer else src
         if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -197,14 +202,21 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
 
 
 def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report: dict,
-                fmt: str = "mxint8") -> Path:
-    """Quantize a plain HF model (AWQ first when asked) to an anchor in ``fmt`` at ``dest``."""
+                fmt: str = "mxint8", imatrix_path: Optional[str] = None) -> Path:
+    """Quantize a plain HF model (AWQ first when asked, from ``imatrix_path`` if given) to an anchor in
+    ``fmt`` at ``dest``."""
     from ..data import calibration_blocks, load_model
 
     model, tok = load_model(str(source))
     if awq:
-        from .awq import apply_awq
-        report["awq"] = apply_awq(model, calibration_blocks(tok, calib_text))
+        from .awq import apply_awq, awq_pairs
+        if imatrix_path is not None:
+            from .imatrix import imatrix_for_model
+            imatrix = imatrix_for_model(model, imatrix_path, [c[0] for _, c in awq_pairs(model)])
+            report["awq"] = apply_awq(model, None, imatrix=imatrix)
+            report["imatrix"] = str(imatrix_path)
+        else:
+            report["awq"] = apply_awq(model, calibration_blocks(tok, calib_text))
     return save_anchor(model, dest, fmt, tok)
 
 
