@@ -21,7 +21,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from ..manifest import seal
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
 from .recipes import AFFINE_BITS, Plan, build_plan, mlx_storage, ptq_anchor_format
+from .mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from .storage import anchor_parameters, resolve_scale_dtype, stored_size
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
@@ -218,43 +219,6 @@ def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report
         else:
             report["awq"] = apply_awq(model, calibration_blocks(tok, calib_text))
     return save_anchor(model, dest, fmt, tok)
-
-
-def save_sharded(arrays: Dict[str, "mx.array"], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> List[str]:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json (the HF
-    layout, which mlx_lm.load reads) when the weights exceed ``max_shard_bytes``."""
-    import mlx.core as mx
-
-    shards: List[Dict[str, "mx.array"]] = [{}]
-    size = 0
-    for name in sorted(arrays):
-        nbytes = arrays[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arrays[name]
-        size += nbytes
-    if len(shards) == 1:
-        mx.save_safetensors(str(folder / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-        return ["model.safetensors"]
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(files, shards):
-        mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
-        weight_map.update({k: fname for k in shard})
-    write_json(folder / "model.safetensors.index.json",
-               {"metadata": {"total_size": sum(a.nbytes for a in arrays.values())}, "weight_map": weight_map})
-    return files
-
-
-def load_weights(folder: Path) -> Dict[str, "mx.array"]:
-    """Every tensor of an export (one file or shards)."""
-    import mlx.core as mx
-
-    weights: Dict[str, "mx.array"] = {}
-    for f in sorted(folder.glob("model*.safetensors")):
-        weights.update(mx.load(str(f)))
-    return weights
 
 
 def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, report: dict,
