@@ -102,8 +102,10 @@ def mlx_lm_convert(master: Path, dest: Path, opts: dict) -> None:
 
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
+    """``RECIPE[@gN]``: @gN sets the group of derived affine formats (default 64)."""
+    recipe, _, group = recipe.partition("@g")
     if not (dest / "mfqat_export.json").is_file():
-        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True)
+        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64))
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,
@@ -116,7 +118,7 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
     for method, name, make in jobs:
         key = f"{run.name}|{method}|{name}"
         if key not in cache:
-            dest = out / run.name / f"{method}-{name.replace(' ', '_').replace(':', '_')}"
+            dest = out / run.name / f"{method}-{name.replace(' ', '_').replace(':', '_').replace('@', '_')}"
             print(f"[pareto] {key}")
             make(dest)
             row = {"run": run.name, "method": method, "option": name, "stored bits/w": stored_bpw(dest, n_params),
@@ -145,7 +147,8 @@ def verdict(rows: List[dict], text: str) -> List[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", required=True, help="RUN_DIR:RECIPE,RECIPE,... (repeatable)")
+    p.add_argument("--run", action="append", required=True,
+                   help="RUN_DIR:RECIPE,RECIPE,... (repeatable); RECIPE@g32 exports derived affine formats in groups of 32")
     p.add_argument("--blocks", type=int, default=8, help="held-out blocks of --seq-len tokens per text")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--out", default="out/pareto")

@@ -87,3 +87,21 @@ def test_grad_clip_and_weight_decay_take_effect(tiny_dir):
     k = "model.layers.0.mlp.up_proj.weight"
     assert not np.array_equal(np.array(base[k]), np.array(clipped[k]))
     assert np.abs(np.array(decayed[k])).sum() < np.abs(np.array(base[k])).sum()
+
+
+def test_lora_alpha_targets_layers_reach_the_adapters_and_mlx_lm_loads_them(tiny_dir, tmp_path):
+    from mlx_lm.utils import load_adapters
+
+    s = _run(tiny_dir, tmp_path / "lora", "--lora-rank", "4", "--lora-alpha", "8", "--lora-layers", "1",
+             "--lora-targets", "self_attn.q_proj,mlp.down_proj")
+    cfg = json.loads((tmp_path / "lora" / "adapters" / "adapter_config.json").read_text())
+    assert cfg["num_layers"] == 1 and cfg["lora_parameters"]["scale"] == 2.0  # alpha / rank
+    assert cfg["lora_parameters"]["keys"] == ["self_attn.q_proj", "mlp.down_proj"]
+    trained = mx.load(str(tmp_path / "lora" / "adapters" / "adapters.safetensors"))
+    last = len(load_for_training(str(tiny_dir))[0].layers) - 1
+    assert trained and all(k.startswith(f"model.layers.{last}.") and ("q_proj" in k or "down_proj" in k)
+                           for k in trained), sorted(trained)
+    model, _, _ = load_for_training(str(tiny_dir))
+    load_adapters(model, str(tmp_path / "lora" / "adapters"))  # mlx-lm's own loader takes the config
+    got = [k for k, _ in tree_flatten(model.parameters()) if ".lora_" in k]
+    assert sorted(got) == sorted(trained) and s["adapters"]

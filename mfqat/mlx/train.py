@@ -136,23 +136,38 @@ def batches_from(blocks: np.ndarray, batch_size: int, seed: int) -> Iterable[mx.
             yield mx.array(blocks[order[i:i + batch_size]])
 
 
-def apply_lora(model: nn.Module, rank: int = 8, scale: float = 20.0, num_layers: int = -1) -> nn.Module:
-    """Freeze the model and add mlx-lm LoRA adapters (QLoRA on quantized layers)."""
+def lora_config(rank: int, scale: float = 20.0, keys: Optional[List[str]] = None) -> dict:
+    """mlx-lm's ``lora_parameters`` (it takes ``scale``; peft's ``alpha`` is ``scale * rank``)."""
+    cfg = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys:
+        cfg["keys"] = list(keys)
+    return cfg
+
+
+def apply_lora(model: nn.Module, rank: int = 8, scale: float = 20.0, num_layers: int = -1,
+               keys: Optional[List[str]] = None) -> nn.Module:
+    """Freeze the model and add mlx-lm LoRA adapters (QLoRA on quantized layers) to the last
+    ``num_layers`` blocks (-1: all), on the modules named by ``keys`` (e.g. "self_attn.q_proj";
+    None: mlx-lm's default, every Linear)."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model.freeze()
     n = len(model.layers) if num_layers < 0 else num_layers
-    linear_to_lora_layers(model, n, {"rank": rank, "scale": scale, "dropout": 0.0})
+    linear_to_lora_layers(model, n, lora_config(rank, scale, keys))
+    if not model.trainable_parameters() or not tree_flatten(model.trainable_parameters()):
+        raise ValueError(f"--lora-targets {keys} matched no module of the model; use paths inside a block, "
+                         "e.g. self_attn.q_proj,mlp.down_proj")
     return model
 
 
-def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_layers: int) -> Path:
+def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_layers: int,
+                  keys: Optional[List[str]] = None) -> Path:
     """adapters.safetensors + adapter_config.json in mlx-lm's layout (``--adapter-path`` loads it)."""
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     (out / "adapter_config.json").write_text(json.dumps({
         "fine_tune_type": "lora", "num_layers": num_layers,
-        "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0}}, indent=2))
+        "lora_parameters": lora_config(rank, scale, keys)}, indent=2))
     return out
 
 
@@ -166,6 +181,12 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--schedule", default=None)
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters instead of MF-QAT")
+    p.add_argument("--lora-alpha", type=float, default=None,
+                   help="peft-style alpha: scale = alpha / rank (default: mlx-lm's scale 20)")
+    p.add_argument("--lora-targets", default=None,
+                   help="comma list of module paths inside a block (e.g. self_attn.q_proj,self_attn.v_proj); "
+                        "default: every Linear")
+    p.add_argument("--lora-layers", type=int, default=-1, help="adapt the last N blocks (-1: all)")
     p.add_argument("--steps", "--iters", "--max-steps", dest="steps", type=int, default=60)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -202,8 +223,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     train = token_blocks(htok, train_text, a.seq_len, max_blocks=a.steps * a.batch_size).numpy()
     held = mx.array(token_blocks(htok, held_text, a.seq_len, max_blocks=a.eval_blocks).numpy())
     cfg = None
+    lora_scale = a.lora_alpha / a.lora_rank if (a.lora_alpha is not None and a.lora_rank) else 20.0
+    lora_keys = [k for k in (a.lora_targets or "").split(",") if k] or None
+    lora_layers = len(model.layers) if a.lora_layers < 0 else a.lora_layers
     if a.lora_rank:
-        apply_lora(model, a.lora_rank)
+        apply_lora(model, a.lora_rank, lora_scale, lora_layers, lora_keys)
     elif not a.no_qat:
         data = QATConfig.read_yaml(a.qat_config) if a.qat_config else {}
         if a.formats:
@@ -248,7 +272,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     rows.append({"format": "fp (master)" if not a.lora_rank else "lora", "bits/weight": float("nan"),
                  "perplexity": perplexity(model, held, desc="eval")})
     if a.lora_rank:
-        save_adapters(model, out / "adapters", a.lora_rank, 20.0, len(model.layers))
+        save_adapters(model, out / "adapters", a.lora_rank, lora_scale, lora_layers, lora_keys)
         summary["adapters"] = str(out / "adapters")
     elif cfg is not None:
         from .anchor import save_anchor
