@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..anchor import MAX_SHARD_BYTES, Anchor, AnchorError, read_anchor, save_anchor
-from ..derive import DERIVED_GROUP_SIZE
+from ..derive import DERIVED_GROUP_SIZE, is_derived
 from ..formats import get_format
 from ..io import atomic_directory, write_json
 from ..model_card import write_model_card
@@ -129,7 +129,7 @@ def plan_from_report(report: dict) -> Plan:
     for name, t in report["tensors"].items():
         if "origin" in t:
             plan.formats[name], plan.origin[name] = t["source"], t["origin"]
-            if get_format(t["source"]).family == "affine" and "group_size" in t:
+            if is_derived(t["source"]) and "group_size" in t:
                 plan.derived_group = t["group_size"]
             elif "group_size" in t:
                 plan.group_size = t["group_size"]
@@ -182,7 +182,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
-        if all(get_format(f).family == "affine" for f in plan.formats.values()):
+        if all(is_derived(f) for f in plan.formats.values()):
             report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
         _write(anchor, plan, anchor.config, tok_dir, tmp, report, scale_dtype,
                max_shard_bytes)
@@ -239,7 +239,7 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
             arrays[name] = mx.array(st.weight).astype(mx.bfloat16)
         else:
             arrays[name] = mx.array(st.weight)
-            derived = get_format(plan.formats[name]).family == "affine"  # made with bfloat16 scales
+            derived = is_derived(plan.formats[name])  # made with bfloat16 scales
             cast = mx.bfloat16 if (st.mode == "affine" and (scale_dtype == "bfloat16" or derived)) else None
             arrays[f"{module}.scales"] = mx.array(st.scales) if cast is None else mx.array(st.scales).astype(cast)
             if st.biases is not None:

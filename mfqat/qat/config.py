@@ -11,7 +11,7 @@ import yaml
 
 import math
 
-from ..derive import DERIVED_GROUP_SIZE, check_reachable
+from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
 from ..formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
 from ..quant.reference import SCALE_RULES
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
@@ -79,17 +79,16 @@ def _check_mx_formats(field_name: str, value: Any, block_size: int) -> None:
         _check_mx_format(field_name, f, block_size)
 
 
+AFFINE_NAMES = tuple(f"affine{k}" for k in range(2, 9))  # the derived formats a QATConfig may train
+
+
 def _check_qat_formats(field_name: str, value: Any, block_size: int) -> None:
     """Like _check_mx_formats, but the derived affine formats (affine2..8, mfqat.derive) may join."""
     if isinstance(value, (list, tuple)) and value:
-        value = [f for f in value if not (isinstance(f, str) and f.lower() in _affine_names())]
+        value = [f for f in value if not (isinstance(f, str) and f.lower() in AFFINE_NAMES)]
         if not value:
             return
     _check_mx_formats(field_name, value, block_size)
-
-
-def _affine_names() -> List[str]:
-    return [f"affine{k}" for k in range(2, 9)]
 
 
 def _check_mx_format(field_name: str, value: Any, block_size: int) -> None:
@@ -244,7 +243,7 @@ class QATConfig:
     def group_multiple(self) -> int:
         """What a layer's width must be a multiple of: the MX block size, and the affine group
         size when a derived affine format is trained."""
-        if any(get_format(f).family == "affine" for f in self.formats):
+        if any(is_derived(f) for f in self.formats):
             return self.block_size * self.affine_group_size // math.gcd(self.block_size, self.affine_group_size)
         return self.block_size
 
