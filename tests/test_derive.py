@@ -83,8 +83,35 @@ def test_seed_affine_plan_and_refusals(trained, tmp_path):
     rep = to_mlx(anchor, tmp_path / "seed", recipe="seed:affine", verify=False)
     src = {n: t["source"] for n, t in rep["tensors"].items() if "source" in t}
     assert any(s == "affine4" for s in src.values()) and any("o_proj" in n and s == "affine8" for n, s in src.items())
-    with pytest.raises(ValueError, match="auto:BPW plans MX formats only"):
-        to_mlx(anchor, tmp_path / "auto", recipe="auto:4.5:affine")
     with pytest.raises(ValueError, match="affine_group_size"):
         QATConfig(formats=["mxint8", "affine4"], affine_group_size=48)
+    with pytest.raises(ValueError, match="below the smallest plan"):
+        to_mlx(anchor, tmp_path / "auto", recipe="auto:2.4:affine", calib_text="def f(x): return x\n" * 200)
     assert not (tmp_path / "auto").exists()
+
+
+def test_auto_affine_mixes_widths_within_the_budget_in_mlx_lm_bytes(trained, tmp_path):
+    """auto:BPW:affine counts the bf16 scale and bias of every 64-group: a 4.75 budget holds a mix of
+    affine widths whose files are no bigger than mlx_lm.convert's at 4.75 bits, and MLX loads it."""
+    _, anchor, ids = trained
+    out = tmp_path / "auto"
+    rep = to_mlx(anchor, out, recipe="auto:4.75:affine", calib_text="def f(x):\n    return x + 1\n" * 300)
+    chosen = {t["source"] for t in rep["tensors"].values() if "source" in t}
+    assert len(chosen) > 1 and all(f.startswith("affine") for f in chosen), chosen
+    assert rep["bits_per_weight"] <= 4.75 and rep["verify"]["weights_bit_exact"]
+    sens = json.loads((out / "sensitivity.json").read_text())
+    assert sens["group_size"] == 64 and sens["probe_format"] == "affine3"
+    w = load_weights(out)
+    cfg = json.loads((out / "config.json").read_text())["quantization"]
+    per_module = {k: v for k, v in cfg.items() if isinstance(v, dict)}
+    assert per_module and all(v["group_size"] == 64 for v in per_module.values())
+    a = mfqat.read_anchor(anchor)
+    for name, t in rep["tensors"].items():  # each tensor: mx.quantize of the anchor's values at its width
+        if name in a.quantized and "source" in t:
+            bits = int(t["source"][len("affine"):])
+            key = name[: -len(".weight")]
+            values = mx.array(a.quantized[name].dequantize(torch.float32).numpy()).astype(mx.bfloat16)
+            wq, s, b = mx.quantize(values, group_size=64, bits=bits)
+            assert np.array_equal(np.array(w[key + ".weight"]), np.array(wq)), name
+    m, _ = mlx_lm.load(str(out))
+    assert m(mx.array(ids[:1].numpy())).shape[-1] == len(tiny_tokenizer())

@@ -1,7 +1,7 @@
 """Per-tensor format plans for export: ``uniform:FMT`` and ``seed`` (docs/file-formats.md).
 
 Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"), or for the
-derived affine formats (``uniform:affine4``, ``seed:affine``) re-quantized from the anchor's values
+derived affine formats (``uniform:affine4``, ``seed:affine``, ``auto:BPW:affine``) re-quantized from the anchor's values
 in MLX's own layout, groups of ``Plan.derived_group`` (mfqat.derive); 2-D
 weights the anchor keeps in full precision (embeddings, an untied lm_head) are quantized
 directly when the plan names a format for them (origin "ptq"), else kept in bfloat16.
@@ -27,7 +27,7 @@ FAMILY_BY_BITS = {
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
     "affine": {b: f"affine{b}" for b in (2, 3, 4, 5, 6, 8)},
 }
-RECIPES = ("uniform:FMT", "seed[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp (auto) or affine (seed)
+RECIPES = ("uniform:FMT", "seed[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
 AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
 
 
@@ -187,9 +187,6 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     """A per-tensor plan from a recipe name; checks everything before anything is written."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
-    if want == "affine" and kind == "auto":
-        raise ValueError(f"recipe '{recipe}': auto:BPW plans MX formats only; for MLX's affine layout use "
-                         "uniform:affineK or seed:affine")
     if want == "affine":
         family = "affine"  # derived from the anchor (mfqat.derive), not sliced
     elif want is not None and want != family:
@@ -214,14 +211,17 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     elif kind == "auto":
         from .sensitivity import auto_plan_formats, ladder
 
-        check_mlx_group_size(plan.group_size, [(anchor.format, mlx_storage(f)) for f in ladder(anchor.format)])
+        levels = ladder(anchor.format, want)
+        group = plan.group_of(levels[0])
+        check_mlx_group_size(group, [(anchor.format, mlx_storage(f)) for f in levels])
         try:
             budget = float(arg)
         except ValueError:
             raise ValueError(f"recipe '{recipe}': write the budget in bits per weight, e.g. auto:4.5") from None
         names = list(anchor.quantized) + _matrix_weights(anchor)
-        _check_group_size(anchor, names)
-        formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text)
+        _check_group_size(anchor, names, group)
+        formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text, family=want,
+                                                      derived_group=derived_group)
         for name, fmt in formats.items():
             plan.formats[name] = fmt
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"

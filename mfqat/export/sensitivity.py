@@ -8,6 +8,11 @@ weight error, ``KL_t(f) ~= KL_t(probe) * err_t(f) / err_t(probe)`` (a first-orde
 output change grows with the weight perturbation's energy), so the cost is one pass per tensor
 instead of one per (tensor, level).
 
+The ``affine`` family (``auto:BPW:affine``) plans MLX's affine widths derived from the anchor
+(mfqat.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine2..8
+and their cost includes the bfloat16 scale and bias of every group (4.5 bits/weight for affine4 at
+group 64), so a budget means the same bytes as an ``mlx_lm.convert`` file of that size.
+
 Allocation: every tensor starts at the lowest level; the upgrade with the largest sensitivity
 reduction per extra bit is taken while the bits-per-weight budget allows (greedy knapsack).
 """
@@ -20,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..anchor import Anchor, load_anchor
+from ..derive import DERIVED_GROUP_SIZE, derive_affine, is_derived
 from ..formats import get_format
 from ..progress import progress
 from ..quant.api import quantize
@@ -29,6 +35,7 @@ from ..slice import slice_and_scale
 LADDERS = {
     "mxint": ["mxint2", "mxint3", "mxint4", "mxint5", "mxint6", "mxint8"],
     "mxfp": ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"],
+    "affine": ["affine2", "affine3", "affine4", "affine5", "affine6", "affine8"],
 }
 
 
@@ -47,22 +54,41 @@ class TensorSensitivity:
         return self.probe_kl * self.rel_error[fmt] / base if base > 0 else 0.0
 
 
-def ladder(anchor_format: str) -> List[str]:
-    """Candidate formats of the anchor's family, fewest bits first, none above the anchor."""
+def ladder(anchor_format: str, family: Optional[str] = None) -> List[str]:
+    """Candidate formats, fewest bits first: the anchor's family none above the anchor, or every
+    derived affine width (``family="affine"``, reachable from any MX anchor)."""
+    if family == "affine":
+        return list(LADDERS["affine"])
     f = get_format(anchor_format)
     return [c for c in LADDERS[f.family] if get_format(c).bits <= f.bits]
 
 
-def in_format(anchor: Anchor, name: str, fmt: str) -> MXTensor:
-    """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor, or direct for plain weights."""
+def level_group(anchor: Anchor, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> int:
+    """The group size a level is stored with: the anchor's block size, or the derived group."""
+    return derived_group if is_derived(fmt) else anchor.meta.get("block_size", 32)
+
+
+def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> MXTensor:
+    """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor (derived: re-quantized from its
+    values), or direct for plain weights."""
+    if is_derived(fmt):
+        src = anchor.quantized[name].dequantize(torch.float32) if name in anchor.quantized \
+            else anchor.plain[name].float()
+        return derive_affine(src, fmt, derived_group)
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
     return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32))
 
 
-def probe_for(budget_bpw: float, levels: List[str]) -> str:
+def level_bits(levels: List[str], group: int = 32) -> Dict[str, float]:
+    """{level: stored bits/weight} with ``group``-sized scales (and biases, for affine levels)."""
+    return {f: get_format(f).bits_per_weight(group) for f in levels}
+
+
+def probe_for(budget_bpw: float, levels: List[str], group: int = 32) -> str:
     """The level just below the one the budget affords uniformly (the lowest level at least)."""
-    affordable = [f for f in levels if get_format(f).bits_per_weight(32) <= budget_bpw] or levels[:1]
+    bpw = level_bits(levels, group)
+    affordable = [f for f in levels if bpw[f] <= budget_bpw] or levels[:1]
     i = levels.index(affordable[-1])
     return levels[max(i - 1, 0)]
 
@@ -82,14 +108,16 @@ def _log_probs(model, blocks: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=blocks).logits.float(), dim=-1)
 
 
-def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor) -> Dict[str, TensorSensitivity]:
+def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
+            levels: Optional[List[str]] = None, derived_group: int = DERIVED_GROUP_SIZE
+            ) -> Dict[str, TensorSensitivity]:
     """KL(anchor-format model || model with only tensor t in ``probe``) for every tensor, plus each
-    tensor's relative weight error at every ladder level."""
+    tensor's relative weight error at every level (default: the anchor family's ladder)."""
     model = load_anchor(anchor.path)
     params = dict(model.named_parameters(remove_duplicate=False))
     ref = _log_probs(model, blocks)
     p_ref = ref.exp()
-    levels = ladder(anchor.format)
+    levels = levels or ladder(anchor.format)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
         param = params[name]
@@ -97,7 +125,7 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor) 
         errors = {}
         norm = original.float().pow(2).sum().item() or 1.0
         for f in levels:
-            w = in_format(anchor, name, f).dequantize(torch.float32)
+            w = in_format(anchor, name, f, derived_group).dequantize(torch.float32)
             errors[f] = (w - original.float()).pow(2).sum().item() / norm
             if f == probe:
                 probe_w = w
@@ -108,9 +136,11 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor) 
     return out
 
 
-def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: float) -> Dict[str, str]:
-    """Per-tensor formats minimising the summed estimated KL with mean bits/weight <= budget."""
-    bpw = {f: get_format(f).bits_per_weight(32) for f in levels}
+def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: float, group: int = 32
+             ) -> Dict[str, str]:
+    """Per-tensor formats minimising the summed estimated KL with mean bits/weight <= budget, every
+    level stored with ``group``-sized scales."""
+    bpw = level_bits(levels, group)
     total = sum(s.numel for s in sens.values())
     cap = budget_bpw * total
     level = {n: 0 for n in sens}
@@ -145,14 +175,16 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
 
 
 def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib_text: Optional[str] = None,
-                      n_blocks: int = 4, seq_len: int = 128) -> tuple[Dict[str, str], dict]:
-    """(per-tensor formats, report) for ``auto:BPW``; the report holds every sensitivity."""
-    levels = ladder(anchor.format)
-    probe = probe_for(budget_bpw, levels)
+                      n_blocks: int = 4, seq_len: int = 128, family: Optional[str] = None,
+                      derived_group: int = DERIVED_GROUP_SIZE) -> tuple[Dict[str, str], dict]:
+    """(per-tensor formats, report) for ``auto:BPW[:affine]``; the report holds every sensitivity."""
+    levels = ladder(anchor.format, family)
+    group = level_group(anchor, levels[0], derived_group)
+    probe = probe_for(budget_bpw, levels, group)
     blocks = calibration_blocks(anchor, calib_text, n_blocks, seq_len)
-    sens = measure(anchor, names, probe, blocks)
-    formats = allocate(sens, levels, budget_bpw)
-    report = {"budget_bpw": budget_bpw, "probe_format": probe, "levels": levels,
+    sens = measure(anchor, names, probe, blocks, levels, derived_group)
+    formats = allocate(sens, levels, budget_bpw, group)
+    report = {"budget_bpw": budget_bpw, "probe_format": probe, "levels": levels, "group_size": group,
               "calibration_tokens": int(blocks.numel()),
               "tensors": {n: {**asdict(s), "chosen": formats[n], "estimated_kl": s.at(formats[n])}
                           for n, s in sens.items()}}
