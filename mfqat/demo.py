@@ -1,5 +1,6 @@
 """The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune -> anchor -> elastic formats
-by Slice-and-Scale -> MLX exports that mlx_lm loads and generates from. Re-runs reuse finished
+by Slice-and-Scale -> Mac exports in MLX's affine layout, against mlx_lm.convert of the same
+fine-tuned weights at the same bytes (mfqat.demo_mac). Re-runs reuse finished
 stages (OUT/stages/*.json) unless --force."""
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from .demo_args import build_parser
 
 ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 PROMPT = "The Python language is"
-AUTO_RECIPE = "auto:4.75"  # mixed MXINT4/5/6/8 by measured sensitivity, 4.75 bits per weight
-MLX_EVAL_BLOCKS = 6  # MLX's CPU backend runs these models ~20x slower than PyTorch here (fine on Metal)
 
 
 def _stage(out: Path, name: str, force: bool, fn):
@@ -61,11 +60,12 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
     def train():
         from .integrations.train_loop import main as train_main
         argv = ["--steps", str(steps), "--seq-len", str(seq_len), "--out", str(out_dir / "train"),
-                "--eval-blocks", str(eval_blocks), "--lr", "2e-5"]
+                "--eval-blocks", str(eval_blocks), "--lr", "2e-5", "--save-master"]
         if model_name:
             argv += ["--model", model_name]
         s = train_main(argv)
-        return {"anchor": s["anchor"], "final_loss": s["final_loss"], "train_seconds": s["train_seconds"]}
+        return {"anchor": s["anchor"], "master": s["master"], "final_loss": s["final_loss"],
+                "train_seconds": s["train_seconds"]}
     trained = _stage(out_dir, "train", force, train)
     anchor = read_anchor(trained["anchor"])
     mfqat_rows = _stage(out_dir, "elastic", force, lambda: {"rows": evaluate_formats(
@@ -73,31 +73,12 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
 
     exports = {}
     if not skip_mlx:
-        def export():
-            import mlx.core as mx
-            from mlx_lm import generate, load as mlx_load
-
-            from .export import to_mlx
-            from .export.mlx_export import plan_from_report, reference_state
-            from .mlx.train import perplexity as mlx_perplexity
-            few = held[:MLX_EVAL_BLOCKS]
-            res = {}
-            for recipe in ("uniform:mxint4", AUTO_RECIPE):
-                d = out_dir / ("mlx-" + recipe.replace(":", "-"))
-                rep = to_mlx(trained["anchor"], d, recipe=recipe, prompt=PROMPT, overwrite=True)
-                m, t = mlx_load(str(d))
-                text = generate(m, t, prompt=PROMPT, max_tokens=24)
-                res[recipe] = {"dir": str(d), "bits_per_weight": rep["bits_per_weight"],
-                               "stored_bits_per_weight": rep["stored_bits_per_weight"],
-                               "stored_bits_per_weight_quantized": rep["stored_bits_per_weight_quantized"],
-                               "max_abs_logit_diff": rep["verify"]["max_abs_logit_diff"],
-                               "argmax_agreement": rep["verify"]["argmax_agreement"], "completion": text,
-                               "mlx_perplexity": mlx_perplexity(m, mx.array(few.numpy()), desc=f"MLX ppl {recipe}"),
-                               "pytorch_perplexity": evaluate_formats(model, {recipe: reference_state(
-                                   anchor, plan_from_report(rep))}, few)[0]["perplexity"],
-                               "eval_blocks": int(few.shape[0])}
-            return res
-        exports = _stage(out_dir, "export", force, export)
+        from .demo_mac import mac_exports
+        master = trained.get("master")
+        if master is None:
+            print("[demo] this training stage predates --save-master: no mlx_lm.convert rows (rerun with --force)")
+        exports = _stage(out_dir, "mac", force, lambda: {"rows": mac_exports(
+            Path(trained["anchor"]), master and Path(master), model, held, out_dir, PROMPT)})
 
     rows = []
     ptq_by = {r["format"]: r["perplexity"] for r in ptq["rows"]}
@@ -118,26 +99,11 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
     print()
     print(f"full precision perplexity: {fp['perplexity']:.3f}")
     print(format_table(rows, ["format", "bits/weight", "PTQ ppl", "MF-QAT ppl", "MF-QAT vs PTQ"]))
-    for recipe, e in exports.items():
-        if not isinstance(e, dict):
-            continue
-        print(f"\nMLX {recipe}: MX {e['bits_per_weight']:.2f} bits/weight, stored {stored_bits(e)} on disk, "
-              f"weights bit-exact, max |logit diff| vs "
-              f"PyTorch {e['max_abs_logit_diff']:.2e}, argmax agreement {e['argmax_agreement']:.2f}; perplexity on "
-              f"{e.get('eval_blocks')} blocks: MLX {e.get('mlx_perplexity', float('nan')):.3f}, "
-              f"PyTorch {e.get('pytorch_perplexity', float('nan')):.3f}")
-        print(f"  {PROMPT} ...{e['completion']}")
+    if exports:
+        from .demo_mac import print_mac
+        print_mac(exports["rows"], PROMPT)
     print(f"\nplot: {plot}\nsummary: {out_dir / 'summary.json'}")
     return summary
-
-
-def stored_bits(e: dict) -> str:
-    """The stored bits/weight of an export row (whole model; quantized matrices), or "?" for rows
-    written before the export report carried them."""
-    if "stored_bits_per_weight" not in e:
-        return "? bits/weight"
-    return (f"{e['stored_bits_per_weight']:.2f} bits/weight ({e['stored_bits_per_weight_quantized']:.2f} for the "
-            "quantized matrices)")
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

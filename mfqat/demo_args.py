@@ -5,7 +5,8 @@ import argparse
 from typing import Optional
 
 DEMO_DOC = """The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune -> anchor -> elastic formats
-by Slice-and-Scale -> MLX exports that mlx_lm loads and generates from. Re-runs reuse finished
+by Slice-and-Scale -> Mac exports in MLX's affine layout, against mlx_lm.convert of the same
+fine-tuned weights at the same bytes. Re-runs reuse finished
 stages (OUT/stages/*.json) unless --force."""
 
 

@@ -23,24 +23,18 @@ from pathlib import Path
 from typing import Dict, List
 
 import mlx.core as mx
-import numpy as np
 import torch
 
 from mfqat.data import licence_text, load_model, load_text, split_text, token_blocks
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.export import to_mlx
-from mfqat.eval.perplexity import perplexity as torch_ppl
+from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert as convert_with_mlx_lm, stored_bits as stored_bpw
 
 MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
                   + [("mxfp4", dict(q_mode="mxfp4", q_bits=4, q_group_size=32)),
                      ("mxfp8", dict(q_mode="mxfp8", q_bits=8, q_group_size=32))]
                   + [(r, dict(quant_predicate=r)) for r in ("mixed_3_4", "mixed_3_6", "mixed_4_6")])
 PROMPT = "The Python language is"
-
-
-def stored_bpw(folder: Path, n_params: int) -> float:
-    """8 x bytes of the model's safetensors files / parameters (what the user downloads)."""
-    return 8 * sum(f.stat().st_size for f in folder.glob("*.safetensors")) / n_params
 
 
 def as_float32(model) -> None:
@@ -63,42 +57,13 @@ def tokens_per_second(folder: Path) -> float:
     return float(last.generation_tps)
 
 
-def mlx_weights_as_torch(folder: Path) -> Dict[str, torch.Tensor]:
-    """Every weight of an MLX model folder exactly as mx.dequantize gives it from the stored codes,
-    scales and biases (bfloat16 arithmetic, as on a Mac), as float32 torch tensors under HF names."""
-    cfg = json.loads((folder / "config.json").read_text()).get("quantization", {})
-    arrays = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        arrays.update(mx.load(str(f)))
-    out = {}
-    for name, w in arrays.items():
-        if name.endswith((".scales", ".biases")):
-            continue
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and f"{module}.scales" in arrays:
-            q = cfg.get(module) if isinstance(cfg.get(module), dict) else cfg
-            w = mx.dequantize(w, arrays[f"{module}.scales"], arrays.get(f"{module}.biases"), q["group_size"],
-                              q["bits"], q.get("mode", "affine"))
-        out[name] = torch.from_numpy(np.array(w.astype(mx.float32)))
-    return out
-
-
 def evaluate(folder: Path, model, held: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """Perplexity of the exact MLX weights, run in PyTorch with float32 activations: MLX's CPU backend
-    takes ~80 s per 256-token forward of this model on 2 busy cores (a Mac's GPU does not), and the
-    exporters' check shows MLX and PyTorch agree on the same weights (BENCHMARKS "MLX export")."""
-    missing, unexpected = model.load_state_dict(mlx_weights_as_torch(folder), strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
-    model.tie_weights()
-    return {t: torch_ppl(model, blocks) for t, blocks in held.items()}
+    """Perplexity of the exact MLX weights, run in PyTorch (mfqat.eval.mlx_weights says why)."""
+    return mlx_folder_perplexity(folder, model, held)
 
 
 def mlx_lm_convert(master: Path, dest: Path, opts: dict) -> None:
-    from mlx_lm import convert
-
-    if not (dest / "config.json").is_file():
-        shutil.rmtree(dest, ignore_errors=True)
-        convert(str(master), str(dest), quantize=True, dtype="bfloat16", **opts)
+    convert_with_mlx_lm(master, dest, **opts)
 
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
@@ -117,12 +82,13 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
     jobs += [("mfqat", r, lambda d, r=r: mfqat_export(run / "anchor", d, r)) for r in recipes]
     for method, name, make in jobs:
         key = f"{run.name}|{method}|{name}"
-        if key not in cache:
+        timed = name not in speed or "tokens/s" in cache.get(key, {})
+        if key not in cache or not timed:
             dest = out / run.name / f"{method}-{name.replace(' ', '_').replace(':', '_').replace('@', '_')}"
             print(f"[pareto] {key}")
             make(dest)
-            row = {"run": run.name, "method": method, "option": name, "stored bits/w": stored_bpw(dest, n_params),
-                   **evaluate(dest, model, held)}
+            row = cache.get(key) or {"run": run.name, "method": method, "option": name,
+                                     "stored bits/w": stored_bpw(dest, n_params), **evaluate(dest, model, held)}
             if name in speed:
                 row["tokens/s"] = tokens_per_second(dest)
             cache[key] = row
