@@ -102,7 +102,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("give --text (plain text) or --data (a folder with train.jsonl), not both")
         need_path(a.text, "--text")
         need_path(getattr(a, "data", None), "--data", "folder")
-        need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
+        need_formats((a.formats or "").split(",") + (a.eval_formats or "").split(","), "--formats/--eval-formats")
     elif cmd in ("convert", "export-mlx"):
         positional_or_model(a, "anchor", cmd)
         if cmd == "convert":

@@ -154,6 +154,31 @@ def test_mlx_forward_matches_pytorch_in_same_format(tiny_dir):
     assert np.abs(got - want).max() < 1e-3
 
 
+@pytest.mark.parametrize("fmt", ["affine4", "affine3", "mxint8"])
+def test_mlx_trains_the_derived_affine_family_as_pytorch_does(tiny_dir, fmt):
+    """affine_joint on MLX: every layer's forward weight in affine k (derived through the MXINT8 anchor,
+    bfloat16 scale and bias per group of 64) is bit for bit the PyTorch module's."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = lambda: mfqat.QATConfig(formats=["mxint8", "affine4", "affine3"], schedule="joint")  # noqa: E731
+    model, _, _ = load_for_training(str(tiny_dir))
+    prepare(model, cfg())
+    tmodel = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    mfqat.prepare(tmodel, cfg())
+    set_format(model, fmt)
+    mfqat.set_format(tmodel, fmt)
+    tlayers = dict(tmodel.named_modules())
+    layers = dict(qat_layers(model))
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        with torch.no_grad():
+            want = tlayers[name].quantized_weight().numpy()
+        assert np.array_equal(np.array(layer.quantized_weight()), want), name
+    grads = mx.grad(lambda w: layers["model.layers.0.mlp.up_proj"]._qdq(w, fmt, "floor").sum())(
+        layers["model.layers.0.mlp.up_proj"].weight)
+    assert np.array_equal(np.array(grads), np.ones(grads.shape, np.float32))  # straight-through
+
+
 def test_mfqat_training_reduces_loss_and_cycles_formats(tiny_dir):
     model, _, _ = load_for_training(str(tiny_dir))
     prepare(model, mfqat.QATConfig(formats=["mxint4", "mxint8"], schedule="progressive"))
@@ -229,6 +254,17 @@ def test_cli_mlx_train_and_generate(tiny_dir, tmp_path):
     assert {r["format"] for r in summary["eval"]} >= {"mxint8", "mxint4"}
     assert (out / "loss.png").stat().st_size > 1000
     assert mfqat.read_anchor(summary["anchor"]).format == "mxint8"
+
+
+def test_cli_mlx_train_affine_joint_recipe(tiny_dir, tmp_path):
+    """mlx-train trains the affine family; the evaluation defaults to the trained formats."""
+    from mfqat.cli import main
+
+    out = tmp_path / "run"
+    main(["mlx-train", str(tiny_dir), "--qat-config", "affine_joint", "--steps", "2", "--batch-size", "2",
+          "--seq-len", "32", "--eval-blocks", "2", "--out", str(out)])
+    rows = {r["format"]: r for r in json.loads((out / "summary.json").read_text())["eval"]}
+    assert set(rows) == {"mxint8", "affine4", "affine3", "fp (master)"} and rows["affine4"]["bits/weight"] == 4.5
 
 
 def _free_port() -> int:

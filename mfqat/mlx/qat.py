@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from ..derive import DERIVED_GROUP_SIZE, is_derived
 from ..formats import canonical_name
 from ..qat.config import QATConfig
 from ..qat.schedules import Schedule
@@ -27,7 +28,8 @@ class MFQATLinear(nn.Module):
     """
 
     def __init__(self, weight: mx.array, bias: Optional[mx.array] = None, block_size: int = 32,
-                 scale_rule: str = "floor", anchor_format: Optional[str] = None):
+                 scale_rule: str = "floor", anchor_format: Optional[str] = None,
+                 affine_group_size: int = DERIVED_GROUP_SIZE):
         super().__init__()
         self.weight = weight
         if bias is not None:
@@ -35,12 +37,14 @@ class MFQATLinear(nn.Module):
         self.block_size = block_size
         self.scale_rule = scale_rule
         self.anchor_format = anchor_format
+        self.affine_group_size = affine_group_size
         self.fmt: Optional[str] = None
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, block_size: int = 32, scale_rule: str = "floor",
-                    anchor_format: Optional[str] = None) -> "MFQATLinear":
-        return cls(lin.weight, lin.get("bias"), block_size, scale_rule, anchor_format)
+                    anchor_format: Optional[str] = None, affine_group_size: int = DERIVED_GROUP_SIZE
+                    ) -> "MFQATLinear":
+        return cls(lin.weight, lin.get("bias"), block_size, scale_rule, anchor_format, affine_group_size)
 
     def to_linear(self) -> nn.Linear:
         out_dims, in_dims = self.weight.shape
@@ -56,9 +60,16 @@ class MFQATLinear(nn.Module):
         if self.fmt is None:
             return self.weight
         if self.anchor_format is None:
-            return fake_quantize(self.weight, self.fmt, self.block_size, self.scale_rule)
+            return self._qdq(self.weight, self.fmt, self.scale_rule)
         w = fake_quantize(self.weight, self.anchor_format, self.block_size, self.scale_rule)
-        return w if self.fmt == self.anchor_format else fake_quantize(w, self.fmt, self.block_size, "floor")
+        return w if self.fmt == self.anchor_format else self._qdq(w, self.fmt, "floor")
+
+    def _qdq(self, w: mx.array, fmt: str, scale_rule: str) -> mx.array:
+        """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
+        stores it (bfloat16 scale and bias per ``affine_group_size``, as mfqat.derive)."""
+        if is_derived(fmt):
+            return fake_quantize(w.astype(mx.bfloat16), fmt, self.affine_group_size).astype(w.dtype)
+        return fake_quantize(w, fmt, self.block_size, scale_rule)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.fmt is not None and "act_observer" in self:  # static activation observer (.observers)
@@ -124,11 +135,11 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
         if type(m) is not nn.Linear or not config.selects(name):
             continue
         width = m.weight.shape[1]
-        if width % config.block_size:
-            skipped.append(f"{name} ({width} not a multiple of {config.block_size})")
+        if width % config.group_multiple():
+            skipped.append(f"{name} ({width} not a multiple of {config.group_multiple()})")
             continue
         anchor = config.anchor_format if config.through_anchor else None
-        layer = MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor)
+        layer = MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor, config.affine_group_size)
         if config.activation_observer:
             layer.act_observer = WindowMinMaxObserver(width, config.observer_window)
         swaps.append((name, layer))

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_map
 from ..data import token_blocks
 from ..datasets import training_texts
 from ..eval.report import format_table, plot_curve
+from ..derive import is_derived
 from ..formats import canonical_name, get_format
 from ..progress import progress, quiet_dependency_logs
 from ..qat.config import QATConfig
@@ -202,7 +203,8 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
     p.add_argument("--data", default=None, help="mlx-lm's data layout: a folder with train.jsonl [+ valid.jsonl] ('text', chat 'messages' or 'prompt'/'completion' records; see mfqat.datasets)")
-    p.add_argument("--eval-formats", default="mxint8,mxint4", help="comma list evaluated at the end")
+    p.add_argument("--eval-formats", default=None,
+                   help="comma list evaluated at the end (default: the formats the recipe trains)")
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--anchor-format", default=None, help="default: the QAT config's anchor_format")
     p.add_argument("--out", "--save-path", "--output-dir", dest="out", default="runs/mlx")
@@ -264,9 +266,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         summary["activation_clip_rate"] = sum(rates.values()) / max(1, len(rates))
     rows = []
     if cfg is not None:
-        for f in [canonical_name(x) for x in a.eval_formats.split(",") if x]:
+        for f in [canonical_name(x) for x in (a.eval_formats or ",".join(cfg.formats)).split(",") if x]:
             set_format(model, f)
-            rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(cfg.block_size),
+            group = cfg.affine_group_size if is_derived(f) else cfg.block_size
+            rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(group),
                          "perplexity": perplexity(model, held, desc=f"eval {f}")})
         set_format(model, None)
     rows.append({"format": "fp (master)" if not a.lora_rank else "lora", "bits/weight": float("nan"),
