@@ -66,6 +66,22 @@ def mlx_lm_convert(master: Path, dest: Path, opts: dict) -> None:
     convert_with_mlx_lm(master, dest, **opts)
 
 
+def measure_each_probe_once() -> None:
+    """auto:BPW recipes of one anchor that share a probe format share its sensitivity pass (the
+    pass does not depend on the budget): measured once per run of this script."""
+    import mfqat.export.sensitivity as sensitivity
+
+    measure, memo = sensitivity.measure, {}
+
+    def once(anchor, names, probe, blocks, levels=None, derived_group=64):
+        key = (str(anchor.path), probe, tuple(levels or ()), derived_group, tuple(names))
+        if key not in memo:
+            memo[key] = measure(anchor, names, probe, blocks, levels, derived_group)
+        return memo[key]
+
+    sensitivity.measure = once
+
+
 def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
     """``RECIPE[@gN]``: @gN sets the group of derived affine formats (default 64)."""
     recipe, _, group = recipe.partition("@g")
@@ -123,6 +139,7 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    measure_each_probe_once()
     model, tok = load_model(None)
     n_params = sum(t.numel() for t in model.parameters())
     held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
