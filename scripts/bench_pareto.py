@@ -35,6 +35,7 @@ MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3
                      ("mxfp8", dict(q_mode="mxfp8", q_bits=8, q_group_size=32))]
                   + [(r, dict(quant_predicate=r)) for r in ("mixed_3_4", "mixed_3_6", "mixed_4_6")])
 PROMPT = "The Python language is"
+SAME_SIZE = 1e-3  # bits/weight (17 KB on 135M weights): the same tensors, safetensors headers differ
 
 
 def as_float32(model) -> None:
@@ -105,6 +106,10 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
             make(dest)
             row = cache.get(key) or {"run": run.name, "method": method, "option": name,
                                      "stored bits/w": stored_bpw(dest, n_params), **evaluate(dest, model, held)}
+            if method == "mfqat":  # the plan: how many weights each format holds
+                tensors = json.loads((dest / "mfqat_export.json").read_text())["tensors"]
+                row["plan"] = {f: sum(1 for t in tensors.values() if t.get("source") == f)
+                               for f in sorted({t.get("source") for t in tensors.values()})}
             if name in speed:
                 row["tokens/s"] = tokens_per_second(dest)
             cache[key] = row
@@ -119,7 +124,7 @@ def verdict(rows: List[dict], text: str) -> List[dict]:
     out = []
     for r in [r for r in rows if r["method"] == "mlx_lm"]:
         ours = [o for o in rows if o["method"] == "mfqat" and o["run"] == r["run"]
-                and o["stored bits/w"] <= r["stored bits/w"] + 1e-9]
+                and o["stored bits/w"] <= r["stored bits/w"] + SAME_SIZE]
         best = min(ours, key=lambda o: o[text]) if ours else None
         out.append({"run": r["run"], "mlx_lm": r["option"], "bits/w": round(r["stored bits/w"], 3), "mlx_lm ppl": r[text],
                     "best mfqat (<= bytes)": best["option"] if best else "-", "mfqat ppl": best[text] if best else None,

@@ -135,7 +135,8 @@ def test_bfloat16_scales_and_sharding(anchors, tmp_path):
     """bf16 affine scales are exact for power-of-two MX scales; big exports shard with an index."""
     rep = to_mlx(anchors["int"], tmp_path / "m", recipe="seed", scale_dtype="bfloat16", max_shard_bytes=40_000)
     assert check_weights_independently(anchors["int"], tmp_path / "m", rep) == 15
-    assert rep["verify"]["max_abs_logit_diff"] < 5e-2  # bf16 scales: MLX computes in bfloat16
+    assert rep["verify"]["mlx_compute"] == "float32-upcast"  # bf16 scales: checked upcast (LOGIT_RTOL)
+    assert rep["verify"]["max_abs_logit_diff"] < 5e-2
     index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in (tmp_path / "m").glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)

@@ -35,7 +35,7 @@ from ..slice import slice_and_scale
 LADDERS = {
     "mxint": ["mxint2", "mxint3", "mxint4", "mxint5", "mxint6", "mxint8"],
     "mxfp": ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"],
-    "affine": ["affine2", "affine3", "affine4", "affine5", "affine6", "affine8"],
+    "affine": ["affine3", "affine4", "affine5", "affine6", "affine8"],
 }
 
 
