@@ -80,3 +80,28 @@ def test_cli_trains_and_reports(anchor, tmp_path):
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert [r["format"] for r in s["eval"]] == ["mxint8", "mxint4"] and s["peak_memory_mib"] > 0
     assert (tmp_path / "o" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_building_never_allocates_a_float_copy_of_a_target_weight(anchor):
+    """The peak-memory property: targets go from the anchor's codes to packed layers directly
+    (the model is built on the meta device), so no float tensor of a target's shape is ever filled.
+    (accelerate's init_empty_weights creates each parameter with an uninitialized ``empty`` before
+    moving it to meta: those pages are never touched, so they are not counted.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {tuple(e["shape"]) for e in mfqat.read_anchor(anchor).meta["tensors"].values()}
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta \
+                        and tuple(t.shape) in shapes and not str(func).startswith("aten.empty"):
+                    made.append((str(func), tuple(t.shape)))
+            return out
+
+    with Record():
+        model = mx_qlora_model(anchor, rank=2)
+    assert not made, made[:3]
+    assert not [n for n, p in model.named_parameters() if p.is_meta]
