@@ -4,7 +4,8 @@
 
 Each step runs the base in the schedule's format (``cyclic``: one format per step in turn;
 ``joint``: the losses of all formats summed, one backward each; ``fixed``: the first format only)
-and updates only the adapters (AdamW). Ends with the adapter in PEFT's format (OUT/adapter), a
+and updates only the adapters (AdamW). Ends with the adapter in PEFT's format (OUT/adapter; with
+--mlx-adapter-path also as an mlx-lm adapter folder for the anchor's MLX exports), a
 held-out perplexity per format and OUT/summary.json (s/step, peak memory).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .formats import canonical_name, get_format
 from .integrations.lora import DEFAULT_TARGETS
 from .integrations.train_loop import peak_memory_mib
 from .mxqlora import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
+from .mxqlora_mlx import peft_to_mlx
 from .progress import progress
 
 SCHEDULES = ("cyclic", "joint", "fixed")
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/mxqlora")
+    p.add_argument("--mlx-adapter-path", default=None, metavar="DIR",
+                   help="also write the adapter as an mlx-lm adapter folder (mlx_lm.load(EXPORT, adapter_path=DIR), "
+                        "mlx_lm.generate --adapter-path DIR) for any `mfqat export-mlx` of this anchor")
     return p
 
 
@@ -100,6 +105,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     train_s = time.perf_counter() - t0
     out = Path(a.out)
     adapter = save_mx_adapter(model, out / "adapter")
+    mlx_adapter = peft_to_mlx(adapter, a.mlx_adapter_path) if a.mlx_adapter_path else None
     rows = []
     for f in [canonical_name(x) for x in (a.eval_formats.split(",") if a.eval_formats else formats)]:
         set_base_format(model, f)
@@ -107,7 +113,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                      "perplexity": perplexity(model, held, desc=f"eval {f}")})
     summary = {"steps": a.steps, "schedule": a.schedule, "formats": formats, "train_seconds": train_s,
                "s_per_step": train_s / max(a.steps, 1), "losses": losses, "peak_memory_mib": peak_memory_mib(),
-               "adapter": str(adapter), "eval": rows, **model.mx_qlora}
+               "adapter": str(adapter), "mlx_adapter": mlx_adapter and str(mlx_adapter), "eval": rows,
+               **model.mx_qlora}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(format_table(rows, ["format", "bits/weight", "perplexity"]))
     print(f"steps={a.steps} ({summary['s_per_step']:.2f} s/step) peak memory={summary['peak_memory_mib']:.0f} MiB "

@@ -76,10 +76,12 @@ def test_cli_trains_and_reports(anchor, tmp_path):
     from mfqat.cli import main
 
     main(["mx-qlora", str(anchor), "--formats", "mxint8,mxint4", "--steps", "2", "--seq-len", "16",
-          "--batch-size", "2", "--eval-blocks", "2", "--lora-rank", "2", "--out", str(tmp_path / "o")])
+          "--batch-size", "2", "--eval-blocks", "2", "--lora-rank", "2", "--out", str(tmp_path / "o"),
+          "--mlx-adapter-path", str(tmp_path / "mlx")])
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert [r["format"] for r in s["eval"]] == ["mxint8", "mxint4"] and s["peak_memory_mib"] > 0
     assert (tmp_path / "o" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "mlx" / "adapters.safetensors").is_file() and s["mlx_adapter"] == str(tmp_path / "mlx")
 
 
 def test_building_never_allocates_a_float_copy_of_a_target_weight(anchor):
