@@ -33,7 +33,8 @@ MLX_WEIGHTS = "adapters.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.\d+\.(.+))\.lora_([AB])\.weight$")
 # PEFT options mlx-lm's plain LoRA layer cannot express, with the value that is safe
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "rank_pattern": {},
-                "alpha_pattern": {}, "modules_to_save": None, "bias": "none"}
+                "alpha_pattern": {}, "modules_to_save": None, "bias": "none", "lora_bias": False,
+                "use_qalora": False, "layer_replication": None, "target_parameters": None}
 
 
 def _read_config(src: Path) -> dict:
