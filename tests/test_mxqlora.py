@@ -107,3 +107,30 @@ def test_building_never_allocates_a_float_copy_of_a_target_weight(anchor):
         model = mx_qlora_model(anchor, rank=2)
     assert not made, made[:3]
     assert not [n for n, p in model.named_parameters() if p.is_meta]
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_gradients(anchor, monkeypatch):
+    from mfqat.mxqlora_train import enable_checkpointing
+
+    calls = []
+    weight_in = MXFrozenLinear.weight_in
+    monkeypatch.setattr(MXFrozenLinear, "weight_in", lambda self, *a: calls.append(1) or weight_in(self, *a))
+    x = torch.randint(0, 256, (2, 16))
+    grads, counts = [], []
+    for ckpt in (False, True):
+        calls.clear()
+        torch.manual_seed(0)
+        model = mx_qlora_model(anchor, rank=2)
+        with torch.no_grad():
+            for p in lora_parameters(model):
+                p.normal_(0, 0.1)  # B = 0 would make A's gradient vanish
+        if ckpt:
+            enable_checkpointing(model)
+        model.train()
+        set_base_format(model, "mxint4")
+        model(input_ids=x, labels=x).loss.backward()
+        grads.append([p.grad for p in lora_parameters(model)])
+        counts.append(len(calls))
+    n = sum(isinstance(m, MXFrozenLinear) for m in model.modules())
+    assert counts[1] >= counts[0] + n  # every layer's forward really runs again in backward
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
