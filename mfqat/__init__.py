@@ -16,6 +16,7 @@ _PUBLIC = {
     ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
     ".mxqlora": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
+    ".mxqlora_mlx": ["peft_to_mlx"],
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
@@ -23,7 +24,7 @@ __all__ = [
     "__version__", "ElementFormat", "FORMATS", "ALIASES", "get_format", "known_formats",
     "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
-    "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter",
+    "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter", "peft_to_mlx",
     "register_hf_quantizer", "clip_rates",
 ]
 

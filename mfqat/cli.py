@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compare", action="store_true", help="add direct quantization of --fp-model")
     e.add_argument("--fp-model", default=None, help="full-precision model for --compare")
     e.add_argument("--tokenizer", default=None, help="tokenizer folder for an anchor saved without one")
+    e.add_argument("--bnb", default="", help="comma list of bitsandbytes baselines to add as rows: nf4 (NF4 + double "
+                   "quant, bf16 compute), int8 (LLM.int8, threshold 6.0); of MODEL, or of --fp-model for an anchor")
     e.add_argument("--plot", default="ppl_vs_bpw.png")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")

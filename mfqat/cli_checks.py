@@ -126,6 +126,12 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("--compare: give an anchor and --fp-model (the full-precision model whose direct "
                              "quantization is compared with Slice-and-Scale)")
         need_model(a.fp_model, "--fp-model")
+        bad = [b for b in a.bnb.split(",") if b and b not in ("nf4", "int8")]
+        if bad:
+            raise UsageError(f"--bnb {','.join(bad)}: choose from nf4, int8")
+        if a.bnb and is_anchor(a.model) and not a.fp_model:
+            raise UsageError("--bnb quantizes a full-precision model with bitsandbytes: for an anchor, give the "
+                             "model it came from as --fp-model")
     elif cmd in ("generate", "serve"):
         positional_or_model(a, "model", cmd)
         p = Path(a.model)

@@ -82,6 +82,15 @@ def evaluate(a: argparse.Namespace) -> None:
         for r, d in zip(rows, direct):
             r["direct ppl"] = d["perplexity"]
         series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]
+    if a.bnb:
+        from .eval.bnb import bnb_rows
+        from .integrations.lora import bnb_config
+        fp = load_model(a.fp_model)[0] if is_anchor else model
+        bnb = bnb_rows(fp, {b: bnb_config(b) for b in a.bnb.split(",") if b}, blocks)
+        for r in bnb:
+            r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
+        rows += bnb
+        series["bitsandbytes"] = [(r["bits/weight"], r["perplexity"], r["format"]) for r in bnb]
     print(f"base ({'anchor format' if is_anchor else 'full precision'}) perplexity: {base_ppl:.3f}")
     cols = ["format", "bits/weight", "perplexity", "delta vs base"] + (["direct ppl"] if a.compare else [])
     print(format_table(rows, cols))

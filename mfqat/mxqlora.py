@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .anchor import load_anchor, read_anchor
+from .anchor import Anchor, load_anchor, read_anchor
+from .manifest import AnchorError
 from .formats import canonical_name, check_sliceable
 from .io import atomic_directory
 from .quant.mxtensor import MXTensor
@@ -93,25 +94,58 @@ def _set(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def _empty_model(a: Anchor) -> nn.Module:
+    """The anchor's Hugging Face model with every parameter on the meta device (buffers such as
+    rotary frequencies are real): nothing is allocated for the weights until they are filled."""
+    from accelerate import init_empty_weights
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    if not isinstance(a.config, dict) or a.config.get("model_type") not in CONFIG_MAPPING:
+        raise AnchorError(f"{a.path}: config.json is missing or has no known model_type")
+    config = CONFIG_MAPPING[a.config["model_type"]].from_dict(a.config)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def mx_qlora_model(anchor: str | Path, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                    targets: Iterable[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj")) -> nn.Module:
     """The anchor's model with every targeted quantized Linear replaced by a frozen MX layer plus a
-    LoRA adapter; all other parameters frozen. ``model.mx_qlora`` records the settings."""
+    LoRA adapter; all other parameters frozen. ``model.mx_qlora`` records the settings.
+
+    No full-precision copy of a target weight is ever made: the model is built on the meta device,
+    the targets become packed MX layers straight from the anchor's codes, and only the other
+    tensors (embeddings, norms, an untied lm_head, non-target Linears dequantized) are
+    materialized in float32, as ``load_anchor`` holds them.
+    """
     a = read_anchor(anchor)
-    model = load_anchor(anchor)
+    model = _empty_model(a)
     targets = list(targets)
-    model.requires_grad_(False)
     adapted: List[str] = []
     for name, m in list(model.named_modules()):
         key = f"{name}.weight"
-        if type(m) is nn.Linear and name.rsplit(".", 1)[-1] in targets and key in a.quantized:
-            base = MXFrozenLinear(a.quantized[key], None if m.bias is None else m.bias.detach())
-            _set(model, name, LoRALinear(base, rank, alpha, dropout))
-            adapted.append(name)
+        if type(m) is nn.Linear and key in a.quantized:  # every quantized Linear runs in the base format
+            bias = a.plain.pop(f"{name}.bias", None) if m.bias is not None else None
+            base = MXFrozenLinear(a.quantized.pop(key), None if bias is None else bias.float())
+            if name.rsplit(".", 1)[-1] in targets:
+                _set(model, name, LoRALinear(base, rank, alpha, dropout))
+                adapted.append(name)
+            else:
+                _set(model, name, base)
     if not adapted:
         raise ValueError(f"{anchor}: targets {targets} match no quantized Linear of the anchor; "
-                         f"quantized tensors: {list(a.quantized)[:4]}...")
+                         f"quantized tensors: {list(a.meta['tensors'])[:4]}...")
+    rest = {k: v.float() if v.is_floating_point() else v for k, v in a.plain.items()}
+    rest.update({k: q.dequantize(torch.float32) for k, q in a.quantized.items()})  # quantized, not a Linear
+    _, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    model.tie_weights()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left or unexpected:
+        raise AnchorError(f"{anchor}: weights do not match config.json: missing {left[:5]}, "
+                          f"unexpected {unexpected[:5]}")
+    for n, p in model.named_parameters():
+        p.requires_grad_(".lora_" in n)
+    model.eval()
     model.mx_qlora = {"anchor": str(anchor), "anchor_format": a.format, "rank": rank, "alpha": alpha,
                       "dropout": dropout, "targets": sorted({n.rsplit('.', 1)[-1] for n in adapted})}
     return model

@@ -4,7 +4,8 @@
 
 Each step runs the base in the schedule's format (``cyclic``: one format per step in turn;
 ``joint``: the losses of all formats summed, one backward each; ``fixed``: the first format only)
-and updates only the adapters (AdamW). Ends with the adapter in PEFT's format (OUT/adapter), a
+and updates only the adapters (AdamW). Ends with the adapter in PEFT's format (OUT/adapter; with
+--mlx-adapter-path also as an mlx-lm adapter folder for the anchor's MLX exports), a
 held-out perplexity per format and OUT/summary.json (s/step, peak memory).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .formats import canonical_name, get_format
 from .integrations.lora import DEFAULT_TARGETS
 from .integrations.train_loop import peak_memory_mib
 from .mxqlora import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
+from .mxqlora_mlx import peft_to_mlx
 from .progress import progress
 
 SCHEDULES = ("cyclic", "joint", "fixed")
@@ -48,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-formats", default="", help="comma list (default: --formats)")
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward (less memory, one more forward), as QLoRA does")
     p.add_argument("--out", default="runs/mxqlora")
+    p.add_argument("--mlx-adapter-path", default=None, metavar="DIR",
+                   help="also write the adapter as an mlx-lm adapter folder (mlx_lm.load(EXPORT, adapter_path=DIR), "
+                        "mlx_lm.generate --adapter-path DIR) for any `mfqat export-mlx` of this anchor")
     return p
 
 
@@ -59,6 +66,15 @@ def step_formats(schedule: str, formats: List[str], step: int) -> List[str]:
     if schedule == "cyclic":
         return [formats[step % len(formats)]]
     return formats[:1]
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of the decoder blocks (the recomputed forward runs in
+    the base format of the forward: each format's backward follows its own forward at once)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -76,6 +92,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     text_train, text_eval = split_text(load_text(a.text))
     train = token_blocks(tok, text_train, a.seq_len, max_blocks=max(a.steps * a.batch_size, 1))
     held = token_blocks(tok, text_eval, a.seq_len, max_blocks=a.eval_blocks)
+    if a.gradient_checkpointing:
+        enable_checkpointing(model)
     opt = torch.optim.AdamW(lora_parameters(model), lr=a.lr)
     g = torch.Generator().manual_seed(a.seed)
     model.train()
@@ -100,14 +118,17 @@ def main(argv: Optional[List[str]] = None) -> dict:
     train_s = time.perf_counter() - t0
     out = Path(a.out)
     adapter = save_mx_adapter(model, out / "adapter")
+    mlx_adapter = peft_to_mlx(adapter, a.mlx_adapter_path) if a.mlx_adapter_path else None
     rows = []
     for f in [canonical_name(x) for x in (a.eval_formats.split(",") if a.eval_formats else formats)]:
         set_base_format(model, f)
         rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32),
                      "perplexity": perplexity(model, held, desc=f"eval {f}")})
     summary = {"steps": a.steps, "schedule": a.schedule, "formats": formats, "train_seconds": train_s,
-               "s_per_step": train_s / max(a.steps, 1), "losses": losses, "peak_memory_mib": peak_memory_mib(),
-               "adapter": str(adapter), "eval": rows, **model.mx_qlora}
+               "s_per_step": train_s / max(a.steps, 1), "losses": losses,
+               "gradient_checkpointing": a.gradient_checkpointing, "peak_memory_mib": peak_memory_mib(),
+               "adapter": str(adapter), "mlx_adapter": mlx_adapter and str(mlx_adapter), "eval": rows,
+               **model.mx_qlora}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(format_table(rows, ["format", "bits/weight", "perplexity"]))
     print(f"steps={a.steps} ({summary['s_per_step']:.2f} s/step) peak memory={summary['peak_memory_mib']:.0f} MiB "

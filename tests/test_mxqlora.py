@@ -76,7 +76,61 @@ def test_cli_trains_and_reports(anchor, tmp_path):
     from mfqat.cli import main
 
     main(["mx-qlora", str(anchor), "--formats", "mxint8,mxint4", "--steps", "2", "--seq-len", "16",
-          "--batch-size", "2", "--eval-blocks", "2", "--lora-rank", "2", "--out", str(tmp_path / "o")])
+          "--batch-size", "2", "--eval-blocks", "2", "--lora-rank", "2", "--out", str(tmp_path / "o"),
+          "--mlx-adapter-path", str(tmp_path / "mlx")])
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert [r["format"] for r in s["eval"]] == ["mxint8", "mxint4"] and s["peak_memory_mib"] > 0
     assert (tmp_path / "o" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "mlx" / "adapters.safetensors").is_file() and s["mlx_adapter"] == str(tmp_path / "mlx")
+
+
+def test_building_never_allocates_a_float_copy_of_a_target_weight(anchor):
+    """The peak-memory property: targets go from the anchor's codes to packed layers directly
+    (the model is built on the meta device), so no float tensor of a target's shape is ever filled.
+    (accelerate's init_empty_weights creates each parameter with an uninitialized ``empty`` before
+    moving it to meta: those pages are never touched, so they are not counted.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {tuple(e["shape"]) for e in mfqat.read_anchor(anchor).meta["tensors"].values()}
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta \
+                        and tuple(t.shape) in shapes and not str(func).startswith("aten.empty"):
+                    made.append((str(func), tuple(t.shape)))
+            return out
+
+    with Record():
+        model = mx_qlora_model(anchor, rank=2)
+    assert not made, made[:3]
+    assert not [n for n, p in model.named_parameters() if p.is_meta]
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_gradients(anchor, monkeypatch):
+    from mfqat.mxqlora_train import enable_checkpointing
+
+    calls = []
+    weight_in = MXFrozenLinear.weight_in
+    monkeypatch.setattr(MXFrozenLinear, "weight_in", lambda self, *a: calls.append(1) or weight_in(self, *a))
+    x = torch.randint(0, 256, (2, 16))
+    grads, counts = [], []
+    for ckpt in (False, True):
+        calls.clear()
+        torch.manual_seed(0)
+        model = mx_qlora_model(anchor, rank=2)
+        with torch.no_grad():
+            for p in lora_parameters(model):
+                p.normal_(0, 0.1)  # B = 0 would make A's gradient vanish
+        if ckpt:
+            enable_checkpointing(model)
+        model.train()
+        set_base_format(model, "mxint4")
+        model(input_ids=x, labels=x).loss.backward()
+        grads.append([p.grad for p in lora_parameters(model)])
+        counts.append(len(calls))
+    n = sum(isinstance(m, MXFrozenLinear) for m in model.modules())
+    assert counts[1] >= counts[0] + n  # every layer's forward really runs again in backward
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
