@@ -32,12 +32,15 @@ def slice_and_scale(q: MXTensor, fmt: FormatLike, scale_rule: Optional[str] = No
     quantization of the anchor's (exactly) dequantized values under ceil, with ceil's overflow cap
     from ``q.dtype``: what train-through-anchor's second rounding computes. ``search`` picks each
     block's exponent by :func:`mfqat.quant.scale_search.mx_search_exponent` against the anchor's
-    values (``importance``: per input column, optional). The anchor's own format comes back
+    values (``importance``: per input column; default ``q.importance``, else plain squared error).
+    The anchor's own format comes back
     unchanged (its rule was chosen when it was quantized).
     """
     dst = get_format(fmt)
     check_sliceable(q.fmt, dst)
     rule = scale_rule or (q.slice_rules or {}).get(dst.name, "floor")
+    if rule == "search" and importance is None:
+        importance = q.importance
     if dst != q.fmt and (rule != "floor" or importance is not None):
         return _slice_by_rule(q, dst, rule, importance)
     if dst == q.fmt:

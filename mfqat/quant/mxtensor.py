@@ -27,6 +27,8 @@ class MXTensor:
         scale_rule: "floor", "ceil" or "search", how the MX scales were chosen.
         slice_rules: {format: rule} of an anchor's tensor: the scale rule of each lower format
             Slice-and-Scale gives (mfqat.quant.scale_rules; read from the anchor); None = floor.
+        importance: per input column (last axis), the weights of a ``search`` slice's error
+            (mfqat.quant.scale_search; set by ``export-mlx --scale-search``); None = plain MSE.
     """
 
     codes: torch.Tensor
@@ -37,6 +39,7 @@ class MXTensor:
     biases: Optional[torch.Tensor] = None
     scale_rule: str = "floor"
     slice_rules: Optional[Dict[str, str]] = None
+    importance: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
