@@ -139,7 +139,8 @@ def test_non_floor_rules_train_what_load_anchor_gives(formats, rules, tmp_path):
             got = model(ids).logits
             want = mfqat.load_anchor(anchor, fmt=f)(ids).logits
         assert torch.equal(got, want), f
-    floor_model = mfqat.prepare(tiny_llama(seed=1), QATConfig(formats=formats, schedule="joint"))
+    floor_model = mfqat.prepare(tiny_llama(seed=1), QATConfig(formats=formats, schedule="joint",
+                                                              scale_rules=dict.fromkeys(rules, "floor")))
     floor_model.load_state_dict(model.state_dict())
     for m in (model, floor_model):
         mfqat.set_format(m, formats[0])
