@@ -45,10 +45,10 @@ def block_weights(importance: Optional[torch.Tensor], k: int, block_size: int, d
 def block_error(blocks: torch.Tensor, fmt: ElementFormat, s: torch.Tensor,
                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per block: sum_j w_j (x_j - qdq_s(x)_j)^2 in float64 for shared exponents s (finite blocks)."""
-    y = blocks * exp2i(-s).unsqueeze(-1)
-    q, _ = mx_round_elements(torch.nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0), fmt)
-    deq = q.to(torch.float64) * exp2i(s).to(torch.float64).unsqueeze(-1)
-    err = (blocks.to(torch.float64) - deq).square()
+    q, _ = mx_round_elements(blocks * exp2i(-s).unsqueeze(-1), fmt)
+    # q * 2^s and x - q * 2^s are exact in float32 (q has at most 8 significant bits and lies within a
+    # few binades of x / 2^s, so the difference is a multiple of ulp(x) below 2|x|); squares and sums in float64
+    err = (blocks - q * exp2i(s).unsqueeze(-1)).to(torch.float64).square()
     if weights is not None:
         err = err * weights
     return err.sum(-1)
