@@ -8,7 +8,7 @@ import mfqat
 from mfqat.data import tiny_llama
 from mfqat.formats import get_format
 from mfqat.qat import QATConfig
-from mfqat.quant.reference import mx_dequantize_blocks, mx_encode_blocks, mx_shared_exponent, to_blocks
+from mfqat.quant.reference import mx_codes_to_values, mx_dequantize_blocks, mx_encode_blocks, mx_shared_exponent, to_blocks
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE, anchor_scale_rules, resolve_scale_rules
 from mfqat.quant.scale_search import mx_search_exponent, quantize_search
 from mfqat.slice import slice_and_scale
@@ -47,6 +47,7 @@ def test_search_blocks_are_legal_and_the_best_of_three(name, values, shift, weig
         assert int(codes.min()) >= f.code_min and int(codes.max()) <= f.code_max
     else:
         assert int(codes.min()) >= 0 and int(codes.max()) < 2 ** f.bits
+    assert float(mx_codes_to_values(q.codes, f).abs().max()) <= f.max_normal  # no NaN/Inf patterns
     got = _weighted_error(to_blocks(x, 32), to_blocks(q.dequantize(torch.float32), 32), imp)
     blocks = to_blocks(x, 32)
     s0, nonfinite = mx_shared_exponent(blocks, f)
