@@ -172,3 +172,30 @@ def test_mlx_layer_follows_the_rules_as_torch():
     want = mfqat.fake_quantize(mfqat.fake_quantize(w, "mxfp8"), "mxfp4", scale_rule="ceil")
     floor = mfqat.fake_quantize(mfqat.fake_quantize(w, "mxfp8"), "mxfp4")
     assert np.array_equal(got, want.numpy()) and not torch.equal(want, floor)
+
+
+def test_mlx_trained_anchor_records_and_slices_with_the_rules(tmp_path):
+    """An MLX MF-QAT model saved as an anchor records its rules; PyTorch's load_anchor(fmt) then gives
+    exactly the MLX training forward's weight in that format."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    import numpy as np
+
+    from mfqat.data import tiny_tokenizer
+    from mfqat.mlx.anchor import save_anchor as mlx_save_anchor
+    from mfqat.mlx.models import load_for_training
+    from mfqat.mlx.qat import prepare as mlx_prepare, qat_layers, set_format as mlx_set_format
+
+    tok = tiny_tokenizer()
+    src = tmp_path / "hf"
+    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(src, safe_serialization=True)
+    tok.save_pretrained(src)
+    model, _, src_dir = load_for_training(str(src))
+    mlx_prepare(model, QATConfig(formats=["mxint3", "mxint8"], scale_rules={"mxint3": "ceil"}))
+    mlx_save_anchor(model, tmp_path / "a", "mxint8", source_dir=src_dir)
+    assert mfqat.anchor.read_meta(tmp_path / "a")["scale_rules"]["mxint3"] == "ceil"
+    mlx_set_format(model, "mxint3")
+    name = "model.layers.1.mlp.down_proj"
+    got = np.array(dict(qat_layers(model))[name].quantized_weight())
+    want = mfqat.load_anchor(tmp_path / "a", fmt="mxint3").get_submodule(name).weight.detach().numpy()
+    assert np.array_equal(got, want)
