@@ -79,12 +79,12 @@ def main() -> None:
     if "fp" not in cache:
         cache["fp"] = {t: perplexity(model, b) for t, b in held.items()}
     rules = {"direct": a.rules.split(","), "slice": a.slice_rules.split(",")}
-    # floor/ceil first, then the searches (minutes each): the cache keeps partial runs. No slice of an
+    # floor/ceil first, then the searches (minutes each, fewest bits first): the cache keeps partial runs. No slice of an
     # anchor to itself, no search at 8 bits (every rule is within noise of fp there).
     order = {"floor": 0, "ceil": 0, "output": 1, "mse": 2}
     points = sorted([(f, r, path) for path in ("direct", "slice") for f in a.formats.split(",") for r in rules[path]
                      if not (f in ANCHOR.values() and (path == "slice" or r in ("mse", "output")))],
-                    key=lambda p: order.get(p[1], 3))
+                    key=lambda p: (order.get(p[1], 3), order.get(p[1], 3) and get_format(p[0]).bits))  # low bits first
     for f, r, path in progress(points, desc="scale rules"):
         key = f"{f}|{r}|{path}"
         if key in cache:
