@@ -199,3 +199,25 @@ def test_mlx_trained_anchor_records_and_slices_with_the_rules(tmp_path):
     got = np.array(dict(qat_layers(model))[name].quantized_weight())
     want = mfqat.load_anchor(tmp_path / "a", fmt="mxint3").get_submodule(name).weight.detach().numpy()
     assert np.array_equal(got, want)
+
+
+def test_anchor_without_recorded_rules_slices_with_floor(tmp_path):
+    """An anchor from before per-format rules (no ``scale_rules`` in mfqat.json) lowers with floor."""
+    import json
+
+    from mfqat.manifest import seal
+
+    model = tiny_llama(seed=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + torch.rand_like(p) * 3)
+    path = mfqat.save_anchor(model, tmp_path / "a", "mxint8", scale_rules={"mxint3": "ceil"})
+    w = model.model.layers[0].mlp.down_proj.weight.detach()
+    ceil = mfqat.quantize(mfqat.quantize(w, "mxint8").dequantize(), "mxint3", scale_rule="ceil").dequantize()
+    assert torch.equal(mfqat.load_anchor(path, "mxint3").model.layers[0].mlp.down_proj.weight, ceil)
+    meta = json.loads((path / "mfqat.json").read_text())
+    del meta["scale_rules"]
+    (path / "mfqat.json").write_text(json.dumps(seal(meta, path, "mfqat.json")))
+    floor = mfqat.slice_and_scale(mfqat.quantize(w, "mxint8"), "mxint3", "floor").dequantize()
+    assert not torch.equal(ceil, floor)
+    assert torch.equal(mfqat.load_anchor(path, "mxint3").model.layers[0].mlp.down_proj.weight, floor)
