@@ -64,9 +64,13 @@ def main() -> None:
     p.add_argument("--slice-rules", default="floor,ceil,output",
                    help="rules of the Slice-and-Scale path (mse there: add it, ~1 min of search per point)")
     p.add_argument("--out", default="out/scale_rule")
+    p.add_argument("--report-only", action="store_true", help="tables and plot from the cache (a partial run)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    cache_path = out / "scale_rule.json"
+    if a.report_only:
+        return report(json.loads(cache_path.read_text()), a, out)
     torch.manual_seed(0)
     model, tok = load_model(None)
     held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
@@ -74,10 +78,10 @@ def main() -> None:
     names = targets(model)
     imp = importance_matrix(model, calibration_blocks(tok, n_blocks=a.calib_blocks, seq_len=a.seq_len))
     fp = {n: model.get_submodule(n).weight.detach().clone() for n in names}
-    cache_path = out / "scale_rule.json"
     cache: Dict[str, dict] = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     if "fp" not in cache:
         cache["fp"] = {t: perplexity(model, b) for t, b in held.items()}
+        cache["tokens"] = {t: list(b.shape) for t, b in held.items()}
     rules = {"direct": a.rules.split(","), "slice": a.slice_rules.split(",")}
     # floor/ceil first, then the searches (minutes each, fewest bits first): the cache keeps partial runs. No slice of an
     # anchor to itself, no search at 8 bits (every rule is within noise of fp there).
@@ -118,7 +122,8 @@ def report(cache: Dict[str, dict], a, out: Path) -> None:
                     continue
                 best = min((v, r) for r, v in vals.items() if v is not None)[1]
                 rows.append({"format": f, "path": path, **vals, "best": best})
-        print(f"\n{text} perplexity (fp {cache['fp'][text]:.3f}), {a.blocks} x {a.seq_len} tokens")
+        n, seq = cache.get("tokens", {}).get(text, ("?", "?"))
+        print(f"\n{text} perplexity (fp {cache['fp'][text]:.3f}), {n} x {seq} tokens")
         print(format_table(rows, ["format", "path", *rules, "best"]))
         labels = [f"{r['format']}\n{r['path']}" for r in rows]
         for i, rule in enumerate(rules):
