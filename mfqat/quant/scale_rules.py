@@ -18,9 +18,16 @@ from typing import Dict, Mapping, Optional
 from ..formats import FORMATS, canonical_name, get_format
 from .reference import SCALE_RULES
 
-# Measured defaults (scripts/bench_scale_rule.py): only formats where the rule beat floor on BOTH
-# held-out texts, direct and via Slice-and-Scale, are listed.
-DEFAULT_SCALE_RULE: Dict[str, str] = {}
+# Measured defaults (scripts/bench_scale_rule.py, BENCHMARKS.md "Scale rules"): a format is listed only
+# where its rule beat floor on BOTH held-out texts, direct and via Slice-and-Scale, by a clear margin.
+# mxfp4: ceil 26.5 / 33.6 vs floor 29.1 / 36.5 direct, 24.8 / 25.8 vs 28.5 / 28.9 sliced (pydoc / licence).
+# Floor kept: every MXINT format (ceil is worse: mxint4 33.6 vs 26.6, mxint3 2503 vs 488); mxfp8_e4m3 and
+# mxfp6_e2m3 (ceil ahead by 0.2-2.7% direct, identical when sliced from a floor MXFP8 anchor).
+DEFAULT_SCALE_RULE: Dict[str, str] = {"mxfp4_e2m1": "ceil"}
+
+# Formats whose output-aware scale search (export-mlx --scale-search) beat the default rule on both texts
+# when lowering an MXINT8 anchor (mxint3: 94 / 136 vs 464 / 692); MXFP formats lost to theirs.
+SCALE_SEARCH_FORMATS = ("mxint6", "mxint5", "mxint4", "mxint3")
 
 MX_FORMATS = tuple(name for name, f in FORMATS.items() if f.is_mx)
 
