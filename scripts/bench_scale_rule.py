@@ -11,7 +11,7 @@ them to the family's anchor (mxint8 / mxfp8_e4m3, floor) and lowers the anchor w
 calibration uses: the pydoc held-out split and numpy's licence. Writes a JSON cache (resumable), a
 Markdown table and a PNG.
 
-    flock /tmp/heavy.lock nice python scripts/bench_scale_rule.py   # ~45 min on 2 busy cores
+    flock /tmp/heavy.lock nice python scripts/bench_scale_rule.py   # ~6 min on 2 cores
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--slice-rules", default="floor,ceil,output",
-                   help="rules of the Slice-and-Scale path (mse there: add it, ~1 min of search per point)")
+                   help="rules of the Slice-and-Scale path (add mse to search there too)")
     p.add_argument("--out", default="out/scale_rule")
     p.add_argument("--report-only", action="store_true", help="tables and plot from the cache (a partial run)")
     a = p.parse_args()
