@@ -40,7 +40,7 @@ from .quant.api import quantize
 from .sharded import unique_state_dict
 from .quant.mxtensor import MXTensor
 from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
-from .quant.scale_rules import anchor_scale_rules, recorded_scale_rules, resolve_scale_rules
+from .quant.scale_rules import anchor_rules, anchor_scale_rules
 from .slice import slice_and_scale
 
 META_FILE = "mfqat.json"
@@ -175,11 +175,9 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
     A sharded (FSDP2) model needs ``state_dict``: its full state dict, gathered on every rank by
     :func:`mfqat.sharded.full_state_dict`.
 
-    Scale rules (mfqat.quant.scale_rules): the per-format table is ``scale_rules`` if given, else a
-    prepared model's (its QATConfig's), else the measured defaults (``scale_rule`` floor) or
-    ``scale_rule`` for every format; a non-floor ``scale_rule`` also sets the anchor format's own
-    rule. The anchor is quantized with its format's rule and records the table of its family
-    (``scale_rules`` in mfqat.json and config.json), which ``load_anchor`` slices with.
+    Scale rules: ``scale_rules`` if given, else a prepared model's, else the measured defaults; the
+    anchor is quantized with its format's rule and records its family's table, which ``load_anchor``
+    slices with (:func:`mfqat.quant.scale_rules.anchor_rules`).
     """
     f = get_format(fmt)
     if not f.is_mx:
@@ -192,10 +190,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
         targets = prepared or default_targets(model, block_size)
         block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
     model_rules = next((m.scale_rules for _, m in qat_modules(model) if m.scale_rules), None)
-    rules = resolve_scale_rules(scale_rule, scale_rules if scale_rules is not None else model_rules)
-    if scale_rule != "floor":
-        rules[f.name] = scale_rule
-    recorded = recorded_scale_rules(rules, f.name)
+    recorded = anchor_rules(f.name, scale_rule, scale_rules if scale_rules is not None else model_rules)
     scale_rule = recorded[f.name]
     tensors, entries = _quantize_all(sd, targets, f, block_size, scale_rule)
     missing = [t for t in targets if t not in entries and t not in tied]

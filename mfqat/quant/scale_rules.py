@@ -72,6 +72,17 @@ def recorded_scale_rules(rules: Mapping[str, str], anchor_format: str) -> Dict[s
             if FORMATS[name].family == a.family and FORMATS[name].bits <= a.bits}
 
 
+def anchor_rules(anchor_format: str, scale_rule: str = "floor",
+                 table: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """What ``save_anchor`` records: ``table`` (a prepared model's or the caller's, else the measured
+    defaults; ``scale_rule`` as in :func:`resolve_scale_rules`), with a non-floor ``scale_rule`` also
+    setting the anchor format's own rule, cut to the anchor's family (:func:`recorded_scale_rules`)."""
+    rules = resolve_scale_rules(scale_rule, table)
+    if scale_rule != "floor":
+        rules[get_format(anchor_format).name] = scale_rule
+    return recorded_scale_rules(rules, anchor_format)
+
+
 def anchor_scale_rules(meta: Mapping) -> Dict[str, str]:
     """The rules an anchor's formats are sliced with: its ``scale_rules`` (mfqat.json), or, for an
     anchor written before per-format rules (none recorded), floor for every lower format (what
