@@ -12,6 +12,8 @@ _PUBLIC = {
     ".formats": ["ALIASES", "FORMATS", "ElementFormat", "get_format", "known_formats"],
     ".quant": ["MXTensor", "dequantize", "fake_quantize", "quantize"],
     ".slice": ["slice_and_scale"],
+    ".quant.scale_search": ["quantize_search"],
+    ".quant.scale_rules": ["DEFAULT_SCALE_RULE"],
     ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare", "clip_rates"],
     ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
@@ -25,7 +27,7 @@ __all__ = [
     "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
     "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter", "peft_to_mlx",
-    "register_hf_quantizer", "clip_rates",
+    "register_hf_quantizer", "clip_rates", "quantize_search", "DEFAULT_SCALE_RULE",
 ]
 
 

@@ -40,6 +40,7 @@ from .quant.api import quantize
 from .sharded import unique_state_dict
 from .quant.mxtensor import MXTensor
 from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
+from .quant.scale_rules import anchor_rules, anchor_scale_rules
 from .slice import slice_and_scale
 
 META_FILE = "mfqat.json"
@@ -73,7 +74,7 @@ class Anchor:
         check_reachable(self.format, fmt, name=str(self.path))
         if is_derived(fmt):
             return {k: derive_affine(q.dequantize(torch.float32), fmt, group_size) for k, q in self.quantized.items()}
-        return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}
+        return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}  # the recorded scale rules
 
     def state_dict(self, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32,
                    group_size: int = DERIVED_GROUP_SIZE) -> Dict[str, torch.Tensor]:
@@ -164,7 +165,8 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
                 block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
                 step: Optional[int] = None, schedule: Optional[dict] = None,
                 max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
-                state_dict: Optional[Dict[str, torch.Tensor]] = None) -> Path:
+                state_dict: Optional[Dict[str, torch.Tensor]] = None,
+                scale_rules: Optional[Dict[str, str]] = None) -> Path:
     """Write an anchor checkpoint (atomic: a crash never leaves a half anchor that loads).
 
     Quantizes the MF-QAT modules' master weights of a prepared model, or (plain model,
@@ -172,6 +174,10 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
     non-empty ``path`` is refused unless ``overwrite`` and it is an anchor (mfqat.io.atomic_directory).
     A sharded (FSDP2) model needs ``state_dict``: its full state dict, gathered on every rank by
     :func:`mfqat.sharded.full_state_dict`.
+
+    Scale rules: ``scale_rules`` if given, else a prepared model's, else the measured defaults; the
+    anchor is quantized with its format's rule and records its family's table, which ``load_anchor``
+    slices with (:func:`mfqat.quant.scale_rules.anchor_rules`).
     """
     f = get_format(fmt)
     if not f.is_mx:
@@ -183,6 +189,9 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
         prepared = [f"{n}.weight" for n, m in qat_modules(model)]
         targets = prepared or default_targets(model, block_size)
         block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
+    model_rules = next((m.scale_rules for _, m in qat_modules(model) if m.scale_rules), None)
+    recorded = anchor_rules(f.name, scale_rule, scale_rules if scale_rules is not None else model_rules)
+    scale_rule = recorded[f.name]
     tensors, entries = _quantize_all(sd, targets, f, block_size, scale_rule)
     missing = [t for t in targets if t not in entries and t not in tied]
     if missing:
@@ -191,13 +200,14 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
     with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
         config = getattr(model, "config", None)
         if config is not None:
-            write_anchor_config(config, tmp, f.name, block_size, scale_rule)
+            write_anchor_config(config, tmp, f.name, block_size, scale_rule, recorded)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_model_card(tmp, "anchor", getattr(config, "_name_or_path", None) or None, [f.name], name=Path(path).name)
         files = write_safetensors(tmp, tensors, max_shard_bytes)
         meta = {"format_version": ANCHOR_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
-                "block_size": block_size, "scale_rule": scale_rule, "tensors": entries, "tied": tied,
+                "block_size": block_size, "scale_rule": scale_rule, "scale_rules": recorded,
+                "tensors": entries, "tied": tied,
                 "full_precision": fp, "schedule": schedule, "step": step,
                 "files": {name: sha256_file(tmp / name) for name in files}}
         write_json(tmp / META_FILE, seal(meta, tmp, META_FILE))
@@ -245,6 +255,7 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
     raw, origin = _parse_weights(snap, meta, verify)
     anchor = Anchor(snap.path, meta, config=config)
     bs = meta["block_size"]
+    rules = anchor_scale_rules(meta)
     for k, e in meta["tensors"].items():
         if f"{k}.codes" not in raw or f"{k}.scales" not in raw:
             raise AnchorError(f"{snap.path}: tensor {k}: codes or scales missing from the weight files")
@@ -253,6 +264,7 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
         check_quantized(k, codes, scales, e, f.bits, bs, str(snap.path / origin[f"{k}.codes"]))
         anchor.quantized[k] = MXTensor.unpack(codes, scales, f, bs, tuple(e["shape"]),
                                               TENSOR_DTYPES[e.get("dtype", "float32")], scale_rule=meta["scale_rule"])
+        anchor.quantized[k].slice_rules = rules
     anchor.plain = raw
     return anchor
 

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 QUANT_METHOD = "mfqat"
 
 
-def quantization_config(fmt: str, block_size: int, scale_rule: str) -> dict:
-    """The ``quantization_config`` entry of an anchor's config.json."""
+def quantization_config(fmt: str, block_size: int, scale_rule: str,
+                        scale_rules: Optional[Dict[str, str]] = None) -> dict:
+    """The ``quantization_config`` entry of an anchor's config.json (``scale_rules``: the rule each
+    lower format is sliced with, mfqat.quant.scale_rules)."""
     from . import __version__
 
-    return {"quant_method": QUANT_METHOD, "format": fmt, "block_size": block_size, "scale_rule": scale_rule,
-            "mfqat_version": __version__}
+    out = {"quant_method": QUANT_METHOD, "format": fmt, "block_size": block_size, "scale_rule": scale_rule,
+           "mfqat_version": __version__}
+    if scale_rules:
+        out["scale_rules"] = dict(scale_rules)
+    return out
 
 
-def write_anchor_config(config, folder: Path, fmt: str, block_size: int, scale_rule: str) -> None:
+def write_anchor_config(config, folder: Path, fmt: str, block_size: int, scale_rule: str,
+                        scale_rules: Optional[Dict[str, str]] = None) -> None:
     """Save the model's HF ``config`` into ``folder``, marked as an mfqat anchor (see module docstring)."""
     config.save_pretrained(folder)
     path = Path(folder) / "config.json"
@@ -30,7 +36,7 @@ def write_anchor_config(config, folder: Path, fmt: str, block_size: int, scale_r
     data.pop("quantization_config", None)
     if "use_cache" in data or "text_config" not in data:
         data["use_cache"] = True
-    data["quantization_config"] = quantization_config(fmt, block_size, scale_rule)
+    data["quantization_config"] = quantization_config(fmt, block_size, scale_rule, scale_rules)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 

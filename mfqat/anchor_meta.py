@@ -15,6 +15,7 @@ import torch
 from .formats import get_format
 from .manifest import AnchorError, check_digests, check_name
 from .quant.reference import SCALE_RULES
+from .quant.scale_rules import check_scale_rules
 
 ANCHOR_FORMAT_VERSION = 2
 TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -72,6 +73,11 @@ def validate_meta(meta: dict, where: str) -> dict:
     block = _int(meta.get("block_size"), f"{where}: field 'block_size'")
     if meta.get("scale_rule") not in SCALE_RULES:
         raise AnchorError(f"{where}: field 'scale_rule': {meta.get('scale_rule')!r} is not one of {SCALE_RULES}")
+    if meta.get("scale_rules") is not None:
+        try:
+            check_scale_rules(meta["scale_rules"], "field 'scale_rules'")
+        except ValueError as e:
+            raise AnchorError(f"{where}: {e}") from None
     tensors = meta.get("tensors")
     if not isinstance(tensors, dict):
         raise AnchorError(f"{where}: field 'tensors': expected an object, got {type(tensors).__name__}")

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
     x.add_argument("--imatrix-path", default=None, help="with --awq: a llama.cpp importance-matrix GGUF "
                    "(llama-imatrix -o imatrix.gguf, as Unsloth publishes) instead of calibrating on --calib-text")
+    x.add_argument("--scale-search", action="store_true", help="output-aware per-block MX scale choice when "
+                   "lowering the anchor to mxint6..mxint3 (importance-weighted error, calibrated on --calib-text; "
+                   "docs/numerics.md)")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="MLX affine scales/biases; auto: as mlx_lm.convert writes for the model (bfloat16 for a "
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")

@@ -106,7 +106,7 @@ def export(a: argparse.Namespace) -> None:
     calib = load_text(a.calib_text) if a.calib_text else None
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
-                 imatrix_path=a.imatrix_path)
+                 imatrix_path=a.imatrix_path, scale_search=a.scale_search)
     v = rep.get("verify", {})
     print(f"wrote {a.out}: recipe {a.recipe}, nominal {rep['bits_per_weight']:.3f} bits/weight, stored "
           f"{rep['stored_bits_per_weight']:.3f} bits/weight on disk ({rep['stored_bits_per_weight_quantized']:.3f} "

@@ -13,6 +13,8 @@ which equals ``s_high + emax_high - emax_low`` for every block that was not clam
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .formats import FormatLike, check_sliceable, get_format  # noqa: F401 (check_sliceable re-exported)
@@ -21,10 +23,26 @@ from .quant.reference import (E8M0_BIAS, E8M0_NAN, exp2i, floor_log2, mx_codes_t
                               mx_round_elements, mx_values_to_codes)
 
 
-def slice_and_scale(q: MXTensor, fmt: FormatLike) -> MXTensor:
-    """Convert an MX tensor to a lower format of its family (see module docs); exact and vectorised."""
+def slice_and_scale(q: MXTensor, fmt: FormatLike, scale_rule: Optional[str] = None,
+                    importance: Optional[torch.Tensor] = None) -> MXTensor:
+    """Convert an MX tensor to a lower format of its family (see module docs); exact and vectorised.
+
+    ``scale_rule``: the lower format's rule (default: ``q.slice_rules[fmt]``, recorded in the anchor,
+    else floor). ``floor`` is the shift/re-rounding above. ``ceil`` gives, bit for bit, direct
+    quantization of the anchor's (exactly) dequantized values under ceil, with ceil's overflow cap
+    from ``q.dtype``: what train-through-anchor's second rounding computes. ``search`` picks each
+    block's exponent by :func:`mfqat.quant.scale_search.mx_search_exponent` against the anchor's
+    values (``importance``: per input column; default ``q.importance``, else plain squared error).
+    The anchor's own format comes back
+    unchanged (its rule was chosen when it was quantized).
+    """
     dst = get_format(fmt)
     check_sliceable(q.fmt, dst)
+    rule = scale_rule or (q.slice_rules or {}).get(dst.name, "floor")
+    if rule == "search" and importance is None:
+        importance = q.importance
+    if dst != q.fmt and (rule != "floor" or importance is not None):
+        return _slice_by_rule(q, dst, rule, importance)
     if dst == q.fmt:
         return MXTensor(q.codes.clone(), q.scales.clone(), dst, q.block_size, q.dtype, None, q.scale_rule)
     bs = q.block_size
@@ -67,3 +85,22 @@ def double_rounding_fraction(x: torch.Tensor, anchor_fmt: FormatLike, fmt: Forma
     sliced = slice_and_scale(quantize(x, anchor_fmt, block_size), fmt).dequantize(torch.float32)
     direct = quantize(x, fmt, block_size).dequantize(torch.float32)
     return (sliced != direct).float().mean().item()
+
+
+
+def _slice_by_rule(q: MXTensor, dst, scale_rule: str, importance: Optional[torch.Tensor]) -> MXTensor:
+    """Slice-and-Scale whose lower exponents follow ``scale_rule`` (see :func:`slice_and_scale`)."""
+    from .quant.reference import SCALE_RULES, dtype_max_exponent, mx_encode_blocks, mx_shared_exponent
+    from .quant.scale_search import mx_search_exponent
+
+    if scale_rule not in (*SCALE_RULES, "search"):
+        raise ValueError(f"unknown scale_rule '{scale_rule}' for {dst.name}; choose one of {(*SCALE_RULES, 'search')}")
+    bs = q.block_size
+    blocks = q.dequantize(torch.float32).reshape(*q.shape[:-1], q.shape[-1] // bs, bs)  # exact
+    max_exp = dtype_max_exponent(q.dtype)
+    if scale_rule == "search":
+        s, nonfinite = mx_search_exponent(blocks, dst, importance, max_exp)
+    else:
+        s, nonfinite = mx_shared_exponent(blocks, dst, scale_rule, max_exp)
+    codes, scales = mx_encode_blocks(blocks, dst, s, nonfinite)
+    return MXTensor(codes.reshape(q.shape), scales, dst, bs, q.dtype, None, scale_rule)

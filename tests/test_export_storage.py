@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mfqat
+from mfqat.formats import get_format
 from mfqat.data import tiny_llama, tiny_tokenizer
 from mfqat.export import to_mlx
 
@@ -78,7 +79,8 @@ def test_mxfp_post_training_export_goes_through_an_mxfp8_anchor(tiny, tmp_path, 
             continue
         w = params[name].detach().float()
         if t["origin"] == "anchor":  # decoder Linear: Slice-and-Scale of the MXFP8 PTQ anchor
-            q = mfqat.slice_and_scale(mfqat.quantize(w, "mxfp8_e4m3", 32), t["source"])
+            rule = mfqat.DEFAULT_SCALE_RULE.get(get_format(t["source"]).name, "floor")  # the anchor's recorded rule
+            q = mfqat.slice_and_scale(mfqat.quantize(w, "mxfp8_e4m3", 32), t["source"], rule)
         else:  # the (tied) embedding the anchor keeps in full precision: quantized directly
             q = mfqat.quantize(w, t["source"], 32)
         want = q.dequantize(torch.float32).numpy()

@@ -92,6 +92,8 @@ def test_paths_are_confined_to_the_anchor(copy, tmp_path):
     ("format_version", 0, "format_version"), ("format_version", -1, "format_version"),
     ("format_version", "1", "format_version.*integer"), ("block_size", 0, "block_size"),
     ("block_size", "32", "block_size"), ("files", None, "files"), ("scale_rule", "round", "scale_rule"),
+    ("scale_rules", {"mxint4": "round"}, "scale_rules.*unknown scale rule"),
+    ("scale_rules", {"nf4": "ceil"}, "scale_rules.*not an MX format"), ("scale_rules", [], "scale_rules.*mapping"),
 ])
 def test_malformed_fields_name_file_and_field(copy, field, value, why):
     meta = meta_of(copy)

@@ -144,7 +144,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
            group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
-           imatrix_path: Optional[str] = None) -> dict:
+           imatrix_path: Optional[str] = None, scale_search: bool = False) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -156,7 +156,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
     folder whose tokenizer files are copied instead of the source's (for an anchor saved without one).
     ``imatrix_path``: with ``awq``, a llama.cpp imatrix GGUF used instead of calibrating on ``calib_text``.
-    Returns the report.
+    ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
+    ``calib_text`` (mfqat.export.scale_search). Returns the report.
     """
     import time
 
@@ -180,6 +181,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                               "(tokenizer=..., mfqat export-mlx --tokenizer DIR)")
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
+        if scale_search:
+            from .scale_search import apply_scale_search
+            report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config

@@ -69,5 +69,6 @@ def save_anchor(model: nn.Module, path: Union[str, Path], fmt: str = "mxint8",
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(source_dir))
+    rules = next((dict(m.scale_rules) for _, m in qat_layers(model) if m.scale_rules), None)
     return torch_save_anchor(tmodel, path, fmt, hf_tokenizer(tok) if tok is not None else None, block_size=block_size,
-                             targets=targets, step=step, schedule=schedule, overwrite=overwrite)
+                             targets=targets, step=step, schedule=schedule, overwrite=overwrite, scale_rules=rules)

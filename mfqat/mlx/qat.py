@@ -6,6 +6,7 @@ Targets, exclusions, per-layer format sets and schedules come from :class:`mfqat
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -16,12 +17,16 @@ from ..derive import DERIVED_GROUP_SIZE, is_derived
 from ..formats import canonical_name
 from ..qat.config import QATConfig
 from ..qat.schedules import Schedule
+from ..quant.scale_rules import resolve_scale_rules, rule_of
 from .observers import WindowMinMaxObserver
 from .quant import fake_quantize
 
 
 class MFQATLinear(nn.Module):
     """``nn.Linear`` whose weight is fake-quantized in the active format (None = full precision).
+
+    ``scale_rules``: {format: rule} set by :func:`prepare` (a read-only mapping, so MLX does not
+    take it for a parameter tree); None = ``scale_rule`` (floor for the second rounding).
 
     Holds the full-precision master weight (and bias) as its parameters, under the same names as
     ``nn.Linear``, so checkpoints and LoRA wrapping see an ordinary linear layer.
@@ -39,6 +44,7 @@ class MFQATLinear(nn.Module):
         self.anchor_format = anchor_format
         self.affine_group_size = affine_group_size
         self.fmt: Optional[str] = None
+        self.scale_rules: Optional[MappingProxyType] = None
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, block_size: int = 32, scale_rule: str = "floor",
@@ -56,13 +62,15 @@ class MFQATLinear(nn.Module):
 
     def quantized_weight(self) -> mx.array:
         """The weight as the forward pass sees it (through the anchor when ``anchor_format`` is
-        set: ``qdq_f(qdq_anchor(W))``, as the PyTorch module)."""
+        set: ``qdq_f(qdq_anchor(W))``, as the PyTorch module; each format's rule from ``scale_rules``)."""
         if self.fmt is None:
             return self.weight
+        rules = self.scale_rules
         if self.anchor_format is None:
-            return self._qdq(self.weight, self.fmt, self.scale_rule)
-        w = fake_quantize(self.weight, self.anchor_format, self.block_size, self.scale_rule)
-        return w if self.fmt == self.anchor_format else self._qdq(w, self.fmt, "floor")
+            return self._qdq(self.weight, self.fmt, rule_of(rules, self.fmt, self.scale_rule))
+        w = fake_quantize(self.weight, self.anchor_format, self.block_size,
+                          rule_of(rules, self.anchor_format, self.scale_rule))
+        return w if self.fmt == self.anchor_format else self._qdq(w, self.fmt, rule_of(rules, self.fmt))
 
     def _qdq(self, w: mx.array, fmt: str, scale_rule: str) -> mx.array:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
@@ -140,6 +148,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
             continue
         anchor = config.anchor_format if config.through_anchor else None
         layer = MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor, config.affine_group_size)
+        layer.scale_rules = MappingProxyType(resolve_scale_rules(config.scale_rule, config.scale_rules))
         if config.activation_observer:
             layer.act_observer = WindowMinMaxObserver(width, config.observer_window)
         swaps.append((name, layer))

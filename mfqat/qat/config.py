@@ -14,6 +14,7 @@ import math
 from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
 from ..formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
 from ..quant.reference import SCALE_RULES
+from ..quant.scale_rules import check_scale_rules
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
 DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
@@ -158,7 +159,13 @@ class QATConfig:
             (mfqat/qat/observers.py). Applied while a weight format is active, as activation_format;
             exclusive with quantize_activations. The window is not in the state_dict.
         observer_window: the window length in training forwards (joint: one per format).
-        scale_rule: floor (OCP) or ceil.
+        scale_rule: floor (OCP) or ceil: how an MX block's shared exponent is chosen, floor =
+            floor(log2 amax) - emax (the block maximum may saturate), ceil = the smallest exponent at
+            which nothing saturates. With floor (the default) each format takes its measured default
+            (mfqat.quant.scale_rules.DEFAULT_SCALE_RULE, floor where none is listed); ceil applies ceil
+            to every format.
+        scale_rules: {format: floor | ceil} overriding the rule per format (both roundings of
+            train-through-anchor follow it; the anchor records it and Slice-and-Scale on load uses it).
         seed: for the random schedule.
         repeats: ramps of the progressive schedule.
         layer_formats: {regex: [formats]} per-layer format sets (same schedule kind).
@@ -193,6 +200,7 @@ class QATConfig:
     activation_observer: Optional[str] = None
     observer_window: int = 64
     scale_rule: str = "floor"
+    scale_rules: Dict[str, str] = field(default_factory=dict)
     seed: int = 0
     repeats: int = 1
     layer_formats: Dict[str, List[str]] = field(default_factory=dict)
@@ -297,6 +305,10 @@ class QATConfig:
         _check_type("scale_rule", self.scale_rule, (str,), "a scale rule name")
         if self.scale_rule not in SCALE_RULES:
             _fail("scale_rule", f"unknown scale rule '{self.scale_rule}'; choose one of {SCALE_RULES}")
+        try:
+            self.scale_rules = check_scale_rules(self.scale_rules)
+        except ValueError as e:
+            _fail("scale_rules", str(e).removeprefix("scale_rules: "))
         _check_type("seed", self.seed, (int,), "an int")
         _check_type("repeats", self.repeats, (int,), "an int")
         if self.repeats < 1:

@@ -6,7 +6,7 @@ autocast and torch.compile see an ordinary Linear.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch import nn
 
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize
+from ..quant.scale_rules import rule_of
 
 
 class MFQATMixin:
@@ -25,6 +26,7 @@ class MFQATMixin:
     mask_saturated: bool
     anchor_format: Optional[str]
     affine_group_size: int = DERIVED_GROUP_SIZE  # group of the derived affine formats (mfqat.derive)
+    scale_rules: Optional[Dict[str, str]] = None  # {format: rule}, set by prepare (mfqat.quant.scale_rules)
 
     def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
                   anchor_format: Optional[str] = None) -> None:
@@ -40,18 +42,21 @@ class MFQATMixin:
 
         With an ``anchor_format`` (train-through-anchor) format f sees exactly what deployment
         gets by Slice-and-Scale of the anchor: ``qdq_f(qdq_anchor(W))`` (the second rounding uses
-        the floor rule, as Slice-and-Scale does); the gradient passes straight through both.
+        each format's rule from ``scale_rules``, as Slice-and-Scale on load); the gradient passes
+        straight through both.
         """
         w = self.weight  # type: ignore[attr-defined]
         fmt = self.fmt if fmt == "active" else fmt
         if fmt is None:
             return w
+        rules = self.scale_rules
         if self.anchor_format is None:
-            return self._qdq(w, fmt, self.scale_rule)
-        w = fake_quantize(w, self.anchor_format, self.block_size, self.scale_rule, self.mask_saturated)
+            return self._qdq(w, fmt, rule_of(rules, fmt, self.scale_rule))
+        w = fake_quantize(w, self.anchor_format, self.block_size, rule_of(rules, self.anchor_format, self.scale_rule),
+                          self.mask_saturated)
         if fmt == self.anchor_format:
             return w
-        return self._qdq(w, fmt, "floor")
+        return self._qdq(w, fmt, rule_of(rules, fmt))
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX

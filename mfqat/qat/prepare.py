@@ -8,6 +8,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from torch import nn
 
 from ..formats import canonical_name
+from ..quant.scale_rules import resolve_scale_rules
 from .config import QATConfig
 from .modules import MFQATEmbedding, MFQATLinear, MFQATMixin
 from .observers import make_observer
@@ -116,6 +117,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
                if is_linear else
                MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated, anchor))
         new.affine_group_size = config.affine_group_size
+        new.scale_rules = resolve_scale_rules(config.scale_rule, config.scale_rules)
         if is_linear and config.activation_observer:
             new.act_observer = make_observer(config.activation_observer, width, config.observer_window,
                                              m.weight.device)
@@ -146,6 +148,7 @@ def _wrap_tied_output(model: nn.Module, config: QATConfig, schedules: Dict[str, 
             head = next(n for n, x in model.named_modules() if x is out)
             new = MFQATLinear.from_linear(out, m.block_size, m.scale_rule, m.mask_saturated, None, m.anchor_format)
             new.affine_group_size = m.affine_group_size
+            new.scale_rules = m.scale_rules
             _set_submodule(model, head, new)
             schedules[head] = schedules[name]
             return

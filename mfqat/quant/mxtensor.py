@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,11 @@ class MXTensor:
         block_size: elements per block along the last axis.
         dtype: the original floating dtype (``dequantize()`` returns it by default).
         biases: affine biases (float32, same shape as scales), else None.
-        scale_rule: "floor" or "ceil", how the MX scales were chosen.
+        scale_rule: "floor", "ceil" or "search", how the MX scales were chosen.
+        slice_rules: {format: rule} of an anchor's tensor: the scale rule of each lower format
+            Slice-and-Scale gives (mfqat.quant.scale_rules; read from the anchor); None = floor.
+        importance: per input column (last axis), the weights of a ``search`` slice's error
+            (mfqat.quant.scale_search; set by ``export-mlx --scale-search``); None = plain MSE.
     """
 
     codes: torch.Tensor
@@ -34,6 +38,8 @@ class MXTensor:
     dtype: torch.dtype = torch.float32
     biases: Optional[torch.Tensor] = None
     scale_rule: str = "floor"
+    slice_rules: Optional[Dict[str, str]] = None
+    importance: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -64,7 +70,7 @@ class MXTensor:
         """Move codes and scales to a device."""
         b = None if self.biases is None else self.biases.to(device)
         return MXTensor(self.codes.to(device), self.scales.to(device), self.fmt, self.block_size,
-                        self.dtype, b, self.scale_rule)
+                        self.dtype, b, self.scale_rule, self.slice_rules)
 
     def __repr__(self) -> str:
         return (f"MXTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "

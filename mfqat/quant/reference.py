@@ -149,6 +149,13 @@ def mx_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str
     ``max_exp``: :func:`dtype_max_exponent` of the dtype the blocks came from (the ceil cap).
     """
     s, nonfinite = mx_shared_exponent(blocks, fmt, scale_rule, max_exp)
+    return mx_encode_blocks(blocks, fmt, s, nonfinite)
+
+
+def mx_encode_blocks(blocks: torch.Tensor, fmt: ElementFormat, s: torch.Tensor, nonfinite: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float32 blocks and given shared exponents s (int32 in [-127, 127], one per block) -> (codes,
+    E8M0 bytes); any exponent is a legal MX block (elements beyond the grid saturate)."""
     y = blocks * exp2i(-s).unsqueeze(-1)
     y = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(y), y)
     q, _ = mx_round_elements(y, fmt)

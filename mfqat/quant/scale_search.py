@@ -1,0 +1,97 @@
+"""Per-block scale search: the MX shared exponent with the lowest (importance-weighted) squared error.
+
+Any E8M0 exponent is a legal MX block, so besides the OCP floor exponent s0 = floor(log2 amax) - emax
+a block may take s0 - 1 (finer grid, the largest elements saturate) or s0 + 1 (the ceil side, coarser
+grid, nothing saturates). :func:`mx_search_exponent` tries ``s0 + d`` for d in ``offsets`` and keeps,
+per block, the one whose dequantized block has the lowest error
+
+    err(s) = sum_j w_j * (x_j - qdq_s(x)_j)^2,     w_j = importance of input column j (or 1),
+
+computed in float64, with ties (and all-zero or non-finite blocks) kept at floor; so the chosen
+block's error is never above floor's. With ``importance`` = the mean squared input activation per
+input channel (what ``--awq`` measures, mfqat.export.awq.importance_matrix) the error is the expected
+squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
+
+This is a reference (pure PyTorch) path for post-training quantization and export; it has no C++ or
+Triton kernel and training does not use it (docs/numerics.md, "Scale rules").
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..formats import ElementFormat, FormatLike, get_format
+from .mxtensor import MXTensor
+from .reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_elements, mx_shared_exponent,
+                        to_blocks)
+
+SEARCH_OFFSETS: Tuple[int, ...] = (-1, 1)
+
+
+def block_weights(importance: Optional[torch.Tensor], k: int, block_size: int, device) -> Optional[torch.Tensor]:
+    """Importance per input column (shape (k,)) as float64 (k // block_size, block_size) weights."""
+    if importance is None:
+        return None
+    imp = importance.detach().to(device=device, dtype=torch.float64).reshape(-1)
+    if imp.numel() != k:
+        raise ValueError(f"importance has {imp.numel()} entries but the tensor's last axis has {k}; pass the "
+                         f"importance of this layer's input channels")
+    if not torch.isfinite(imp).all() or (imp < 0).any():
+        raise ValueError("importance must be finite and non-negative (a mean squared activation per channel)")
+    return imp.reshape(k // block_size, block_size)
+
+
+def block_error(blocks: torch.Tensor, fmt: ElementFormat, s: torch.Tensor,
+                weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per block: sum_j w_j (x_j - qdq_s(x)_j)^2 in float64 for shared exponents s (finite blocks)."""
+    q, _ = mx_round_elements(blocks * exp2i(-s).unsqueeze(-1), fmt)
+    # q * 2^s and x - q * 2^s are exact in float32 (q has at most 8 significant bits and lies within a
+    # few binades of x / 2^s, so the difference is a multiple of ulp(x) below 2|x|); squares and sums in float64
+    err = (blocks - q * exp2i(s).unsqueeze(-1)).to(torch.float64).square()
+    if weights is not None:
+        err = err * weights
+    return err.sum(-1)
+
+
+def mx_search_exponent(blocks: torch.Tensor, fmt: ElementFormat, importance: Optional[torch.Tensor] = None,
+                       max_exp: int = 127, offsets: Sequence[int] = SEARCH_OFFSETS
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Shared exponent per block by search (see module docs) and the mask of non-finite blocks.
+
+    ``blocks``: float32 (..., n_blocks, block_size) whose last two axes are one row's input columns;
+    ``importance``: (n_blocks * block_size,) per input column, or None (plain squared error).
+    Candidates are clamped to [-127, min(127, max_exp - emax)] (ceil's overflow cap, so a finite
+    input stays finite).
+    """
+    s0, nonfinite = mx_shared_exponent(blocks, fmt, "floor", max_exp)
+    weights = block_weights(importance, blocks.shape[-2] * blocks.shape[-1], blocks.shape[-1], blocks.device)
+    finite = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(blocks), blocks)
+    best_s, best_err = s0, block_error(finite, fmt, s0, weights)
+    hi = min(127, max_exp - fmt.emax)
+    for d in offsets:
+        s = (s0 + d).clamp(-127, hi)
+        err = block_error(finite, fmt, s, weights)
+        better = err < best_err
+        best_s, best_err = torch.where(better, s, best_s), torch.where(better, err, best_err)
+    return best_s, nonfinite
+
+
+def quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
+                    importance: Optional[torch.Tensor] = None) -> MXTensor:
+    """Quantize ``x`` (..., K) to an MX format choosing each block's exponent by :func:`mx_search_exponent`.
+
+    ``importance``: (K,) weights per input column (e.g. the AWQ importance of this Linear), or None.
+    The result is an ordinary :class:`MXTensor` (``scale_rule="search"``): every reader decodes it as
+    any MX tensor.
+    """
+    f = get_format(fmt)
+    if not f.is_mx:
+        raise ValueError(f"scale search applies to MX formats only, not '{f.name}'")
+    bs = f.resolve_block_size(block_size)
+    if x.dim() == 0 or x.shape[-1] % bs:
+        raise ValueError(f"tensor of shape {tuple(x.shape)}: last dimension is not a multiple of block_size={bs}")
+    blocks = to_blocks(x.detach(), bs)
+    s, nonfinite = mx_search_exponent(blocks, f, importance, dtype_max_exponent(x.dtype))
+    codes, scales = mx_encode_blocks(blocks, f, s, nonfinite)
+    return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, None, "search")
