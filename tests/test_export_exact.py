@@ -40,6 +40,11 @@ def setup(tmp_path_factory):
             "fp": mfqat.save_anchor(model, d / "fp", "mxfp8", tok)}
 
 
+def rule(fmt):
+    """The scale rule the exporter quantizes a full-precision tensor with: the format's default."""
+    return mfqat.DEFAULT_SCALE_RULE.get(mfqat.get_format(fmt).name, "floor")
+
+
 def expected_weights(anchor, fmt):
     """What a uniform:fmt export must hold: Slice-and-Scale of every anchor tensor, and (README:
     uniform recipes quantize the embedding and an untied lm_head too) direct quantization of the
@@ -47,7 +52,7 @@ def expected_weights(anchor, fmt):
     want = {n: mfqat.slice_and_scale(q, fmt).dequantize(torch.float32) for n, q in anchor.quantized.items()}
     for n, v in anchor.plain.items():
         if n.endswith(".weight") and v.dim() == 2:
-            want[n] = mfqat.quantize(v.float(), fmt, 32).dequantize(torch.float32)
+            want[n] = mfqat.quantize(v.float(), fmt, 32, scale_rule=rule(fmt)).dequantize(torch.float32)
     return want
 
 
@@ -67,7 +72,7 @@ def check_weights_independently(anchor_dir, out, report) -> int:
             continue
         fmt, bs = t["source"], anchor.meta.get("block_size", 32)
         q = (mfqat.slice_and_scale(anchor.quantized[name], fmt) if t["origin"] == "anchor"
-             else mfqat.quantize(anchor.plain[name].float(), fmt, bs))
+             else mfqat.quantize(anchor.plain[name].float(), fmt, bs, scale_rule=rule(fmt)))
         got = mlx_dequantized(out, name[: -len(".weight")], weights, cfg["quantization"])
         assert np.array_equal(got, q.dequantize(torch.float32).numpy()), f"{name} ({fmt})"
         checked += 1
@@ -83,7 +88,8 @@ def pytorch_reference(anchor_dir, fmt=None, report=None):
         want = expected_weights(anchor, fmt)
     else:
         want = {n: (mfqat.slice_and_scale(anchor.quantized[n], t["source"]) if t["origin"] == "anchor"
-                    else mfqat.quantize(anchor.plain[n].float(), t["source"], 32)).dequantize(torch.float32)
+                    else mfqat.quantize(anchor.plain[n].float(), t["source"], 32, scale_rule=rule(t["source"]))
+                    ).dequantize(torch.float32)
                 for n, t in report["tensors"].items() if "origin" in t}
     with torch.no_grad():
         for n, p in model.named_parameters():

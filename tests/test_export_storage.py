@@ -78,11 +78,11 @@ def test_mxfp_post_training_export_goes_through_an_mxfp8_anchor(tiny, tmp_path, 
         if "origin" not in t:
             continue
         w = params[name].detach().float()
+        rule = mfqat.DEFAULT_SCALE_RULE.get(get_format(t["source"]).name, "floor")  # the format's default rule
         if t["origin"] == "anchor":  # decoder Linear: Slice-and-Scale of the MXFP8 PTQ anchor
-            rule = mfqat.DEFAULT_SCALE_RULE.get(get_format(t["source"]).name, "floor")  # the anchor's recorded rule
             q = mfqat.slice_and_scale(mfqat.quantize(w, "mxfp8_e4m3", 32), t["source"], rule)
         else:  # the (tied) embedding the anchor keeps in full precision: quantized directly
-            q = mfqat.quantize(w, t["source"], 32)
+            q = mfqat.quantize(w, t["source"], 32, scale_rule=rule)
         want = q.dequantize(torch.float32).numpy()
         module = name[: -len(".weight")]
         mode, bits = t["mlx"], t["bits"]

@@ -17,6 +17,7 @@ import torch
 from ..anchor import Anchor
 from ..derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
 from ..formats import canonical_name, get_format
+from ..quant.scale_rules import DEFAULT_SCALE_RULE
 from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
 from ..slice import slice_and_scale
@@ -72,7 +73,8 @@ class Plan:
             elif self.origin[name] == "anchor":
                 out[name] = slice_and_scale(anchor.quantized[name], fmt)
             else:
-                out[name] = quantize(anchor.plain[name].float(), fmt, self.group_size)
+                out[name] = quantize(anchor.plain[name].float(), fmt, self.group_size,
+                                     scale_rule=DEFAULT_SCALE_RULE.get(canonical_name(fmt), "floor"))
         return out
 
     def module_entries(self) -> Dict[str, object]:

@@ -26,7 +26,8 @@ import torch
 
 from ..anchor import Anchor, load_anchor
 from ..derive import DERIVED_GROUP_SIZE, derive_affine, is_derived
-from ..formats import get_format
+from ..formats import canonical_name, get_format
+from ..quant.scale_rules import DEFAULT_SCALE_RULE
 from ..progress import progress
 from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
@@ -77,7 +78,8 @@ def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_
         return derive_affine(src, fmt, derived_group)
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
-    return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32))
+    return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32),
+                    scale_rule=DEFAULT_SCALE_RULE.get(canonical_name(fmt), "floor"))
 
 
 def level_bits(levels: List[str], group: int = 32) -> Dict[str, float]:
