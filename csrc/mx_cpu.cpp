@@ -96,13 +96,6 @@ inline c10::BFloat16 store<c10::BFloat16>(float v) {
   return c10::BFloat16(out, c10::BFloat16::from_bits());
 }
 
-// v rounded to T and back (exact for float32).
-template <typename T>
-inline float round_to_dtype(float v) {
-  const T t = store<T>(v);
-  return load(&t, 0);
-}
-
 // floor(log2) of the input dtype's largest finite value (reference: dtype_max_exponent).
 template <typename T>
 constexpr int32_t max_exponent() {
@@ -193,10 +186,13 @@ inline float qdq_element(float y, const MXParams& p, float from_grid) {
   return (p.is_int ? round_int_element(y, p) : round_fp_element(y, p)) * from_grid;
 }
 
-// Train-through-anchor in one pass: per block, qdq in the anchor format `a`, the result rounded to
-// the tensor's dtype T (as the two-pass composition stores it), then qdq in the target format `f`
-// (reference: fake_quantize_reference applied twice). The mask is the union of both stages'
-// saturation masks (the straight-through gradient passes both stages).
+// Train-through-anchor in one pass: per block, qdq in the anchor format `a`, then qdq of that in the
+// target format `f` (reference: fake_quantize_reference applied twice). The two-pass composition
+// stores the intermediate in T; the fused pass keeps it in float32, which is the same value: one MX
+// qdq of a T-valued block is exactly representable in T (its values have at most 8 significant bits,
+// a quantum no finer than the input's where it rounds, and a saturated maximum that the input's own
+// grid cannot exceed; tests/test_through_kernel.py checks it for every value of float16/bfloat16).
+// The mask is the union of both stages' saturation masks (the straight-through gradient passes both).
 template <typename T>
 void fake_quant_through_kernel(const T* x, T* out, bool* mask, int64_t n_blocks, int64_t bs, const MXParams& a,
                                const MXParams& f) {
@@ -219,7 +215,7 @@ void fake_quant_through_kernel(const T* x, T* out, bool* mask, int64_t n_blocks,
       uint32_t max_bits = 0;
       for (int64_t i = 0; i < bs; ++i) {
         const float y = buf[i] * a_to;
-        const float v = round_to_dtype<T>(qdq_element(y, a, a_from));
+        const float v = qdq_element(y, a, a_from);  // exact in T: see the comment above
         mid[i] = v;
         const uint32_t b = float_bits(v) & 0x7fffffffu;
         max_bits = b > max_bits ? b : max_bits;

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 import mfqat
 from mfqat.quant import kernels
 from mfqat.quant.kernels import cpp, triton_mx
-from mfqat.quant.reference import fake_quantize_reference
+from mfqat.quant.reference import dtype_max_exponent, fake_quantize_reference, mx_fake_quantize_blocks
 
+from .conftest import MX_FORMATS
 from .test_kernels import DTYPES, FAST_PATHS, adversarial, assert_bits_equal
 
 PAIRS = [("mxint8", f) for f in ("mxint7", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2")] + [
@@ -138,3 +139,20 @@ def test_cpp_through_op_passes_opcheck_and_compile():
 
     x = torch.randn(8, 64)
     assert_bits_equal(torch.compile(fn, backend="aot_eager", fullgraph=True)(x), fn(x), "compiled")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_mx_rounding_is_exact_in_the_input_dtype(dtype):
+    """What lets the fused kernels keep the anchor's output in float32 instead of storing it in the
+    dtype as the two-pass composition does: for every finite value of the dtype (in blocks of mixed
+    and of similar magnitudes), one MX qdq is exactly representable in that dtype."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    vals = bits[torch.isfinite(bits)]
+    vals = vals[: vals.numel() // 32 * 32]
+    shuffled = vals[torch.randperm(vals.numel(), generator=torch.Generator().manual_seed(0))]
+    for name in MX_FORMATS:
+        for rule in ("floor", "ceil"):
+            for v in (vals.abs().sort().values, shuffled):
+                out, _ = mx_fake_quantize_blocks(v.float().reshape(-1, 32), mfqat.get_format(name), rule,
+                                                 dtype_max_exponent(dtype))
+                assert_bits_equal(out.to(dtype).float(), out, f"{name} {rule} {dtype}")

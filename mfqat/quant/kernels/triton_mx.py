@@ -191,19 +191,6 @@ if AVAILABLE:
             tl.store(mask_ptr + offs, sat.to(tl.int8), mask=valid)
 
     @triton.jit
-    def _round_to_dtype(v, BF16: tl.constexpr, F16: tl.constexpr):
-        """float32 v rounded to the tensor's dtype and widened back (what a stored-and-reloaded
-        intermediate holds); bfloat16 by c10's rule on the bits, as _store_from_f32 does."""
-        if BF16:
-            b = v.to(tl.int32, bitcast=True)
-            r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-            r = tl.where(v != v, 0x7FC0, r)
-            v = (r << 16).to(tl.float32, bitcast=True)
-        elif F16:
-            v = v.to(tl.float16).to(tl.float32)
-        return v
-
-    @triton.jit
     def _fake_quant_through_kernel(x_ptr, out_ptr, mask_ptr, n_blocks,
                                    BS: tl.constexpr, ROWS: tl.constexpr,
                                    A_IS_INT: tl.constexpr, A_EMAX: tl.constexpr, A_EMIN: tl.constexpr,
@@ -212,10 +199,9 @@ if AVAILABLE:
                                    IS_INT: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
                                    MBITS: tl.constexpr, STEP: tl.constexpr, CODE_MIN: tl.constexpr,
                                    CODE_MAX: tl.constexpr, MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr,
-                                   MAX_EXP: tl.constexpr, NEED_MASK: tl.constexpr, BF16: tl.constexpr,
-                                   F16: tl.constexpr):
-        """Train-through-anchor: qdq in the anchor format (A_*), rounded to the dtype, then qdq in the
-        target format; the mask is the union of both stages' saturation masks."""
+                                   MAX_EXP: tl.constexpr, NEED_MASK: tl.constexpr, BF16: tl.constexpr):
+        """Train-through-anchor: qdq in the anchor format (A_*), then qdq of that in the target format;
+        the mask is the union of both stages' saturation masks."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BS)
         offs = rows[:, None].to(tl.int64) * BS + cols[None, :]
@@ -225,7 +211,7 @@ if AVAILABLE:
         ya = x * _exp2i(-sa)[:, None]
         qa = _round_elements(ya, A_IS_INT, A_EMIN, A_MBITS, A_STEP, A_CODE_MIN, A_CODE_MAX, A_MAX_NORMAL)
         mid = qa * _exp2i(sa)[:, None]
-        mid = _round_to_dtype(tl.where(nonfinite_a[:, None], float("nan"), mid), BF16, F16)
+        mid = tl.where(nonfinite_a[:, None], float("nan"), mid)  # exact in the dtype (csrc/mx_cpu.cpp)
         s, nonfinite = _block_exponent(mid, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
         y = mid * _exp2i(-s)[:, None]
         q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
@@ -308,7 +294,7 @@ def fake_quantize_through_triton(x: torch.Tensor, anchor: ElementFormat, fmt: El
     anchor_args = {f"A_{k}": v for k, v in _constexprs(anchor, anchor_rule, x.dtype).items() if k != "MAX_EXP"}
     _fake_quant_through_kernel[(triton.cdiv(n_blocks, rows),)](
         _bits_view(xc), _bits_view(out), mask, n_blocks, BS=block_size, ROWS=rows, NEED_MASK=need_mask,
-        BF16=x.dtype == torch.bfloat16, F16=x.dtype == torch.float16, **anchor_args,
+        BF16=x.dtype == torch.bfloat16, **anchor_args,
         **_constexprs(fmt, scale_rule, x.dtype))
     return out, (mask.bool() if need_mask else None)
 
