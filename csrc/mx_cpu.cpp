@@ -180,12 +180,6 @@ void fake_quant_kernel(const T* x, T* out, bool* mask, int64_t n_blocks, int64_t
   });
 }
 
-// Quantize-dequantize of one in-range block already scaled by 2^-s (to_grid) -> element-grid
-// values times 2^s, i.e. the dequantized block in float32 (before rounding to the dtype).
-inline float qdq_element(float y, const MXParams& p, float from_grid) {
-  return (p.is_int ? round_int_element(y, p) : round_fp_element(y, p)) * from_grid;
-}
-
 // Train-through-anchor in one pass: per block, qdq in the anchor format `a`, then qdq of that in the
 // target format `f` (reference: fake_quantize_reference applied twice). The two-pass composition
 // stores the intermediate in T; the fused pass keeps it in float32, which is the same value: one MX
@@ -212,12 +206,15 @@ void fake_quant_through_kernel(const T* x, T* out, bool* mask, int64_t n_blocks,
         continue;
       }
       const float a_to = exp2i(-sa.s), a_from = exp2i(sa.s);
-      uint32_t max_bits = 0;
+      // The family branch stays outside the element loops (as in fake_quant_kernel) so they vectorise.
+      if (a.is_int) {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = round_int_element(buf[i] * a_to, a) * a_from;
+      } else {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = round_fp_element(buf[i] * a_to, a) * a_from;
+      }
+      uint32_t max_bits = 0;  // mid is exact in T: see the comment above
       for (int64_t i = 0; i < bs; ++i) {
-        const float y = buf[i] * a_to;
-        const float v = qdq_element(y, a, a_from);  // exact in T: see the comment above
-        mid[i] = v;
-        const uint32_t b = float_bits(v) & 0x7fffffffu;
+        const uint32_t b = float_bits(mid[i]) & 0x7fffffffu;
         max_bits = b > max_bits ? b : max_bits;
       }
       if (m) {
@@ -230,7 +227,11 @@ void fake_quant_through_kernel(const T* x, T* out, bool* mask, int64_t n_blocks,
         continue;
       }
       const float f_to = exp2i(-sf.s), f_from = exp2i(sf.s);
-      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(qdq_element(mid[i] * f_to, f, f_from));
+      if (f.is_int) {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_int_element(mid[i] * f_to, f) * f_from);
+      } else {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_fp_element(mid[i] * f_to, f) * f_from);
+      }
       if (m) {
         for (int64_t i = 0; i < bs; ++i) m[i] = sat[i] || std::fabs(mid[i] * f_to) > f.max_normal;
       }
