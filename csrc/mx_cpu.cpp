@@ -102,16 +102,9 @@ constexpr int32_t max_exponent() {
   return std::is_same<T, c10::Half>::value ? 15 : 127;
 }
 
-// Shared exponent of one block (reference: mx_shared_exponent).
-template <typename T>
-inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, float* buf) {
-  uint32_t max_bits = 0;
-  for (int64_t i = 0; i < bs; ++i) {
-    float v = load(in, i);
-    buf[i] = v;
-    uint32_t b = float_bits(v) & 0x7fffffffu;
-    max_bits = b > max_bits ? b : max_bits;
-  }
+// Shared exponent from the largest absolute float32 bit pattern of a block (reference:
+// mx_shared_exponent); max_exp = floor(log2) of the input dtype's largest finite value.
+inline BlockScale exponent_from_max_bits(uint32_t max_bits, const MXParams& p, int32_t max_exp) {
   BlockScale out{0, max_bits >= 0x7f800000u};
   uint32_t amax_bits = out.nonfinite ? 0u : max_bits;
   int32_t s = static_cast<int32_t>(amax_bits >> 23) - 127 - p.emax;
@@ -121,11 +114,24 @@ inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, flo
     float scaled = bits_float(amax_bits) * exp2i(k);
     if (scaled > p.max_normal) s += 1;
     // Cap (reference: mx_shared_exponent): 2^s * max_normal must stay finite in the input dtype.
-    const int32_t cap = max_exponent<T>() - p.emax;
+    const int32_t cap = max_exp - p.emax;
     s = s > cap ? cap : s;
   }
   out.s = s < -127 ? -127 : (s > 127 ? 127 : s);
   return out;
+}
+
+// Shared exponent of one block of the input (also copies the block to buf as float32).
+template <typename T>
+inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, float* buf) {
+  uint32_t max_bits = 0;
+  for (int64_t i = 0; i < bs; ++i) {
+    float v = load(in, i);
+    buf[i] = v;
+    uint32_t b = float_bits(v) & 0x7fffffffu;
+    max_bits = b > max_bits ? b : max_bits;
+  }
+  return exponent_from_max_bits(max_bits, p, max_exponent<T>());
 }
 
 // Element rounding (reference: mx_round_elements); returns the element-grid value.
@@ -169,6 +175,65 @@ void fake_quant_kernel(const T* x, T* out, bool* mask, int64_t n_blocks, int64_t
       }
       if (m) {
         for (int64_t i = 0; i < bs; ++i) m[i] = std::fabs(buf[i] * to_grid) > p.max_normal;
+      }
+    }
+  });
+}
+
+// Train-through-anchor in one pass: per block, qdq in the anchor format `a`, then qdq of that in the
+// target format `f` (reference: fake_quantize_reference applied twice). The two-pass composition
+// stores the intermediate in T; the fused pass keeps it in float32, which is the same value: one MX
+// qdq of a T-valued block is exactly representable in T (its values have at most 8 significant bits,
+// a quantum no finer than the input's where it rounds, and a saturated maximum that the input's own
+// grid cannot exceed; tests/test_through_kernel.py checks it for every value of float16/bfloat16).
+// The mask is the union of both stages' saturation masks (the straight-through gradient passes both).
+template <typename T>
+void fake_quant_through_kernel(const T* x, T* out, bool* mask, int64_t n_blocks, int64_t bs, const MXParams& a,
+                               const MXParams& f) {
+  const float nan = std::nanf("");
+  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
+    float buf[256];
+    float mid[256];
+    bool sat[256];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const T* in = x + blk * bs;
+      T* o = out + blk * bs;
+      bool* m = mask ? mask + blk * bs : nullptr;
+      BlockScale sa = block_exponent(in, bs, a, buf);
+      if (sa.nonfinite) {  // NaN in the anchor -> NaN block in every format
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
+        if (m) std::memset(m, 0, bs);
+        continue;
+      }
+      const float a_to = exp2i(-sa.s), a_from = exp2i(sa.s);
+      // The family branch stays outside the element loops (as in fake_quant_kernel) so they vectorise.
+      if (a.is_int) {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = round_int_element(buf[i] * a_to, a) * a_from;
+      } else {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = round_fp_element(buf[i] * a_to, a) * a_from;
+      }
+      uint32_t max_bits = 0;  // mid is exact in T: see the comment above
+      for (int64_t i = 0; i < bs; ++i) {
+        const uint32_t b = float_bits(mid[i]) & 0x7fffffffu;
+        max_bits = b > max_bits ? b : max_bits;
+      }
+      if (m) {
+        for (int64_t i = 0; i < bs; ++i) sat[i] = std::fabs(buf[i] * a_to) > a.max_normal;
+      }
+      BlockScale sf = exponent_from_max_bits(max_bits, f, max_exponent<T>());
+      if (sf.nonfinite) {  // the anchor's qdq overflowed the dtype: NaN, as the second pass gives
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
+        if (m) std::memcpy(m, sat, bs);
+        continue;
+      }
+      const float f_to = exp2i(-sf.s), f_from = exp2i(sf.s);
+      if (f.is_int) {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_int_element(mid[i] * f_to, f) * f_from);
+      } else {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_fp_element(mid[i] * f_to, f) * f_from);
+      }
+      if (m) {
+        for (int64_t i = 0; i < bs; ++i) m[i] = sat[i] || std::fabs(mid[i] * f_to) > f.max_normal;
       }
     }
   });
@@ -312,6 +377,27 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_mx(const at::Tensor& x_in, int64_t
   return {out, mask};
 }
 
+std::tuple<at::Tensor, at::Tensor> fake_quant_mx_through(
+    const at::Tensor& x_in, int64_t block_size, bool a_is_int, int64_t a_emax, int64_t a_emin, int64_t a_mbits,
+    int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max, double a_max_normal, bool a_ceil_rule, bool is_int,
+    int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift, int64_t code_min, int64_t code_max,
+    double max_normal, bool ceil_rule, bool need_mask) {
+  check_input(x_in, block_size);
+  at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor mask = need_mask ? at::empty(x.sizes(), x.options().dtype(at::kBool)) : at::empty({0}, x.options().dtype(at::kBool));
+  const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
+                                 a_ceil_rule);
+  const MXParams f = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, ceil_rule);
+  const int64_t n_blocks = x.numel() / block_size;
+  bool* m = need_mask ? mask.data_ptr<bool>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_fake_quant_mx_through", [&] {
+    fake_quant_through_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, n_blocks,
+                                        block_size, a, f);
+  });
+  return {out, mask};
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_mx(const at::Tensor& x_in, int64_t block_size, bool is_int,
                                                int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift,
                                                int64_t code_min, int64_t code_max, double max_normal,
@@ -365,6 +451,10 @@ std::tuple<at::Tensor, at::Tensor> slice_mx(const at::Tensor& codes_in, const at
 TORCH_LIBRARY(mfqat, m) {
   m.def("fake_quant_mx(Tensor x, int block_size, bool is_int, int emax, int emin, int mbits, int int_shift, "
         "int code_min, int code_max, float max_normal, bool ceil_rule, bool need_mask) -> (Tensor, Tensor)");
+  m.def("fake_quant_mx_through(Tensor x, int block_size, bool a_is_int, int a_emax, int a_emin, int a_mbits, "
+        "int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, bool a_ceil_rule, bool is_int, int emax, "
+        "int emin, int mbits, int int_shift, int code_min, int code_max, float max_normal, bool ceil_rule, "
+        "bool need_mask) -> (Tensor, Tensor)");
   m.def("quantize_mx(Tensor x, int block_size, bool is_int, int emax, int emin, int mbits, int int_shift, "
         "int code_min, int code_max, float max_normal, bool ceil_rule, int bias, int ebits) -> (Tensor, Tensor)");
   m.def("slice_mx(Tensor codes, Tensor scales, int block_size, bool is_int, int shift, int src_emax, int src_emin, "
@@ -374,6 +464,7 @@ TORCH_LIBRARY(mfqat, m) {
 
 TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
   m.impl("fake_quant_mx", &fake_quant_mx);
+  m.impl("fake_quant_mx_through", &fake_quant_mx_through);
   m.impl("quantize_mx", &quantize_mx);
   m.impl("slice_mx", &slice_mx);
 }

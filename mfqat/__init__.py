@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     ".formats": ["ALIASES", "FORMATS", "ElementFormat", "get_format", "known_formats"],
-    ".quant": ["MXTensor", "dequantize", "fake_quantize", "quantize"],
+    ".quant": ["MXTensor", "dequantize", "fake_quantize", "fake_quantize_through", "quantize"],
     ".slice": ["slice_and_scale"],
     ".quant.scale_search": ["quantize_search"],
     ".quant.scale_rules": ["DEFAULT_SCALE_RULE"],
@@ -24,7 +24,7 @@ _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 
 __all__ = [
     "__version__", "ElementFormat", "FORMATS", "ALIASES", "get_format", "known_formats",
-    "MXTensor", "quantize", "dequantize", "fake_quantize", "slice_and_scale",
+    "MXTensor", "quantize", "dequantize", "fake_quantize", "fake_quantize_through", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
     "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter", "peft_to_mlx",
     "register_hf_quantizer", "clip_rates", "quantize_search", "DEFAULT_SCALE_RULE",

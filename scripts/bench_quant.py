@@ -2,9 +2,12 @@
 """Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run.
 
     python scripts/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
+                                  [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
 
 Prints one row per (format, backend): median milliseconds, ratio to clone(), ratio to torchao's
-to_mx + to_dtype (MXFP formats, where torchao is installed).
+to_mx + to_dtype (MXFP formats, where torchao is installed). Then, per ``--through`` pair
+anchor:format, train-through-anchor (what MF-QAT's forward computes for a format below the anchor)
+as one fused pass vs the two passes qdq_format(qdq_anchor(x)).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import warnings
 import torch
 
 import mfqat
-from mfqat.quant.kernels import available_backends, fake_quantize_dispatch
+from mfqat.quant.kernels import available_backends, fake_quantize_dispatch, fake_quantize_through_dispatch
 
 FORMATS = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2",
            "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"]
@@ -60,7 +63,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--backends", default=None, help="comma list (default: every available backend)")
-    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma list (empty: skip)")
+    p.add_argument("--through", default="mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1",
+                   help="anchor:format pairs timed fused vs two passes (empty: skip)")
     a = p.parse_args()
     torch.manual_seed(0)
     x = torch.randn(a.size, a.size, device=a.device).to(getattr(torch, a.dtype))
@@ -70,7 +75,7 @@ def main() -> None:
     print(f"device={a.device} dtype={a.dtype} shape={tuple(x.shape)} threads={torch.get_num_threads()} "
           f"clone={clone_ms:.2f} ms backends={backends}")
     print(f"{'format':<12} {'backend':<10} {'ms':>9} {'x clone':>8} {'torchao ms':>11} {'torchao/ours':>13}")
-    for name in a.formats.split(","):
+    for name in filter(None, a.formats.split(",")):
         f = mfqat.get_format(name)
         ao = torchao_fn(x, name)
         ao_ms = best_ms(lambda: (ao(), sync()), a.repeats) if ao else float("nan")
@@ -78,6 +83,17 @@ def main() -> None:
             os.environ["MFQAT_BACKEND"] = be
             ms = best_ms(lambda: (fake_quantize_dispatch(x, f, 32, "floor"), sync()), a.repeats)
             print(f"{name:<12} {be:<10} {ms:9.2f} {ms / clone_ms:8.2f} {ao_ms:11.2f} {ao_ms / ms:13.2f}")
+    pairs = [pair.split(":") for pair in a.through.split(",") if pair]
+    if pairs:
+        print(f"{'anchor:format':<24} {'backend':<10} {'fused ms':>9} {'two-pass ms':>12} {'speed-up':>9}")
+    for anchor, name in pairs:
+        fa, f = mfqat.get_format(anchor), mfqat.get_format(name)
+        for be in backends:
+            os.environ["MFQAT_BACKEND"] = be
+            fused = best_ms(lambda: (fake_quantize_through_dispatch(x, fa, f, 32), sync()), a.repeats)
+            two = best_ms(lambda: (fake_quantize_dispatch(fake_quantize_dispatch(x, fa, 32)[0], f, 32), sync()),
+                          a.repeats)
+            print(f"{anchor + ':' + name:<24} {be:<10} {fused:9.2f} {two:12.2f} {two / fused:8.2f}x")
 
 
 if __name__ == "__main__":

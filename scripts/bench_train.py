@@ -3,10 +3,13 @@
 
     python scripts/bench_train.py [--rounds 6] [--batch-size 4] [--seq-len 128] [--format mxint4]
                                   [--backends reference,auto] [--joint mxint8,mxint6,mxint4]
+                                  [--two-pass]
     python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
 
 The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
-forward+backward passes plus one optimizer step ("per-format overhead"). ``--memory`` runs each
+forward+backward passes plus one optimizer step ("per-format overhead"). ``--two-pass`` also times
+the joint step with the fused train-through-anchor op switched off (two quantize-dequantize passes
+per weight for each format below the anchor, as before the fused op). ``--memory`` runs each
 configuration in its own process and reports its peak resident set after 3 steps.
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
@@ -29,6 +32,7 @@ import torch
 import mfqat
 from mfqat.data import load_model, pydoc_text, token_blocks
 from mfqat.qat.prepare import qat_modules
+from mfqat.quant.kernels import cpp
 
 
 def make_step(model, batch):
@@ -105,6 +109,7 @@ def main() -> None:
     p.add_argument("--format", default="mxint4")
     p.add_argument("--backends", default="reference,auto", help="MFQAT_BACKEND values to time")
     p.add_argument("--joint", default="mxint8,mxint6,mxint4", help="formats of the joint step (empty: skip)")
+    p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
     p.add_argument("--memory", action="store_true", help="peak RSS per configuration (separate processes)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -117,24 +122,30 @@ def main() -> None:
     batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size)
     qat = copy.deepcopy(model)
     mfqat.prepare(qat, mfqat.QATConfig(formats=[a.format], schedule="fixed"))
-    runs = {"plain": (make_step(model, batch), None)}
+    runs = {"plain": (make_step(model, batch), None, True)}
     qat_step = make_step(qat, batch)
     for backend in a.backends.split(","):
-        runs[f"MF-QAT [{backend}]"] = (qat_step, backend)
+        runs[f"MF-QAT [{backend}]"] = (qat_step, backend, True)
     formats = [f for f in a.joint.split(",") if f]
     if formats:
         joint = copy.deepcopy(model)
         mfqat.prepare(joint, mfqat.QATConfig(formats=formats, schedule="joint"))
-        runs[f"joint x{len(formats)} [auto]"] = (make_joint_step(joint, batch, formats), "auto")
+        joint_step = make_joint_step(joint, batch, formats)
+        runs[f"joint x{len(formats)} [auto]"] = (joint_step, "auto", True)
+        if a.two_pass:
+            runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
+    fused_built = cpp.THROUGH_AVAILABLE
     times = {k: [] for k in runs}
     for r in range(a.rounds + 1):  # round 0 warms up
-        for name, (step, backend) in runs.items():
+        for name, (step, backend, fused) in runs.items():
             if backend:
                 os.environ["MFQAT_BACKEND"] = backend
+            cpp.THROUGH_AVAILABLE = fused_built and fused
             dt = step()
             if r:
                 times[name].append(dt)
     os.environ["MFQAT_BACKEND"] = "auto"
+    cpp.THROUGH_AVAILABLE = fused_built
     plain = statistics.median(times["plain"])
     n_weights = sum(m.weight.numel() for _, m in qat_modules(qat))
     print(f"batch={a.batch_size}x{a.seq_len} threads={torch.get_num_threads()} format={a.format} "
@@ -151,6 +162,17 @@ def main() -> None:
             for _, m in qat_modules(qat):
                 m.quantized_weight()
         print(f"fake-quant of every targeted weight once [{backend}]: {1000 * (time.perf_counter() - t):.0f} ms")
+    if formats and formats[-1] != joint.mfqat_controller.config.anchor_format:
+        anchor, low = joint.mfqat_controller.config.anchor_format, formats[-1]
+        for fused in (True, False):
+            cpp.THROUGH_AVAILABLE = fused_built and fused
+            t = time.perf_counter()
+            with torch.no_grad():
+                for _, m in qat_modules(joint):
+                    m.quantized_weight(low)
+            print(f"{low} through the {anchor} anchor, every targeted weight once "
+                  f"[{'fused' if fused else 'two passes'}]: {1000 * (time.perf_counter() - t):.0f} ms")
+        cpp.THROUGH_AVAILABLE = fused_built
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
-from ..quant.api import fake_quantize
+from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import rule_of
 
 
@@ -52,10 +52,13 @@ class MFQATMixin:
         rules = self.scale_rules
         if self.anchor_format is None:
             return self._qdq(w, fmt, rule_of(rules, fmt, self.scale_rule))
-        w = fake_quantize(w, self.anchor_format, self.block_size, rule_of(rules, self.anchor_format, self.scale_rule),
-                          self.mask_saturated)
+        anchor_rule = rule_of(rules, self.anchor_format, self.scale_rule)
         if fmt == self.anchor_format:
-            return w
+            return fake_quantize(w, fmt, self.block_size, anchor_rule, self.mask_saturated)
+        if not is_derived(fmt):  # one fused pass where a kernel has it (mfqat.quant.kernels), same bits
+            return fake_quantize_through(w, self.anchor_format, fmt, self.block_size, anchor_rule,
+                                         rule_of(rules, fmt), self.mask_saturated)
+        w = fake_quantize(w, self.anchor_format, self.block_size, anchor_rule, self.mask_saturated)
         return self._qdq(w, fmt, rule_of(rules, fmt))
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:

@@ -95,3 +95,41 @@ def fake_quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = 
     """
     f, bs = validate(x, fmt, block_size, scale_rule)
     return _FakeQuantSTE.apply(x, f, bs, scale_rule, mask_saturated)
+
+
+class _FakeQuantThroughSTE(torch.autograd.Function):
+    """Train-through-anchor forward (one fused pass where a kernel has it), straight-through backward
+    (optionally masking elements that saturated in either stage)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, fmt, block_size, anchor_rule, scale_rule, mask_saturated):  # type: ignore[override]
+        from .kernels import fake_quantize_through_dispatch
+
+        out, saturated = fake_quantize_through_dispatch(x, anchor, fmt, block_size, anchor_rule, scale_rule,
+                                                        need_mask=mask_saturated)
+        if mask_saturated:
+            ctx.save_for_backward(saturated)
+        ctx.mask_saturated = mask_saturated
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.mask_saturated:
+            (saturated,) = ctx.saved_tensors
+            grad = grad.masked_fill(saturated, 0)
+        return grad, None, None, None, None, None, None
+
+
+def fake_quantize_through(x: torch.Tensor, anchor_fmt: FormatLike, fmt: FormatLike, block_size: Optional[int] = None,
+                          anchor_rule: str = "floor", scale_rule: str = "floor",
+                          mask_saturated: bool = False) -> torch.Tensor:
+    """Train-through-anchor: ``fake_quantize(fake_quantize(x, anchor_fmt, bs, anchor_rule), fmt, bs,
+    scale_rule)`` bit for bit, in one fused pass on the C++ / Triton backends.
+
+    That is the weight Slice-and-Scale deploys in ``fmt`` from an anchor saved in ``anchor_fmt``
+    (with ``scale_rule="floor"``, the rule Slice-and-Scale uses). The gradient is straight-through
+    both roundings; with ``mask_saturated=True`` it is zeroed where either stage saturated.
+    """
+    a, bs = validate(x, anchor_fmt, block_size, anchor_rule, name="tensor (anchor format)")
+    f, bs_f = validate(x, fmt, bs, scale_rule)
+    return _FakeQuantThroughSTE.apply(x, a, f, bs_f, anchor_rule, scale_rule, mask_saturated)

@@ -91,6 +91,22 @@ def fake_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int,
     return out, (mask if need_mask else None)
 
 
+def fake_quantize_through_dispatch(x: torch.Tensor, anchor: ElementFormat, fmt: ElementFormat, block_size: int,
+                                   anchor_rule: str = "floor", scale_rule: str = "floor", need_mask: bool = False
+                                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Train-through-anchor: qdq in ``fmt`` of (qdq in ``anchor`` of x, in x's dtype) -> (output, union
+    of both stages' saturation masks or None). One fused pass on the cpp / triton backends; two
+    passes otherwise (the reference, a format that is not MX, or a C++ build without the op)."""
+    backend = select_backend(x, fmt) if anchor.is_mx else "reference"
+    if backend == "cpp" and cpp.THROUGH_AVAILABLE:
+        return cpp.fake_quantize_through_cpp(x, anchor, fmt, block_size, anchor_rule, scale_rule, need_mask)
+    if backend == "triton":
+        return triton_mx.fake_quantize_through_triton(x, anchor, fmt, block_size, anchor_rule, scale_rule, need_mask)
+    mid, m1 = fake_quantize_dispatch(x, anchor, block_size, anchor_rule, need_mask)
+    out, m2 = fake_quantize_dispatch(mid, fmt, block_size, scale_rule, need_mask)
+    return out, (m1 | m2 if need_mask else None)
+
+
 def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor"
                          ) -> Tuple[torch.Tensor, torch.Tensor]:
     """MX codes (x's shape; int8 MXINT, uint8 MXFP bit patterns) and E8M0 bytes (..., K // block_size)."""

@@ -1,6 +1,8 @@
 """The C++ CPU path (``csrc/mx_cpu.cpp``, built by setup.py as ``mfqat._C``).
 
-The ops are ``torch.ops.mfqat.fake_quant_mx`` and ``torch.ops.mfqat.quantize_mx``; fake (meta)
+The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
+the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
+``slice_mx``; fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
 never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
 """
@@ -13,11 +15,13 @@ import torch
 from ...formats import ElementFormat
 
 AVAILABLE = False
+THROUGH_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
     from ... import _C  # noqa: F401  (loading it registers the ops)
 
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
+    THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build
 except Exception as exc:  # pragma: no cover - depends on the build
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -47,11 +51,28 @@ if AVAILABLE:
     def _slice_mx_meta(codes, scales, block_size, is_int, *rest):
         return codes.new_empty(codes.shape, dtype=torch.int8 if is_int else torch.uint8), torch.empty_like(scales)
 
+if THROUGH_AVAILABLE:
+    @torch.library.register_fake("mfqat::fake_quant_mx_through")
+    def _fake_quant_mx_through_meta(x, block_size, *formats_and_need_mask):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        mask = x.new_empty(x.shape if formats_and_need_mask[-1] else (0,), dtype=torch.bool)
+        return out, mask
+
 
 def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
                       need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Fused quantize-dequantize of an MX format on CPU -> (output in x's dtype, mask or None)."""
     out, mask = torch.ops.mfqat.fake_quant_mx(x, block_size, *_format_args(fmt, scale_rule), need_mask)
+    return out, (mask if need_mask else None)
+
+
+def fake_quantize_through_cpp(x: torch.Tensor, anchor: ElementFormat, fmt: ElementFormat, block_size: int,
+                              anchor_rule: str = "floor", scale_rule: str = "floor", need_mask: bool = False
+                              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """qdq in ``fmt`` of (qdq in ``anchor`` of x, rounded to x's dtype), one pass on CPU ->
+    (output in x's dtype, union of both stages' saturation masks or None)."""
+    out, mask = torch.ops.mfqat.fake_quant_mx_through(x, block_size, *_format_args(anchor, anchor_rule),
+                                                      *_format_args(fmt, scale_rule), need_mask)
     return out, (mask if need_mask else None)
 
 

@@ -191,6 +191,39 @@ if AVAILABLE:
             tl.store(mask_ptr + offs, sat.to(tl.int8), mask=valid)
 
     @triton.jit
+    def _fake_quant_through_kernel(x_ptr, out_ptr, mask_ptr, n_blocks,
+                                   BS: tl.constexpr, ROWS: tl.constexpr,
+                                   A_IS_INT: tl.constexpr, A_EMAX: tl.constexpr, A_EMIN: tl.constexpr,
+                                   A_MBITS: tl.constexpr, A_STEP: tl.constexpr, A_CODE_MIN: tl.constexpr,
+                                   A_CODE_MAX: tl.constexpr, A_MAX_NORMAL: tl.constexpr, A_CEIL: tl.constexpr,
+                                   IS_INT: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr,
+                                   MBITS: tl.constexpr, STEP: tl.constexpr, CODE_MIN: tl.constexpr,
+                                   CODE_MAX: tl.constexpr, MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr,
+                                   MAX_EXP: tl.constexpr, NEED_MASK: tl.constexpr, BF16: tl.constexpr):
+        """Train-through-anchor: qdq in the anchor format (A_*), then qdq of that in the target format;
+        the mask is the union of both stages' saturation masks."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BS)
+        offs = rows[:, None].to(tl.int64) * BS + cols[None, :]
+        valid = (rows < n_blocks)[:, None]
+        x = _load_f32(x_ptr, offs, valid, BF16)
+        sa, nonfinite_a = _block_exponent(x, A_EMAX, A_MAX_NORMAL, A_CEIL, MAX_EXP)
+        ya = x * _exp2i(-sa)[:, None]
+        qa = _round_elements(ya, A_IS_INT, A_EMIN, A_MBITS, A_STEP, A_CODE_MIN, A_CODE_MAX, A_MAX_NORMAL)
+        mid = qa * _exp2i(sa)[:, None]
+        mid = tl.where(nonfinite_a[:, None], float("nan"), mid)  # exact in the dtype (csrc/mx_cpu.cpp)
+        s, nonfinite = _block_exponent(mid, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
+        y = mid * _exp2i(-s)[:, None]
+        q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
+        out = q * _exp2i(s)[:, None]
+        out = tl.where(nonfinite[:, None], float("nan"), out)
+        _store_from_f32(out_ptr, offs, out, valid, BF16)
+        if NEED_MASK:
+            sat = ((tl.abs(ya) > A_MAX_NORMAL) & (~nonfinite_a[:, None])) | \
+                  ((tl.abs(y) > MAX_NORMAL) & (~nonfinite[:, None]))
+            tl.store(mask_ptr + offs, sat.to(tl.int8), mask=valid)
+
+    @triton.jit
     def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks,
                          BS: tl.constexpr, ROWS: tl.constexpr, IS_INT: tl.constexpr,
                          EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr, EBITS: tl.constexpr,
@@ -245,6 +278,24 @@ def fake_quantize_triton(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
     grid = (triton.cdiv(n_blocks, rows),)
     _fake_quant_kernel[grid](_bits_view(xc), _bits_view(out), mask, n_blocks, BS=block_size, ROWS=rows,
                              NEED_MASK=need_mask, BF16=x.dtype == torch.bfloat16, **_constexprs(fmt, scale_rule, x.dtype))
+    return out, (mask.bool() if need_mask else None)
+
+
+def fake_quantize_through_triton(x: torch.Tensor, anchor: ElementFormat, fmt: ElementFormat, block_size: int,
+                                 anchor_rule: str = "floor", scale_rule: str = "floor", need_mask: bool = False
+                                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Train-through-anchor in one pass: qdq in ``fmt`` of (qdq in ``anchor`` of x, in x's dtype)
+    -> (output in x's dtype and shape, union of both stages' saturation masks or None)."""
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    n_blocks = xc.numel() // block_size
+    mask = torch.empty(xc.shape if need_mask else (0,), dtype=torch.int8, device=x.device)
+    rows = _rows_per_program(block_size)
+    anchor_args = {f"A_{k}": v for k, v in _constexprs(anchor, anchor_rule, x.dtype).items() if k != "MAX_EXP"}
+    _fake_quant_through_kernel[(triton.cdiv(n_blocks, rows),)](
+        _bits_view(xc), _bits_view(out), mask, n_blocks, BS=block_size, ROWS=rows, NEED_MASK=need_mask,
+        BF16=x.dtype == torch.bfloat16, **anchor_args,
+        **_constexprs(fmt, scale_rule, x.dtype))
     return out, (mask.bool() if need_mask else None)
 
 
