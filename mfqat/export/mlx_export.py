@@ -302,10 +302,11 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
 
     model, tok = mlx_load(str(out))
     ids = tok.encode(prompt)
-    compute = "float32"
-    if any(a.dtype == mx.bfloat16 for _, a in tree_flatten(model.parameters())):  # see LOGIT_RTOL
+    params = tree_flatten(model.parameters())
+    bf16_scales = any(a.dtype == mx.bfloat16 and k.endswith((".scales", ".biases")) for k, a in params)
+    compute = "float32-upcast" if bf16_scales else "float32"  # see LOGIT_RTOL
+    if any(a.dtype == mx.bfloat16 for _, a in params):  # bf16 norms upcast exactly (PyTorch holds them so)
         model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
-        compute = "float32-upcast"
     mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
     config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
     pt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
