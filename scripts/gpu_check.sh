@@ -21,4 +21,15 @@ for dt in float32 bfloat16; do
   "$PY" scripts/bench_quant.py --device cuda --dtype "$dt" --size 8192 --repeats 20 --backends triton,reference 2>&1 \
     | grep -v "Failed to load" | tee "$LOG/bench_quant_$dt.txt"
 done
+echo "== fused train-through-anchor kernel (triton on cuda, bit-exact with two passes) =="
+"$PY" -m pytest -q -p no:cacheprovider tests/test_through_kernel.py 2>&1 | tee "$LOG/tests_through.txt" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== bitsandbytes QLoRA on CUDA (NF4 base, paged 8-bit AdamW, a tiny Llama) =="
+"$PY" -m pytest -q -p no:cacheprovider tests/test_qlora.py tests/test_eval_bnb.py 2>&1 | tee "$LOG/tests_qlora.txt" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+"$PY" -c "import sys; from mfqat.data import tiny_llama, tiny_tokenizer; t = tiny_tokenizer(); \
+tiny_llama(vocab_size=len(t), tie=True).save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" "$LOG/tiny"
+"$PY" -m mfqat.cli train --model "$LOG/tiny" --no-qat --base nf4 --lora-rank 8 --optim paged_adamw8bit --steps 2 \
+  --seq-len 32 --batch-size 2 --eval-blocks 2 --out "$LOG/qlora_run" 2>&1 | tail -4 | tee "$LOG/qlora_run.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit "$status"
