@@ -15,12 +15,10 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from ..anchor import Anchor
-from ..derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
+from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
 from ..formats import canonical_name, get_format
-from ..quant.scale_rules import DEFAULT_SCALE_RULE
-from ..quant.api import quantize
 from ..quant.mxtensor import MXTensor
-from ..slice import slice_and_scale
+from .sensitivity import auto_plan_formats, in_format, ladder
 from .storage import check_mlx_group_size
 
 FAMILY_BY_BITS = {
@@ -63,19 +61,8 @@ class Plan:
         return self.derived_group if is_derived(fmt) else self.group_size
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
-        """Every planned tensor as an MXTensor in its planned format."""
-        out = {}
-        for name, fmt in self.formats.items():
-            if is_derived(fmt):
-                src = anchor.quantized[name].dequantize(torch.float32) if self.origin[name] == "anchor" \
-                    else anchor.plain[name].float()
-                out[name] = derive_affine(src, fmt, self.derived_group)
-            elif self.origin[name] == "anchor":
-                out[name] = slice_and_scale(anchor.quantized[name], fmt)
-            else:
-                out[name] = quantize(anchor.plain[name].float(), fmt, self.group_size,
-                                     scale_rule=DEFAULT_SCALE_RULE.get(canonical_name(fmt), "floor"))
-        return out
+        """Every planned tensor as an MXTensor in its planned format (sensitivity.in_format)."""
+        return {name: in_format(anchor, name, fmt, self.derived_group) for name, fmt in self.formats.items()}
 
     def module_entries(self) -> Dict[str, object]:
         """Per-module quantization entries that differ from the top level; False for 16-bit ones."""
@@ -211,8 +198,6 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))
     elif kind == "auto":
-        from .sensitivity import auto_plan_formats, ladder
-
         levels = ladder(anchor.format, want)
         group = plan.group_of(levels[0])
         check_mlx_group_size(group, [(anchor.format, mlx_storage(f)) for f in levels])
