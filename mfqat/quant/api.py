@@ -66,47 +66,19 @@ def dequantize(q: MXTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor
 
 
 class _FakeQuantSTE(torch.autograd.Function):
-    """Quantize-dequantize forward, straight-through backward (optionally masking saturation)."""
-
-    @staticmethod
-    def forward(ctx, x, fmt, block_size, scale_rule, mask_saturated):  # type: ignore[override]
-        from .kernels import fake_quantize_dispatch
-
-        out, saturated = fake_quantize_dispatch(x, fmt, block_size, scale_rule, need_mask=mask_saturated)
-        if mask_saturated:
-            ctx.save_for_backward(saturated)
-        ctx.mask_saturated = mask_saturated
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        if ctx.mask_saturated:
-            (saturated,) = ctx.saved_tensors
-            grad = grad.masked_fill(saturated, 0)
-        return grad, None, None, None, None
-
-
-def fake_quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
-                  scale_rule: str = "floor", mask_saturated: bool = False) -> torch.Tensor:
-    """Quantize then dequantize ``x`` (same shape and dtype), differentiable by the STE.
-
-    The backward pass is the identity (straight-through estimator); with
-    ``mask_saturated=True`` the gradient of elements that saturated is zeroed.
-    """
-    f, bs = validate(x, fmt, block_size, scale_rule)
-    return _FakeQuantSTE.apply(x, f, bs, scale_rule, mask_saturated)
-
-
-class _FakeQuantThroughSTE(torch.autograd.Function):
-    """Train-through-anchor forward (one fused pass where a kernel has it), straight-through backward
-    (optionally masking elements that saturated in either stage)."""
+    """Quantize-dequantize forward - through ``anchor`` first when it is given, in one fused pass where
+    a kernel has it - and straight-through backward, zeroed where a rounding saturated when
+    ``mask_saturated``."""
 
     @staticmethod
     def forward(ctx, x, anchor, fmt, block_size, anchor_rule, scale_rule, mask_saturated):  # type: ignore[override]
-        from .kernels import fake_quantize_through_dispatch
+        from .kernels import fake_quantize_dispatch, fake_quantize_through_dispatch
 
-        out, saturated = fake_quantize_through_dispatch(x, anchor, fmt, block_size, anchor_rule, scale_rule,
-                                                        need_mask=mask_saturated)
+        if anchor is None:
+            out, saturated = fake_quantize_dispatch(x, fmt, block_size, scale_rule, need_mask=mask_saturated)
+        else:
+            out, saturated = fake_quantize_through_dispatch(x, anchor, fmt, block_size, anchor_rule, scale_rule,
+                                                            need_mask=mask_saturated)
         if mask_saturated:
             ctx.save_for_backward(saturated)
         ctx.mask_saturated = mask_saturated
@@ -118,6 +90,17 @@ class _FakeQuantThroughSTE(torch.autograd.Function):
             (saturated,) = ctx.saved_tensors
             grad = grad.masked_fill(saturated, 0)
         return grad, None, None, None, None, None, None
+
+
+def fake_quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
+                  scale_rule: str = "floor", mask_saturated: bool = False) -> torch.Tensor:
+    """Quantize then dequantize ``x`` (same shape and dtype), differentiable by the STE.
+
+    The backward pass is the identity (straight-through estimator); with
+    ``mask_saturated=True`` the gradient of elements that saturated is zeroed.
+    """
+    f, bs = validate(x, fmt, block_size, scale_rule)
+    return _FakeQuantSTE.apply(x, None, f, bs, "floor", scale_rule, mask_saturated)
 
 
 def fake_quantize_through(x: torch.Tensor, anchor_fmt: FormatLike, fmt: FormatLike, block_size: Optional[int] = None,
@@ -132,4 +115,4 @@ def fake_quantize_through(x: torch.Tensor, anchor_fmt: FormatLike, fmt: FormatLi
     """
     a, bs = validate(x, anchor_fmt, block_size, anchor_rule, name="tensor (anchor format)")
     f, bs_f = validate(x, fmt, bs, scale_rule)
-    return _FakeQuantThroughSTE.apply(x, a, f, bs_f, anchor_rule, scale_rule, mask_saturated)
+    return _FakeQuantSTE.apply(x, a, f, bs_f, anchor_rule, scale_rule, mask_saturated)
