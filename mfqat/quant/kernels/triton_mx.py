@@ -169,6 +169,18 @@ if AVAILABLE:
             tl.store(out_scales_ptr + rows, tl.where(nan_block, sc, s_low + 127).to(tl.uint8), mask=row_ok)
 
     @triton.jit
+    def _qdq_blocks(x, IS_INT: tl.constexpr, EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                    STEP: tl.constexpr, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr,
+                    MAX_NORMAL: tl.constexpr, CEIL: tl.constexpr, MAX_EXP: tl.constexpr):
+        """One MX quantize-dequantize of a tile of blocks (a block per row), in float32, and which
+        elements saturated (beyond the format's largest normal; never in a NaN/Inf block)."""
+        s, nonfinite = _block_exponent(x, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
+        y = x * _exp2i(-s)[:, None]
+        q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
+        out = tl.where(nonfinite[:, None], float("nan"), q * _exp2i(s)[:, None])
+        return out, (tl.abs(y) > MAX_NORMAL) & (~nonfinite[:, None])
+
+    @triton.jit
     def _fake_quant_kernel(x_ptr, out_ptr, mask_ptr, n_blocks,
                            BS: tl.constexpr, ROWS: tl.constexpr, IS_INT: tl.constexpr,
                            EMAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
@@ -180,14 +192,9 @@ if AVAILABLE:
         offs = rows[:, None].to(tl.int64) * BS + cols[None, :]
         valid = (rows < n_blocks)[:, None]
         x = _load_f32(x_ptr, offs, valid, BF16)
-        s, nonfinite = _block_exponent(x, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
-        y = x * _exp2i(-s)[:, None]
-        q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
-        out = q * _exp2i(s)[:, None]
-        out = tl.where(nonfinite[:, None], float("nan"), out)
+        out, sat = _qdq_blocks(x, IS_INT, EMAX, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL, CEIL, MAX_EXP)
         _store_from_f32(out_ptr, offs, out, valid, BF16)
         if NEED_MASK:
-            sat = (tl.abs(y) > MAX_NORMAL) & (~nonfinite[:, None])
             tl.store(mask_ptr + offs, sat.to(tl.int8), mask=valid)
 
     @triton.jit
@@ -207,21 +214,12 @@ if AVAILABLE:
         offs = rows[:, None].to(tl.int64) * BS + cols[None, :]
         valid = (rows < n_blocks)[:, None]
         x = _load_f32(x_ptr, offs, valid, BF16)
-        sa, nonfinite_a = _block_exponent(x, A_EMAX, A_MAX_NORMAL, A_CEIL, MAX_EXP)
-        ya = x * _exp2i(-sa)[:, None]
-        qa = _round_elements(ya, A_IS_INT, A_EMIN, A_MBITS, A_STEP, A_CODE_MIN, A_CODE_MAX, A_MAX_NORMAL)
-        mid = qa * _exp2i(sa)[:, None]
-        mid = tl.where(nonfinite_a[:, None], float("nan"), mid)  # exact in the dtype (csrc/mx_cpu.cpp)
-        s, nonfinite = _block_exponent(mid, EMAX, MAX_NORMAL, CEIL, MAX_EXP)
-        y = mid * _exp2i(-s)[:, None]
-        q = _round_elements(y, IS_INT, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL)
-        out = q * _exp2i(s)[:, None]
-        out = tl.where(nonfinite[:, None], float("nan"), out)
+        mid, sat_a = _qdq_blocks(x, A_IS_INT, A_EMAX, A_EMIN, A_MBITS, A_STEP, A_CODE_MIN, A_CODE_MAX,
+                                 A_MAX_NORMAL, A_CEIL, MAX_EXP)  # exact in the dtype (csrc/mx_cpu.cpp)
+        out, sat = _qdq_blocks(mid, IS_INT, EMAX, EMIN, MBITS, STEP, CODE_MIN, CODE_MAX, MAX_NORMAL, CEIL, MAX_EXP)
         _store_from_f32(out_ptr, offs, out, valid, BF16)
         if NEED_MASK:
-            sat = ((tl.abs(ya) > A_MAX_NORMAL) & (~nonfinite_a[:, None])) | \
-                  ((tl.abs(y) > MAX_NORMAL) & (~nonfinite[:, None]))
-            tl.store(mask_ptr + offs, sat.to(tl.int8), mask=valid)
+            tl.store(mask_ptr + offs, (sat_a | sat).to(tl.int8), mask=valid)
 
     @triton.jit
     def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, n_blocks,
