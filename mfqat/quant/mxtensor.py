@@ -70,7 +70,8 @@ class MXTensor:
         """Move codes and scales to a device."""
         b = None if self.biases is None else self.biases.to(device)
         return MXTensor(self.codes.to(device), self.scales.to(device), self.fmt, self.block_size,
-                        self.dtype, b, self.scale_rule, self.slice_rules)
+                        self.dtype, b, self.scale_rule, self.slice_rules,
+                        None if self.importance is None else self.importance.to(device))
 
     def __repr__(self) -> str:
         return (f"MXTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "
