@@ -108,10 +108,11 @@ def test_without_a_fused_op_the_dispatch_runs_two_passes(monkeypatch):
     monkeypatch.setattr(cpp, "THROUGH_AVAILABLE", False)
     x = through_input(seed=4)
     a, f = mfqat.get_format("mxfp8_e4m3"), mfqat.get_format("mxfp4_e2m1")
-    out, mask = kernels.fake_quantize_through_dispatch(x, a, f, 32, need_mask=True)
-    ref, ref_mask, _, _ = two_pass(x, a, f, 32, "floor", "floor")
-    assert_bits_equal(out, ref, "two passes")
-    assert torch.equal(mask, ref_mask)
+    for anchor_rule, rule in RULES:  # floor/ceil: the anchor stage saturates where the target does not
+        out, mask = kernels.fake_quantize_through_dispatch(x, a, f, 32, anchor_rule, rule, need_mask=True)
+        ref, ref_mask, _, _ = two_pass(x, a, f, 32, anchor_rule, rule)
+        assert_bits_equal(out, ref, f"two passes {anchor_rule}/{rule}")
+        assert torch.equal(mask, ref_mask), f"two passes {anchor_rule}/{rule}: saturation mask"
     nf4 = mfqat.get_format("nf4")
     out, _ = kernels.fake_quantize_through_dispatch(x[:2].clamp(-10, 10), mfqat.get_format("mxint8"), nf4, 64)
     mid, _ = fake_quantize_reference(x[:2].clamp(-10, 10), mfqat.get_format("mxint8"), 64)
