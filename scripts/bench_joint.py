@@ -43,15 +43,24 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
     low = FAMILIES[fam]["train"][-1]
     k = len(FAMILIES[fam]["train"])
     base = ["--formats", fmts, "--schedule", "joint"]
-    return {
+    out = {
         f"joint-{fam}": base + ["--steps", str(steps)],
         f"joint-{fam}-equal-compute": base + ["--steps", str(max(steps // k, 1))],
         f"joint-{fam}-low2x": base + ["--steps", str(steps), "--loss-weights", f"{low}=2"],
         f"joint-{fam}-distill": base + ["--steps", str(steps), "--distill-weight", "0.5"],
+        f"joint-{fam}-low2x-distill": base + ["--steps", str(steps), "--loss-weights", f"{low}=2",
+                                             "--distill-weight", "0.5"],
+        # two passes a step: the anchor format and the lowest; the middle one is only sliced
+        f"joint-{fam}-ends-distill": ["--formats", f"{FAMILIES[fam]['train'][0]},{low}", "--schedule", "joint",
+                                      "--steps", str(steps), "--distill-weight", "0.5"],
         # every evaluated format, 3 passes a step: the highest, the lowest and one sampled between
         f"joint-{fam}-wide-sandwich": ["--formats", ",".join(FAMILIES[fam]["eval"]), "--schedule", "joint",
                                        "--joint-sample", "1", "--steps", str(steps)],
     }
+    if fam == "mxint":  # the 2-bit slice trained too (Matryoshka's int8/int4/int2)
+        out[f"joint-{fam}-842-distill"] = ["--formats", "mxint8,mxint4,mxint2", "--schedule", "joint",
+                                           "--steps", str(steps), "--distill-weight", "0.5"]
+    return out
 
 
 def evaluate(model, held: Dict[str, torch.Tensor], states: Dict[str, dict]) -> Dict[str, Dict[str, float]]:
@@ -66,12 +75,15 @@ def main() -> None:
     p.add_argument("--family", default="mxint", choices=sorted(FAMILIES))
     p.add_argument("--eval-blocks", type=int, default=24)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--eval-formats", default="", help="comma list replacing the family's evaluated formats")
     p.add_argument("--only", default="", help="comma list of joint recipe names to run (default: all)")
     p.add_argument("--out", default="out/joint")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    fam = FAMILIES[a.family]
+    fam = dict(FAMILIES[a.family])
+    if a.eval_formats:
+        fam["eval"] = a.eval_formats.split(",")
     common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", "2e-5", "--save-master"]
     model, tok = load_model(None)
     held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.eval_blocks),
@@ -99,6 +111,8 @@ def main() -> None:
             continue
         s = run(out, name, common + extra)
         anchor = read_anchor(s["anchor"])
+        if name in cache and any(f not in cache[name]["pydoc"] for f in fam["eval"]):
+            del cache[name]  # evaluated before at other formats
         joint[name] = cached(name, lambda: evaluate(model, held, {f: anchor_state(anchor, f) for f in fam["eval"]}))
     report(out, a, fam["eval"], dedicated, joint)
 
