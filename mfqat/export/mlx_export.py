@@ -34,22 +34,14 @@ from ..model_card import write_model_card
 from ..manifest import seal
 from ..quant.mxtensor import MXTensor
 from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from .recipes import AFFINE_BITS, Plan, build_plan, mlx_storage, ptq_anchor_format
+from .recipes import AFFINE_BITS, Plan, build_plan, ptq_anchor_format
 from .mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from .storage import anchor_parameters, resolve_scale_dtype, stored_size
+from .verify import LOGIT_RTOL, reference_state, verify_export  # noqa: F401 (public here since 0.1)
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
     import mlx.core as mx
 
-# The exported logits must match PyTorch's (float32, same weights) within LOGIT_RTOL[check] x
-# max(1, max |PyTorch logit|) on the check prompt. The weights are checked bit-exact first, so this
-# checks the model around them (config, per-module bits, rope, tying). float32 scales: MLX computes
-# in float32, observed ~3e-7 absolute. bfloat16 parameters (scales, biases, norms) are upcast to
-# float32 for the check ("float32-upcast"): MLX's bfloat16 arithmetic drifts with depth (15-23% of
-# max |logit| on SmolLM2-135M at affine3..8, which would hide a broken model) and is ~100x slower on
-# CPU; upcast, only the scale arithmetic of the dequantization differs (float32 instead of bfloat16's
-# two roundings): observed 1.6-2.5% on SmolLM2-135M at affine3/4/8 with argmax agreement 1.0.
-LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
@@ -112,17 +104,6 @@ def _config_for_mlx(config: dict, plan: Plan) -> dict:
     cfg["quantization"] = quant
     cfg["quantization_config"] = quant
     return cfg
-
-
-def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
-    """The PyTorch weights that the export must reproduce (float32)."""
-    sd = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() else v) for k, v in anchor.plain.items()}
-    for name, q in plan.tensors(anchor).items():
-        sd[name] = q.dequantize(torch.float32)
-    for name in plan.kept16:
-        if name in anchor.quantized:
-            sd[name] = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
-    return sd
 
 
 def plan_from_report(report: dict) -> Plan:
@@ -261,61 +242,3 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
             shutil.copy(src / f, tmp / f)
-
-
-def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
-    """Every tensor dequantized by MLX equals the PyTorch dequantization; logits compared."""
-    import mlx.core as mx
-
-    weights = load_weights(out)
-    checked = 0
-    for name, q in plan.tensors(anchor).items():
-        module = name[: -len(".weight")]
-        expect = q.dequantize(torch.float32).numpy()
-        if f"{module}.scales" in weights:
-            mode, bits = mlx_storage(plan.formats[name])
-            got = mx.dequantize(weights[name], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
-                                group_size=plan.group_of(plan.formats[name]), bits=bits, mode=mode)
-        else:
-            got = weights[name]
-        got = np.array(got.astype(mx.float32))
-        if not np.array_equal(got, expect):
-            bad = int((got != expect).sum())
-            raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
-                               f"dequantization ({plan.formats[name]}); nothing was written")
-        checked += got.size
-    rep = {"weights_bit_exact": checked > 0, "weights_checked": checked, **compare_logits(out, anchor, plan, prompt)}
-    if not rep["max_abs_logit_diff"] <= rep["logit_tolerance"]:
-        raise RuntimeError(f"export check failed: the logits of mlx_lm.load(out) differ from PyTorch by "
-                           f"{rep['max_abs_logit_diff']:.3g}, above the tolerance {rep['logit_tolerance']:.3g} "
-                           f"({rep['mlx_compute']} LOGIT_RTOL x max(1, max |logit|)); nothing was written")
-    return rep
-
-
-def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
-    """Load with mlx_lm and compare logits on ``prompt`` with the PyTorch model in the same format."""
-    import mlx.core as mx
-    from mlx_lm import load as mlx_load
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    from mlx.utils import tree_flatten, tree_map
-
-    model, tok = mlx_load(str(out))
-    ids = tok.encode(prompt)
-    params = tree_flatten(model.parameters())
-    bf16_scales = any(a.dtype == mx.bfloat16 and k.endswith((".scales", ".biases")) for k, a in params)
-    compute = "float32-upcast" if bf16_scales else "float32"  # see LOGIT_RTOL
-    if any(a.dtype == mx.bfloat16 for _, a in params):  # bf16 norms upcast exactly (PyTorch holds them so)
-        model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
-    mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
-    config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
-    pt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    pt.load_state_dict(reference_state(anchor, plan), strict=False)
-    pt.tie_weights()
-    with torch.no_grad():
-        pt_logits = pt(torch.tensor([ids])).logits.numpy()
-    diff = float(np.abs(mlx_logits - pt_logits).max())
-    tol = LOGIT_RTOL[compute] * max(1.0, float(np.abs(pt_logits).max()))
-    agree = float((mlx_logits.argmax(-1) == pt_logits.argmax(-1)).mean())
-    return {"max_abs_logit_diff": diff, "logit_tolerance": tol, "mlx_compute": compute,
-            "argmax_agreement": agree, "prompt_tokens": len(ids)}
