@@ -10,7 +10,7 @@ Slice-and-Scale (what is deployed). Two comparisons: equal optimizer steps, and 
 as one dedicated run). Perplexity on two held-out texts: the pydoc split no run trains on, and
 numpy's licence file (a different domain, so in-domain fine-tuning cannot hide a gap).
 
-    python scripts/bench_joint.py [--steps 60] [--family mxint|mxfp] [--out out/joint]
+    python scripts/bench_joint.py [--steps 60] [--family mxint|mxfp] [--lr 2e-5] [--out out/joint]
 
 Runs land in OUT/<name>/ and are reused when their summary.json exists. Prints one table (and the
 gap of each joint model to the dedicated model per format), writes OUT/joint.json and OUT/joint.png.
@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--family", default="mxint", choices=sorted(FAMILIES))
     p.add_argument("--eval-blocks", type=int, default=24)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", default="2e-5", help="learning rate of every run, dedicated and joint")
     p.add_argument("--eval-formats", default="", help="comma list replacing the family's evaluated formats")
     p.add_argument("--only", default="", help="comma list of joint recipe names to run (default: all)")
     p.add_argument("--out", default="out/joint")
@@ -84,7 +85,7 @@ def main() -> None:
     fam = dict(FAMILIES[a.family])
     if a.eval_formats:
         fam["eval"] = a.eval_formats.split(",")
-    common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", "2e-5", "--save-master"]
+    common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", a.lr, "--save-master"]
     model, tok = load_model(None)
     held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.eval_blocks),
             "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.eval_blocks)}

@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--slice-rules", default="floor,ceil,output",
                    help="rules of the Slice-and-Scale path (add mse to search there too)")
+    p.add_argument("--model", default=None, help="HF folder to measure (default: the original SmolLM2-135M), "
+                                               "e.g. a run's master/ saved by mfqat train --save-master")
     p.add_argument("--out", default="out/scale_rule")
     p.add_argument("--report-only", action="store_true", help="tables and plot from the cache (a partial run)")
     a = p.parse_args()
@@ -72,7 +74,7 @@ def main() -> None:
     if a.report_only:
         return report(json.loads(cache_path.read_text()), a, out)
     torch.manual_seed(0)
-    model, tok = load_model(None)
+    model, tok = load_model(a.model)
     held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
             "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.blocks)}
     names = targets(model)

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Tuple
 
 import torch
 
@@ -38,13 +39,13 @@ from mfqat.quant.kernels import cpp
 def make_step(model, batch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def step() -> float:
-        t = time.perf_counter()
+    def step() -> Tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - c
     return step
 
 
@@ -54,13 +55,13 @@ def make_joint_step(model, batch, formats):
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def step() -> float:
-        t = time.perf_counter()
+    def step() -> Tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
         joint_backward(model, model, {"input_ids": batch, "labels": batch}, formats, lambda f: 1.0,
                        lambda loss: loss.backward())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - c
     return step
 
 
@@ -136,17 +137,20 @@ def main() -> None:
             runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
     fused_built = cpp.THROUGH_AVAILABLE
     times = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
     for r in range(a.rounds + 1):  # round 0 warms up
         for name, (step, backend, fused) in runs.items():
             if backend:
                 os.environ["MFQAT_BACKEND"] = backend
             cpp.THROUGH_AVAILABLE = fused_built and fused
-            dt = step()
+            dt, dc = step()
             if r:
                 times[name].append(dt)
+                cpu[name].append(dc)
     os.environ["MFQAT_BACKEND"] = "auto"
     cpp.THROUGH_AVAILABLE = fused_built
     plain = statistics.median(times["plain"])
+    plain_cpu = statistics.median(cpu["plain"])
     n_weights = sum(m.weight.numel() for _, m in qat_modules(qat))
     print(f"batch={a.batch_size}x{a.seq_len} threads={torch.get_num_threads()} format={a.format} "
           f"rounds={a.rounds} quantized weights={n_weights / 1e6:.1f}M")
@@ -155,6 +159,12 @@ def main() -> None:
         k = len(formats) if name.startswith("joint") else 1
         print(f"{name:<22} median {med:.3f} s/step (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain "
               f"{med / plain:.3f}x" + (f" | per format {med / (k * plain):.3f}x" if k > 1 else ""))
+    print("CPU time (all threads; robust to time stolen by other tenants of the machine):")
+    for name, ts in cpu.items():
+        med = statistics.median(ts)
+        k = len(formats) if name.startswith("joint") else 1
+        print(f"{name:<22} median {med:.3f} CPU-s/step | ratio to plain {med / plain_cpu:.3f}x"
+              + (f" | per format {med / (k * plain_cpu):.3f}x" if k > 1 else ""))
     for backend in a.backends.split(","):
         os.environ["MFQAT_BACKEND"] = backend
         t = time.perf_counter()
