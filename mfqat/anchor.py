@@ -37,6 +37,7 @@ from .model_card import write_model_card
 from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
 from .quant.api import quantize
+from .shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
 from .sharded import unique_state_dict
 from .quant.mxtensor import MXTensor
 from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
@@ -44,9 +45,6 @@ from .quant.scale_rules import anchor_rules, anchor_scale_rules
 from .slice import slice_and_scale
 
 META_FILE = "mfqat.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-MAX_SHARD_BYTES = 5 * 1024 ** 3
 
 
 @dataclass
@@ -100,36 +98,17 @@ def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
             if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size}
 
 
-def _shard(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
-    shards: List[Dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        if shards[-1] and size + n > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += n
-    return shards
-
-
 def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES,
                       metadata: Optional[dict] = None) -> List[str]:
     """Write tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``."""
-    shards = _shard({k: v.contiguous() for k, v in tensors.items()}, max_shard_bytes)
-    meta = {"format": "pt", **(metadata or {})}
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / WEIGHTS_FILE), metadata=meta)
-        return [WEIGHTS_FILE]
-    names, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata=meta)
-        names.append(name)
-        weight_map.update({k: name for k in shard})
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return names
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = shard_file_names(len(shards))
+    for name, keys in zip(files, shards):
+        save_file({k: tensors[k] for k in keys}, str(folder / name), metadata={"format": "pt", **(metadata or {})})
+    write_index(folder, files, shards, sum(sizes.values()))
+    return files
 
 
 def _quantize_all(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str

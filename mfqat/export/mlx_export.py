@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 import torch
 
-from ..anchor import MAX_SHARD_BYTES, Anchor, AnchorError, read_anchor, save_anchor
+from ..anchor import Anchor, AnchorError, read_anchor, save_anchor
+from ..shard_files import MAX_SHARD_BYTES
 from ..derive import DERIVED_GROUP_SIZE, is_derived
 from ..formats import get_format
 from ..io import atomic_directory, write_json

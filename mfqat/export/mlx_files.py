@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
-from ..anchor import MAX_SHARD_BYTES
-from ..io import write_json
+from ..shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -17,25 +16,12 @@ def save_sharded(arrays: Dict[str, "mx.array"], folder: Path, max_shard_bytes: i
     layout, which mlx_lm.load reads) when the weights exceed ``max_shard_bytes``."""
     import mlx.core as mx
 
-    shards: List[Dict[str, "mx.array"]] = [{}]
-    size = 0
-    for name in sorted(arrays):
-        nbytes = arrays[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arrays[name]
-        size += nbytes
-    if len(shards) == 1:
-        mx.save_safetensors(str(folder / "model.safetensors"), shards[0], metadata={"format": "mlx"})
-        return ["model.safetensors"]
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(files, shards):
-        mx.save_safetensors(str(folder / fname), shard, metadata={"format": "mlx"})
-        weight_map.update({k: fname for k in shard})
-    write_json(folder / "model.safetensors.index.json",
-               {"metadata": {"total_size": sum(a.nbytes for a in arrays.values())}, "weight_map": weight_map})
+    sizes = {name: arrays[name].nbytes for name in sorted(arrays)}
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = shard_file_names(len(shards))
+    for fname, names in zip(files, shards):
+        mx.save_safetensors(str(folder / fname), {k: arrays[k] for k in names}, metadata={"format": "mlx"})
+    write_index(folder, files, shards, sum(sizes.values()))
     return files
 
 
