@@ -23,7 +23,7 @@ from .eval.perplexity import perplexity
 from .eval.report import format_table
 from .formats import canonical_name, get_format
 from .integrations.lora import DEFAULT_TARGETS
-from .integrations.train_loop import peak_memory_mib
+from .integrations.train_setup import peak_memory_mib
 from .mxqlora import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
 from .mxqlora_mlx import peft_to_mlx
 from .progress import progress

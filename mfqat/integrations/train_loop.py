@@ -3,37 +3,34 @@
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \
         --qat-config mxint_2468 --steps 120 --out runs/mfqat
 
-Defaults: the embedded SmolLM2-135M, Python's pydoc text, progressive mxint2->4->6->8.
+Defaults: the embedded SmolLM2-135M, Python's pydoc text, joint MF-QAT over mxint8/6/4 (mxint_joint).
 Ends by saving an MXINT8 (or --anchor-format) anchor and printing a perplexity table.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import math
-import resource
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..progress import progress, quiet_dependency_logs
 from ..anchor import save_anchor
-from ..data import load_model, token_blocks, tiny_llama
-from ..datasets import training_texts
+from ..data import load_model, tiny_llama
 from ..eval.elastic import evaluate_formats, ptq_state
 from ..eval.perplexity import perplexity
 from ..eval.report import format_table, plot_curve
-from ..formats import canonical_name, get_format
-from ..io import atomic_directory
-from ..qat.config import QATConfig
+from ..formats import get_format
 from ..qat.joint import joint_backward, token_kl, weighted_loss
 from ..qat.observers import mean_clip_rate
 from .lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
 from .optim import make_optimizer
 from .train_args import build_parser
+from .train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
+                          peak_memory_mib, save_master)
 from . import fsdp, grad_compress
 from ..sharded import full_state_dict, is_sharded
 from ..qat.prepare import prepare, set_format
@@ -48,52 +45,6 @@ def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: i
         ctl.set_step(base, step, total)  # back to this step's per-layer formats
     out = model(input_ids=batch, labels=batch)
     return (1 - alpha) * out.loss + alpha * token_kl(out.logits, teacher)
-
-
-def load_qat_config(args) -> QATConfig:
-    """The QATConfig of --qat-config with the command line's overrides applied."""
-    data = QATConfig.read_yaml(args.qat_config) if args.qat_config else {}
-    if args.formats:
-        data["formats"] = [canonical_name(f) for f in args.formats.split(",")]
-    if args.schedule:
-        data["schedule"] = args.schedule
-    if args.joint_sample is not None:
-        data["joint_sample"] = args.joint_sample
-    if args.loss_weights:
-        data["loss_weights"] = {k: float(v) for k, v in (x.split("=") for x in args.loss_weights.split(","))}
-    if args.distill_weight is not None:
-        data["distill_weight"] = args.distill_weight
-    return QATConfig(**data)
-
-
-def make_lr_lambda(args, ctl) -> Callable[[int], float]:
-    """LR factor per optimizer step: linear warm-up, then constant or cosine decay to 0, times the
-    --lr-mult multiplier of the step's (highest) format family."""
-    mults = {k: float(v) for k, v in (x.split("=") for x in args.lr_mult.split(",") if x)}
-
-    def factor(step: int) -> float:
-        f = (step + 1) / args.warmup_steps if step < args.warmup_steps else 1.0
-        if args.lr_schedule == "cosine" and step >= args.warmup_steps:
-            span = max(args.steps - args.warmup_steps, 1)
-            f = 0.5 * (1 + math.cos(math.pi * min(step - args.warmup_steps, span) / span))
-        if mults and ctl is not None:
-            f *= mults.get(get_format(ctl.step_formats(step, args.steps)[0]).family, 1.0)
-        return f
-    return factor
-
-
-def load_data(args, tok, num_processes: int):
-    """(train blocks, held-out blocks) of --seq-len tokens; the tiny model reads bytes as tokens."""
-    text_train, text_eval = training_texts(args.text, args.dataset, tok)
-    need_blocks = args.steps * args.batch_size * args.grad_accum * num_processes
-    if tok is not None:
-        return (token_blocks(tok, text_train, args.seq_len, max_blocks=need_blocks),
-                token_blocks(tok, text_eval, args.seq_len, max_blocks=args.eval_blocks))
-
-    def enc(text: str, n: int) -> torch.Tensor:
-        ids = torch.tensor(list(text.encode()[:n]), dtype=torch.long) % 320
-        return ids[: ids.numel() // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
-    return enc(text_train, args.seq_len * need_blocks * 2), enc(text_eval, args.seq_len * args.eval_blocks)
 
 
 def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int, sync: bool) -> Dict[str, float]:
@@ -111,44 +62,6 @@ def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int,
                 if ctl and args.distill else model(input_ids=batch, labels=batch).loss)
         acc.backward(loss * scale)
     return {formats[0]: loss.item()}
-
-
-def save_master(model, tok, path: Path) -> None:
-    """The full-precision master weights as a plain HF folder (MF-QAT modules are ordinary Linears
-    to ``save_pretrained``: the state dict keys are unchanged)."""
-    with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tok is not None:
-            tok.save_pretrained(tmp)
-
-
-def peak_memory_mib() -> float:
-    """Peak memory of this process: CUDA allocations on a GPU, else the peak resident set (RSS)."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _forever(loader) -> Iterator:
-    """The loader's batches, epoch after epoch."""
-    while True:
-        for (batch,) in loader:
-            yield batch
-
-
-def log_with(report_to: str):
-    """accelerate's ``log_with`` for --report-to: None ('none'), 'all', or a list of tracker names."""
-    names = [n.strip() for n in report_to.split(",") if n.strip() and n.strip() != "none"]
-    if names == ["all"]:
-        return "all"
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, _available_trackers
-
-    for n in names:
-        if n not in LOGGER_TYPE_TO_CLASS:
-            raise ValueError(f"--report-to {n}: not an accelerate tracker ({', '.join(LOGGER_TYPE_TO_CLASS)})")
-        if n not in _available_trackers:
-            raise ValueError(f"--report-to {n}: the {n} package is not installed (pip install {n})")
-    return names or None
 
 
 def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> dict:
