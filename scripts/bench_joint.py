@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--family", default="mxint", choices=sorted(FAMILIES))
     p.add_argument("--eval-blocks", type=int, default=24)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seed", default="0", help="training seed of every run (the order of the batches)")
     p.add_argument("--lr", default="2e-5", help="learning rate of every run, dedicated and joint")
     p.add_argument("--eval-formats", default="", help="comma list replacing the family's evaluated formats")
     p.add_argument("--only", default="", help="comma list of joint recipe names to run (default: all)")
@@ -85,7 +86,7 @@ def main() -> None:
     fam = dict(FAMILIES[a.family])
     if a.eval_formats:
         fam["eval"] = a.eval_formats.split(",")
-    common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", a.lr, "--save-master"]
+    common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", a.lr, "--seed", a.seed, "--save-master"]
     model, tok = load_model(None)
     held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.eval_blocks),
             "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.eval_blocks)}
