@@ -7,7 +7,9 @@
     python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
 
 The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
-forward+backward passes plus one optimizer step ("per-format overhead"). ``--two-pass`` also times
+forward+backward passes plus one optimizer step ("per-format overhead") and against one plain step
+of K accumulated passes ("plain xK accumulated": the same structure without fake-quant, so the
+ratio to it is what fake-quant adds). ``--two-pass`` also times
 the joint step with the fused train-through-anchor op switched off (two quantize-dequantize passes
 per weight for each format below the anchor, as before the fused op). ``--memory`` runs each
 configuration in its own process and reports its peak resident set after 3 steps.
@@ -43,6 +45,21 @@ def make_step(model, batch):
         t, c = time.perf_counter(), time.process_time()
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t, time.process_time() - c
+    return step
+
+
+def make_accum_step(model, batch, k: int):
+    """One plain optimizer step over ``k`` accumulated forward+backward passes of the batch: the
+    joint step's structure without fake-quant (its fair baseline)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> Tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(k):
+            (model(input_ids=batch, labels=batch).loss / k).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t, time.process_time() - c
@@ -132,6 +149,7 @@ def main() -> None:
         joint = copy.deepcopy(model)
         mfqat.prepare(joint, mfqat.QATConfig(formats=formats, schedule="joint"))
         joint_step = make_joint_step(joint, batch, formats)
+        runs[f"plain x{len(formats)} accumulated"] = (make_accum_step(model, batch, len(formats)), None, True)
         runs[f"joint x{len(formats)} [auto]"] = (joint_step, "auto", True)
         if a.two_pass:
             runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
@@ -151,6 +169,9 @@ def main() -> None:
     cpp.THROUGH_AVAILABLE = fused_built
     plain = statistics.median(times["plain"])
     plain_cpu = statistics.median(cpu["plain"])
+    acc_name = f"plain x{len(formats)} accumulated"
+    accum = statistics.median(times[acc_name]) if acc_name in times else None
+    accum_cpu = statistics.median(cpu[acc_name]) if acc_name in cpu else None
     n_weights = sum(m.weight.numel() for _, m in qat_modules(qat))
     print(f"batch={a.batch_size}x{a.seq_len} threads={torch.get_num_threads()} format={a.format} "
           f"rounds={a.rounds} quantized weights={n_weights / 1e6:.1f}M")
@@ -158,13 +179,15 @@ def main() -> None:
         med = statistics.median(ts)
         k = len(formats) if name.startswith("joint") else 1
         print(f"{name:<22} median {med:.3f} s/step (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain "
-              f"{med / plain:.3f}x" + (f" | per format {med / (k * plain):.3f}x" if k > 1 else ""))
+              f"{med / plain:.3f}x" + (f" | per format {med / (k * plain):.3f}x" if k > 1 else "")
+              + (f" | to plain x{k} accumulated {med / accum:.3f}x" if k > 1 and accum else ""))
     print("CPU time (all threads; robust to time stolen by other tenants of the machine):")
     for name, ts in cpu.items():
         med = statistics.median(ts)
         k = len(formats) if name.startswith("joint") else 1
         print(f"{name:<22} median {med:.3f} CPU-s/step | ratio to plain {med / plain_cpu:.3f}x"
-              + (f" | per format {med / (k * plain_cpu):.3f}x" if k > 1 else ""))
+              + (f" | per format {med / (k * plain_cpu):.3f}x" if k > 1 else "")
+              + (f" | to plain x{k} accumulated {med / accum_cpu:.3f}x" if k > 1 and accum_cpu else ""))
     for backend in a.backends.split(","):
         os.environ["MFQAT_BACKEND"] = backend
         t = time.perf_counter()
