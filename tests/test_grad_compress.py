@@ -1,4 +1,5 @@
 """MX-compressed DDP gradient all-reduce with error feedback (mfqat.integrations.grad_compress)."""
+import gc
 import json
 import os
 import socket
@@ -165,6 +166,7 @@ def test_an_overflowing_step_does_not_poison_the_residual():
     from mfqat.data import tiny_llama
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    ddp = state = None
     try:
         model = tiny_llama(vocab_size=320)
         ddp = DDP(model)
@@ -176,5 +178,7 @@ def test_an_overflowing_step_does_not_poison_the_residual():
         model.zero_grad()
         ddp(input_ids=batch, labels=batch).loss.backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-    finally:
+    finally:  # free DDP's Reducer BEFORE the process group: freed after destroy_process_group (when the
+        ddp = state = None  # test's frame goes), it hung a CI run in ProcessGroupGloo's destructor
+        gc.collect()
         dist.destroy_process_group()
