@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,48 +38,35 @@ from mfqat.qat.prepare import qat_modules
 from mfqat.quant.kernels import cpp
 
 
-def make_step(model, batch):
+def timed_step(model, passes) -> Callable[[], Tuple[float, float]]:
+    """An optimizer step (AdamW) after ``passes()`` ran the forward+backward passes -> a function
+    returning its (wall, process CPU) seconds."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step() -> Tuple[float, float]:
         t, c = time.perf_counter(), time.process_time()
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
+        passes()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t, time.process_time() - c
     return step
 
 
-def make_accum_step(model, batch, k: int):
-    """One plain optimizer step over ``k`` accumulated forward+backward passes of the batch: the
-    joint step's structure without fake-quant (its fair baseline)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def step() -> Tuple[float, float]:
-        t, c = time.perf_counter(), time.process_time()
+def make_step(model, batch, k: int = 1):
+    """A plain step over ``k`` accumulated forward+backward passes of the batch (k > 1: the joint
+    step's structure without fake-quant, its fair baseline)."""
+    def passes() -> None:
         for _ in range(k):
             (model(input_ids=batch, labels=batch).loss / k).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t, time.process_time() - c
-    return step
+    return timed_step(model, passes)
 
 
 def make_joint_step(model, batch, formats):
     """One joint MF-QAT optimizer step over ``formats`` (mfqat.qat.joint)."""
     from mfqat.qat.joint import joint_backward
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def step() -> Tuple[float, float]:
-        t, c = time.perf_counter(), time.process_time()
-        joint_backward(model, model, {"input_ids": batch, "labels": batch}, formats, lambda f: 1.0,
-                       lambda loss: loss.backward())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t, time.process_time() - c
-    return step
+    return timed_step(model, lambda: joint_backward(model, model, {"input_ids": batch, "labels": batch}, formats,
+                                                    lambda f: 1.0, lambda loss: loss.backward()))
 
 
 def memory_child(kind: str, a) -> None:
@@ -119,6 +106,23 @@ def memory_report(a) -> None:
               f"{(peak - loaded) / base:.2f}x plain's)")
 
 
+def report(samples: Dict[str, List[float]], formats: List[str], unit: str) -> None:
+    """Median per configuration, its ratio to plain, and for the joint step the ratio per format
+    and to the plain step of as many accumulated passes."""
+    plain = statistics.median(samples["plain"])
+    acc_name = f"plain x{len(formats)} accumulated"
+    accum: Optional[float] = statistics.median(samples[acc_name]) if acc_name in samples else None
+    for name, ts in samples.items():
+        med = statistics.median(ts)
+        k = len(formats) if name.startswith("joint") else 1
+        line = f"{name:<22} median {med:.3f} {unit} (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain {med / plain:.3f}x"
+        if k > 1:
+            line += f" | per format {med / (k * plain):.3f}x"
+            if accum:
+                line += f" | to plain x{k} accumulated {med / accum:.3f}x"
+        print(line)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
@@ -149,7 +153,7 @@ def main() -> None:
         joint = copy.deepcopy(model)
         mfqat.prepare(joint, mfqat.QATConfig(formats=formats, schedule="joint"))
         joint_step = make_joint_step(joint, batch, formats)
-        runs[f"plain x{len(formats)} accumulated"] = (make_accum_step(model, batch, len(formats)), None, True)
+        runs[f"plain x{len(formats)} accumulated"] = (make_step(model, batch, len(formats)), None, True)
         runs[f"joint x{len(formats)} [auto]"] = (joint_step, "auto", True)
         if a.two_pass:
             runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
@@ -167,27 +171,12 @@ def main() -> None:
                 cpu[name].append(dc)
     os.environ["MFQAT_BACKEND"] = "auto"
     cpp.THROUGH_AVAILABLE = fused_built
-    plain = statistics.median(times["plain"])
-    plain_cpu = statistics.median(cpu["plain"])
-    acc_name = f"plain x{len(formats)} accumulated"
-    accum = statistics.median(times[acc_name]) if acc_name in times else None
-    accum_cpu = statistics.median(cpu[acc_name]) if acc_name in cpu else None
     n_weights = sum(m.weight.numel() for _, m in qat_modules(qat))
     print(f"batch={a.batch_size}x{a.seq_len} threads={torch.get_num_threads()} format={a.format} "
           f"rounds={a.rounds} quantized weights={n_weights / 1e6:.1f}M")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        k = len(formats) if name.startswith("joint") else 1
-        print(f"{name:<22} median {med:.3f} s/step (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain "
-              f"{med / plain:.3f}x" + (f" | per format {med / (k * plain):.3f}x" if k > 1 else "")
-              + (f" | to plain x{k} accumulated {med / accum:.3f}x" if k > 1 and accum else ""))
+    report(times, formats, "s/step")
     print("CPU time (all threads; robust to time stolen by other tenants of the machine):")
-    for name, ts in cpu.items():
-        med = statistics.median(ts)
-        k = len(formats) if name.startswith("joint") else 1
-        print(f"{name:<22} median {med:.3f} CPU-s/step | ratio to plain {med / plain_cpu:.3f}x"
-              + (f" | per format {med / (k * plain_cpu):.3f}x" if k > 1 else "")
-              + (f" | to plain x{k} accumulated {med / accum_cpu:.3f}x" if k > 1 and accum_cpu else ""))
+    report(cpu, formats, "CPU-s/step")
     for backend in a.backends.split(","):
         os.environ["MFQAT_BACKEND"] = backend
         t = time.perf_counter()
