@@ -23,7 +23,6 @@ from typing import Dict, List, Optional, Union
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import save_file
 from torch import nn
 
 from . import __version__
@@ -37,7 +36,7 @@ from .model_card import write_model_card
 from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
 from .quant.api import quantize
-from .shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
+from .shard_files import MAX_SHARD_BYTES, write_safetensors
 from .sharded import unique_state_dict
 from .quant.mxtensor import MXTensor
 from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
@@ -96,19 +95,6 @@ def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
     return {f"{n}.weight": f"in_features {m.in_features} not a multiple of {block_size}"
             for n, m in model.named_modules()
             if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size}
-
-
-def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES,
-                      metadata: Optional[dict] = None) -> List[str]:
-    """Write tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
-    shards = plan_shards(sizes, max_shard_bytes)
-    files = shard_file_names(len(shards))
-    for name, keys in zip(files, shards):
-        save_file({k: tensors[k] for k in keys}, str(folder / name), metadata={"format": "pt", **(metadata or {})})
-    write_index(folder, files, shards, sum(sizes.values()))
-    return files
 
 
 def _quantize_all(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str
@@ -258,16 +244,30 @@ def read_anchor(path: PathLike, verify: bool = True) -> Anchor:
 
 
 def load_anchor(path: PathLike, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE) -> nn.Module:
+                dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
+                calib: Optional[torch.Tensor] = None) -> nn.Module:
     """A ready Hugging Face model whose quantized weights hold ``fmt`` values (Slice-and-Scale).
 
     ``fmt=None`` gives the anchor's own format. Any format of the anchor's family at or below
     its bits can be asked for, and the derived affine formats (``affine4``: MLX's layout in groups
     of ``group_size``, mfqat.derive); others raise AnchorError / ValueError with the reason.
+    ``calib``: token ids (blocks x seq_len) of calibration text; lowers with the output-aware
+    per-block scale search where it measured better (mfqat.anchor_search), as ``export-mlx
+    --scale-search`` does.
     """
+    anchor = read_anchor(path)
+    if calib is not None:
+        from .anchor_search import search_scales
+        search_scales(anchor, calib, [fmt] if fmt is not None else None)
+    return anchor_model(anchor, fmt, device, dtype, group_size)
+
+
+def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
+                 dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE) -> nn.Module:
+    """The Hugging Face model of an anchor already read, its quantized weights in ``fmt`` (see load_anchor)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    anchor = read_anchor(path)
+    path = anchor.path
     sd = anchor.state_dict(fmt, dtype, group_size)
     odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if why != "not a target"]
     if fmt is not None and odd and canonical_name(fmt) != anchor.format:

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer", default=None, help="tokenizer folder for an anchor saved without one")
     e.add_argument("--bnb", default="", help="comma list of bitsandbytes baselines to add as rows: nf4 (NF4 + double "
                    "quant, bf16 compute), int8 (LLM.int8, threshold 6.0); of MODEL, or of --fp-model for an anchor")
+    e.add_argument("--scale-search", action="store_true", help="anchor: lower to mxint6..mxint3 with the "
+                   "output-aware per-block scale choice, calibrated on --calib-text (as export-mlx --scale-search)")
+    e.add_argument("--calib-text", default=None, help="--scale-search: calibration text file or folder (default: the "
+                   "pydoc training split, never the held-out text)")
     e.add_argument("--plot", default="ppl_vs_bpw.png")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")

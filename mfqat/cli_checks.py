@@ -126,6 +126,9 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("--compare: give an anchor and --fp-model (the full-precision model whose direct "
                              "quantization is compared with Slice-and-Scale)")
         need_model(a.fp_model, "--fp-model")
+        if a.scale_search and not is_anchor(a.model):
+            raise UsageError("--scale-search lowers an anchor: give an anchor directory as MODEL")
+        need_path(a.calib_text, "--calib-text")
         bad = [b for b in a.bnb.split(",") if b and b not in ("nf4", "int8")]
         if bad:
             raise UsageError(f"--bnb {','.join(bad)}: choose from nf4, int8")

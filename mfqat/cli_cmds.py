@@ -70,6 +70,11 @@ def evaluate(a: argparse.Namespace) -> None:
     base_ppl = perplexity(model, blocks, desc="ppl base")
     if is_anchor:
         anchor = read_anchor(a.model)
+        if a.scale_search:
+            from .anchor_search import search_scales
+            from .data import calibration_blocks
+            calib_text = load_text(a.calib_text) if a.calib_text else None
+            print(f"scale search: {search_scales(anchor, calibration_blocks(tok, calib_text, n_blocks=8))}")
         rows = evaluate_formats(model, {f: anchor_state(anchor, f) for f in formats}, blocks)
     else:
         rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)

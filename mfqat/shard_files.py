@@ -3,9 +3,12 @@ or ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.js
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from .io import write_json
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,3 +39,18 @@ def write_index(folder: Path, files: List[str], shards: List[List[str]], total_b
     if len(files) > 1:
         weight_map = {name: f for f, names in zip(files, shards) for name in names}
         write_json(folder / INDEX_FILE, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+
+
+def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES,
+                      metadata: Optional[dict] = None) -> List[str]:
+    """Write torch tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = shard_file_names(len(shards))
+    for name, keys in zip(files, shards):
+        save_file({k: tensors[k] for k in keys}, str(folder / name), metadata={"format": "pt", **(metadata or {})})
+    write_index(folder, files, shards, sum(sizes.values()))
+    return files

@@ -11,7 +11,7 @@ the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max 
 producer's output channels divided by ``s``, so the full-precision model computes the same function
 (up to float rounding; tested) while the salient input channels get more of the quantization grid.
 ``importance`` is the mean squared activation per input channel on calibration text (the
-"imatrix", computed here with forward hooks, or read from a llama.cpp imatrix GGUF: mfqat.export.imatrix).
+"imatrix": mfqat.importance, or read from a llama.cpp imatrix GGUF: mfqat.export.imatrix).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..progress import progress
+from ..importance import activation_sums, importance_matrix  # noqa: F401 (re-exported)
 
 GROUPS: List[Tuple[str, List[str]]] = [
     ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
@@ -37,40 +37,6 @@ def decoder_layers(model: nn.Module) -> List[nn.Module]:
     if layers is None:
         raise ValueError(f"AWQ: {type(model).__name__} has no .model.layers (a Llama-style decoder is expected)")
     return list(layers)
-
-
-def activation_sums(model: nn.Module, blocks: torch.Tensor,
-                    batch_size: int = 4) -> Tuple[Dict[str, torch.Tensor], Dict[str, int]]:
-    """Per nn.Linear: the sum over tokens of the squared input activation (float32) and the token count
-    (llama.cpp's ``in_sum2`` and ``counts``)."""
-    sums: Dict[str, torch.Tensor] = {}
-    counts: Dict[str, int] = {}
-    hooks = []
-
-    def hook(name):
-        def fn(_mod, inputs, _out):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
-        return fn
-
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            hooks.append(m.register_forward_hook(hook(name)))
-    try:
-        with torch.no_grad():
-            for i in progress(range(0, blocks.shape[0], batch_size), desc="imatrix", leave=False):
-                model(input_ids=blocks[i:i + batch_size])
-    finally:
-        for h in hooks:
-            h.remove()
-    return sums, counts
-
-
-def importance_matrix(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4) -> Dict[str, torch.Tensor]:
-    """Mean squared input activation per channel for every nn.Linear (name -> (in_features,))."""
-    sums, counts = activation_sums(model, blocks, batch_size)
-    return {k: sums[k] / counts[k] for k in sums}
 
 
 def awq_scales(importance: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:

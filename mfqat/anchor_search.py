@@ -1,0 +1,77 @@
+"""Output-aware scale search when an anchor is lowered: which formats, the importance, the marking.
+
+Slice-and-Scale keeps each block's exponent by a fixed rule (floor for MXINT). The search instead
+picks, per block, the exponent among floor-1, floor, floor+1 whose error against the anchor's
+values is lowest when each input column's squared error is weighted by that column's importance:
+the mean squared input activation of the Linear on calibration text (mfqat.importance), measured
+with the model in the anchor's own format (mfqat.quant.scale_search). Every block stays a legal
+MX block, and in weighted squared error it is never worse than floor.
+
+It is applied only to :data:`mfqat.quant.scale_rules.SCALE_SEARCH_FORMATS` (mxint6..mxint3),
+where it beat the default rule on two held-out texts (BENCHMARKS.md "Scale rules"); the anchor's
+own format, and MXFP formats, keep their rule. Used by ``load_anchor(..., calib=...)``,
+``mfqat eval --scale-search`` and ``export-mlx --scale-search``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .anchor import Anchor, anchor_model
+from .formats import FORMATS, canonical_name
+from .importance import importance_matrix
+from .quant.scale_rules import SCALE_SEARCH_FORMATS
+
+
+def searchable_formats(anchor_fmt: str) -> List[str]:
+    """The formats below ``anchor_fmt`` of its family that the search serves better than their rule."""
+    a = FORMATS[anchor_fmt]
+    return [n for n in SCALE_SEARCH_FORMATS if FORMATS[n].family == a.family and FORMATS[n].bits < a.bits]
+
+
+def mark_scale_search(anchor: Anchor, importance: Dict[str, torch.Tensor], formats: Sequence[str]) -> int:
+    """Give every quantized Linear weight its input importance and the ``search`` rule for ``formats``
+    (in place; Slice-and-Scale then searches). Returns how many tensors were marked."""
+    marked = 0
+    for name, q in anchor.quantized.items():
+        imp = importance.get(name[: -len(".weight")])
+        if imp is None or imp.numel() != q.shape[-1]:
+            continue  # e.g. a tied embedding: not a Linear input
+        q.importance = imp
+        q.slice_rules = {**(q.slice_rules or {}), **dict.fromkeys(formats, "search")}
+        marked += 1
+    return marked
+
+
+def search_scales(anchor: Anchor, calib: torch.Tensor, formats: Optional[Sequence[str]] = None,
+                  batch_size: int = 4) -> dict:
+    """Measure the importance on ``calib`` (token ids, blocks x seq_len) and mark the anchor so that
+    lowering it to ``formats`` (default: every searchable format) searches the scales.
+
+    Formats the search does not serve (the anchor's own, MXFP, derived affine) keep their rule;
+    when none of ``formats`` is searchable a warning says so and no calibration pass runs.
+    Returns a report entry: the statistic, calibration tokens, formats searched, tensors marked.
+    """
+    if calib.dim() != 2 or calib.is_floating_point():
+        raise ValueError(f"calib: expected token ids of shape (blocks, seq_len), got {calib.dtype} "
+                         f"{tuple(calib.shape)} (mfqat.data.calibration_blocks makes them from text)")
+    can = searchable_formats(anchor.format)
+    wanted = can if formats is None else [n for n in can if n in {_name(f) for f in formats}]
+    if not wanted:
+        if formats is not None:
+            warnings.warn(f"{anchor.path}: scale search is not used for {', '.join(map(str, formats))} "
+                          f"(it measured better only for {', '.join(can) or 'no format below ' + anchor.format}); "
+                          "lowering with the recorded scale rules", stacklevel=3)
+        return {"formats": [], "tensors": 0}
+    importance = importance_matrix(anchor_model(anchor), calib, batch_size)
+    return {"importance": "mean squared input activation", "calibration_tokens": calib.numel(),
+            "formats": wanted, "tensors": mark_scale_search(anchor, importance, wanted)}
+
+
+def _name(fmt: str) -> Optional[str]:
+    try:
+        return canonical_name(fmt)
+    except (KeyError, ValueError):
+        return None
