@@ -1,7 +1,7 @@
 """The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune -> anchor -> elastic formats
-by Slice-and-Scale -> Mac exports in MLX's affine layout, against mlx_lm.convert of the same
-fine-tuned weights at the same bytes (mfqat.demo_mac). Re-runs reuse finished
-stages (OUT/stages/*.json) unless --force."""
+by Slice-and-Scale (mxint4/mxint3 also with the output-aware scale search, mfqat.anchor_search)
+-> Mac exports in MLX's affine layout, against mlx_lm.convert of the same fine-tuned weights at
+the same bytes (mfqat.demo_mac). Re-runs reuse finished stages (OUT/stages/*.json) unless --force."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,7 @@ from .progress import quiet_dependency_logs
 from .demo_args import build_parser
 
 ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
+SEARCHED = ["mxint4", "mxint3"]  # where the scale search matters most (BENCHMARKS.md "Joint MF-QAT")
 PROMPT = "The Python language is"
 
 
@@ -71,6 +72,14 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
     mfqat_rows = _stage(out_dir, "elastic", force, lambda: {"rows": evaluate_formats(
         model, {f: anchor_state(anchor, f) for f in ELASTIC}, held)})
 
+    def searched():
+        from .anchor_search import search_scales
+        from .data import calibration_blocks
+        plan = read_anchor(trained["anchor"])  # calibrated on the training split, never the held-out text
+        search_scales(plan, calibration_blocks(tok, n_blocks=8, seq_len=seq_len), SEARCHED)
+        return {"rows": evaluate_formats(model, {f: anchor_state(plan, f) for f in SEARCHED}, held)}
+    search_ppl = {r["format"]: r["perplexity"] for r in _stage(out_dir, "elastic_search", force, searched)["rows"]}
+
     exports = {}
     if not skip_mlx:
         from .demo_mac import mac_exports
@@ -85,12 +94,13 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
     for r in mfqat_rows["rows"]:
         f = r["format"]
         rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "PTQ ppl": ptq_by[f],
-                     "MF-QAT ppl": r["perplexity"],
+                     "MF-QAT ppl": r["perplexity"], "+ scale search": search_ppl.get(f),
                      "MF-QAT vs PTQ": f"{100 * (r['perplexity'] / ptq_by[f] - 1):+.1f}%"})
     series = {
         "PTQ (direct, original model)": [(get_format(f).bits_per_weight(32), p, f) for f, p in ptq_by.items()],
         "MF-QAT anchor + Slice-and-Scale": [(get_format(r["format"]).bits_per_weight(32), r["perplexity"], r["format"])
                                             for r in mfqat_rows["rows"]],
+        "MF-QAT anchor + scale search": [(get_format(f).bits_per_weight(32), p, f) for f, p in search_ppl.items()],
     }
     plot = plot_ppl_vs_bpw(series, out_dir / "ppl_vs_bpw.png", title="SmolLM2-135M on held-out pydoc text", fp_ppl=fp["perplexity"])
     summary = {"fp_perplexity": fp["perplexity"], "rows": rows, "exports": exports, "plot": str(plot),
@@ -98,7 +108,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print()
     print(f"full precision perplexity: {fp['perplexity']:.3f}")
-    print(format_table(rows, ["format", "bits/weight", "PTQ ppl", "MF-QAT ppl", "MF-QAT vs PTQ"]))
+    print(format_table(rows, ["format", "bits/weight", "PTQ ppl", "MF-QAT ppl", "+ scale search", "MF-QAT vs PTQ"]))
     if exports:
         from .demo_mac import print_mac
         print_mac(exports["rows"], PROMPT)

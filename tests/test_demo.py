@@ -20,6 +20,9 @@ def tiny_dir(tmp_path_factory):
 def test_demo_smoke(tiny_dir, tmp_path, capsys):
     s = run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
     assert [r["format"] for r in s["rows"]] == ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
+    by = {r["format"]: r for r in s["rows"]}
+    assert by["mxint8"]["+ scale search"] is None and by["mxint2"]["+ scale search"] is None
+    assert by["mxint3"]["+ scale search"] != by["mxint3"]["MF-QAT ppl"]  # the search moved blocks
     assert (tmp_path / "demo" / "ppl_vs_bpw.png").stat().st_size > 5000
     rows = s["exports"]["rows"]
     assert set(rows) == {"mfqat uniform:affine4", "mfqat auto:4.7:affine", "mlx_lm q4 g64", "mlx_lm mixed_4_6"}
@@ -28,7 +31,7 @@ def test_demo_smoke(tiny_dir, tmp_path, capsys):
     assert ours["weights_bit_exact"] and ours["completion"]
     assert rows["mfqat auto:4.7:affine"]["stored_bits_per_weight"] <= rows["mlx_lm mixed_4_6"]["stored_bits_per_weight"] + 0.2
     out = capsys.readouterr().out
-    assert "MF-QAT ppl" in out and "mfqat auto:4.7:affine" in out and "mlx_lm mixed_4_6" in out
+    assert "MF-QAT ppl" in out and "+ scale search" in out and "mfqat auto:4.7:affine" in out and "mlx_lm mixed_4_6" in out
     assert f"{ours['perplexity']:.3f}"[:5] in out
     # a re-run reuses every stage
     run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
