@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", default=None, help="format to convert to (default: the anchor's)")
     c.add_argument(*OUT_FLAGS, dest="out", required=True)
     c.add_argument("--overwrite", action="store_true", help="replace an earlier convert output at --out")
+    c.add_argument("--scale-search", action="store_true", help="lower to mxint6..mxint3 with the output-aware "
+                   "per-block scale choice, calibrated on --calib-text with the anchor's tokenizer (docs/numerics.md)")
+    c.add_argument("--calib-text", default=None, help="--scale-search: calibration text file or folder (default: pydoc)")
     e = sub.add_parser("eval", help="perplexity table + PNG over formats")
     _model_arg(e, "model", "anchor directory, HF folder, .gguf, or 'smollm2'")
     e.add_argument("--formats", default="mxint8,mxint6,mxint5,mxint4,mxint3,mxint2")

@@ -109,6 +109,10 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             if not is_anchor(a.anchor):
                 raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); convert reads anchors")
             need_formats([a.to or ""], "--to")
+            if a.scale_search and not has_tokenizer(a.anchor):
+                raise UsageError(f"{a.anchor}: --scale-search calibrates with the anchor's tokenizer; this anchor "
+                                 "has none (save_anchor(..., tokenizer=...))")
+            need_path(a.calib_text, "--calib-text")
         else:
             need_model(a.anchor, "ANCHOR")
             need_tokenizer(a.anchor, a.tokenizer, cmd)

@@ -14,7 +14,12 @@ def convert(a: argparse.Namespace) -> None:
     from .manifest import seal
     from .model_card import write_model_card
 
-    model = load_anchor(a.anchor, a.to)
+    calib = None
+    if a.scale_search:
+        from .data import calibration_blocks, load_text
+        tok = AutoTokenizer.from_pretrained(a.anchor)
+        calib = calibration_blocks(tok, load_text(a.calib_text) if a.calib_text else None, n_blocks=8)
+    model = load_anchor(a.anchor, a.to, calib=calib)
     with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
         model.save_pretrained(tmp)
         try:
@@ -24,8 +29,9 @@ def convert(a: argparse.Namespace) -> None:
         fmt = model.mfqat_format
         write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
                          note=f"float32 weights that hold exactly the {fmt} values of the anchor (dequantized: "
-                              "as large as a full-precision checkpoint; `mfqat export-mlx` writes packed weights)")
-        marker = {"source": str(Path(a.anchor).absolute()), "format": fmt}
+                              "as large as a full-precision checkpoint; `mfqat export-mlx` writes packed weights)"
+                              + ("; lowered with the output-aware per-block scale search" if calib is not None else ""))
+        marker = {"source": str(Path(a.anchor).absolute()), "format": fmt, "scale_search": calib is not None}
         write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
     print(f"wrote {a.out}: {model.mfqat_format} values as dequantized float32 weights (a plain from_pretrained "
           "checkpoint, not smaller than full precision; for packed low-bit weights use mfqat export-mlx)")

@@ -86,3 +86,18 @@ def test_eval_scale_search_needs_an_anchor(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["eval", str(tmp_path / "hf"), "--scale-search"])
     assert e.value.code == 2 and "--scale-search lowers an anchor" in capsys.readouterr().err
+
+
+def test_convert_scale_search_writes_the_calibrated_weights(heavy, tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    tok, int8, _, _ = heavy
+    main(["convert", str(int8), "--to", "mxint3", "--scale-search", "--out", str(tmp_path / "c")])
+    got = linear_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "c"))
+    want = linear_weights(mfqat.load_anchor(int8, "mxint3", calib=calibration_blocks(tok, None, n_blocks=8)))
+    floor = linear_weights(mfqat.load_anchor(int8, "mxint3"))
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert any(not torch.equal(got[n], floor[n]) for n in want)
+    assert json.loads((tmp_path / "c" / "mfqat_convert.json").read_text())["scale_search"] is True
