@@ -251,19 +251,24 @@ def load_anchor(path: PathLike, fmt: Optional[str] = None, device: Union[str, to
     ``fmt=None`` gives the anchor's own format. Any format of the anchor's family at or below
     its bits can be asked for, and the derived affine formats (``affine4``: MLX's layout in groups
     of ``group_size``, mfqat.derive); others raise AnchorError / ValueError with the reason.
-    ``calib``: token ids (blocks x seq_len) of calibration text; lowers with the output-aware
-    per-block scale search where it measured better (mfqat.anchor_search), as ``export-mlx
-    --scale-search`` does.
+    ``calib``: token ids (blocks x seq_len, e.g. ``mfqat.data.calibration_blocks(tok, text)``) of
+    calibration text; lowers ``fmt`` with the output-aware per-block scale search where it measured
+    better (mxint6..mxint3, mfqat.anchor_search), as ``export-mlx --scale-search`` does; other
+    formats warn and keep their rule. ``model.mfqat_scale_search`` reports what was searched.
     """
     anchor = read_anchor(path)
+    report = None
     if calib is not None:
         from .anchor_search import search_scales
-        search_scales(anchor, calib, [fmt] if fmt is not None else None)
-    return anchor_model(anchor, fmt, device, dtype, group_size)
+        report = search_scales(anchor, calib, fmt or anchor.format, _stacklevel=3)
+    model = anchor_model(anchor, fmt, device, dtype, group_size, _stacklevel=3)
+    model.mfqat_scale_search = report  # what the search did (None: not asked)
+    return model
 
 
 def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                 dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE) -> nn.Module:
+                 dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
+                 _stacklevel: int = 2) -> nn.Module:
     """The Hugging Face model of an anchor already read, its quantized weights in ``fmt`` (see load_anchor)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
@@ -272,7 +277,7 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
     odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if why != "not a target"]
     if fmt is not None and odd and canonical_name(fmt) != anchor.format:
         warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
-                      f"of the block size {anchor.meta['block_size']})", stacklevel=2)
+                      f"of the block size {anchor.meta['block_size']})", stacklevel=_stacklevel)
     if not isinstance(anchor.config, dict) or anchor.config.get("model_type") not in CONFIG_MAPPING:
         raise AnchorError(f"{path}: config.json is missing or has no known model_type")
     config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)

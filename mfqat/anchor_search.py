@@ -10,12 +10,12 @@ MX block, and in weighted squared error it is never worse than floor.
 It is applied only to :data:`mfqat.quant.scale_rules.SCALE_SEARCH_FORMATS` (mxint6..mxint3),
 where it beat the default rule on two held-out texts (BENCHMARKS.md "Scale rules"); the anchor's
 own format, and MXFP formats, keep their rule. Used by ``load_anchor(..., calib=...)``,
-``mfqat eval --scale-search`` and ``export-mlx --scale-search``.
+``mfqat eval / convert / export-mlx --scale-search`` and the demo.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence, Union
 
 import torch
 
@@ -45,33 +45,41 @@ def mark_scale_search(anchor: Anchor, importance: Dict[str, torch.Tensor], forma
     return marked
 
 
-def search_scales(anchor: Anchor, calib: torch.Tensor, formats: Optional[Sequence[str]] = None,
-                  batch_size: int = 4) -> dict:
-    """Measure the importance on ``calib`` (token ids, blocks x seq_len) and mark the anchor so that
-    lowering it to ``formats`` (default: every searchable format) searches the scales.
+def search_scales(anchor: Anchor, calib: torch.Tensor, formats: Union[None, str, Sequence[str]] = None,
+                  batch_size: int = 4, _stacklevel: int = 2) -> dict:
+    """Measure the importance on ``calib`` (token ids, blocks x seq_len, on the device to calibrate
+    on) and mark the anchor so that lowering it to ``formats`` (default: every searchable format)
+    searches the scales.
 
-    Formats the search does not serve (the anchor's own, MXFP, derived affine) keep their rule;
-    when none of ``formats`` is searchable a warning says so and no calibration pass runs.
-    Returns a report entry: the statistic, calibration tokens, formats searched, tensors marked.
+    Formats the search does not serve (the anchor's own, MXFP, derived affine) keep their rule and
+    a warning says so; when none of ``formats`` is searchable no calibration pass runs. Returns a
+    report entry: the statistic, calibration tokens, formats searched, tensors marked.
     """
-    if calib.dim() != 2 or calib.is_floating_point():
-        raise ValueError(f"calib: expected token ids of shape (blocks, seq_len), got {calib.dtype} "
-                         f"{tuple(calib.shape)} (mfqat.data.calibration_blocks makes them from text)")
+    check_calib(calib, anchor)
     can = searchable_formats(anchor.format)
-    wanted = can if formats is None else [n for n in can if n in {_name(f) for f in formats}]
+    asked = None if formats is None else [canonical_name(f) for f in ([formats] if isinstance(formats, str) else formats)]
+    wanted = can if asked is None else [n for n in can if n in asked]
+    skipped = [] if asked is None else [n for n in asked if n not in can]
+    if skipped:
+        warnings.warn(f"{anchor.path}: scale search is not used for {', '.join(skipped)} (from a {anchor.format} "
+                      f"anchor it measured better only for {', '.join(can) or 'no format'}); lowering with the "
+                      "recorded scale rules", stacklevel=_stacklevel)
     if not wanted:
-        if formats is not None:
-            warnings.warn(f"{anchor.path}: scale search is not used for {', '.join(map(str, formats))} "
-                          f"(it measured better only for {', '.join(can) or 'no format below ' + anchor.format}); "
-                          "lowering with the recorded scale rules", stacklevel=3)
         return {"formats": [], "tensors": 0}
-    importance = importance_matrix(anchor_model(anchor), calib, batch_size)
+    model = anchor_model(anchor, device=calib.device)
+    importance = {k: v.cpu() for k, v in importance_matrix(model, calib, batch_size).items()}
     return {"importance": "mean squared input activation", "calibration_tokens": calib.numel(),
             "formats": wanted, "tensors": mark_scale_search(anchor, importance, wanted)}
 
 
-def _name(fmt: str) -> Optional[str]:
-    try:
-        return canonical_name(fmt)
-    except (KeyError, ValueError):
-        return None
+def check_calib(calib: torch.Tensor, anchor: Anchor) -> None:
+    """``calib`` must be a non-empty (blocks, seq_len) integer tensor of ids in the anchor's vocabulary."""
+    if (not isinstance(calib, torch.Tensor) or calib.dim() != 2 or calib.numel() == 0
+            or calib.dtype not in (torch.int64, torch.int32)):
+        what = f"{calib.dtype} {tuple(calib.shape)}" if isinstance(calib, torch.Tensor) else type(calib).__name__
+        raise ValueError(f"calib: expected token ids of shape (blocks, seq_len), int64, got {what} "
+                         "(mfqat.data.calibration_blocks(tokenizer, text) makes them from text)")
+    vocab = (anchor.config or {}).get("vocab_size")
+    if vocab is not None and (int(calib.max()) >= vocab or int(calib.min()) < 0):
+        raise ValueError(f"calib: token ids must lie in [0, {vocab}) for {anchor.path} (max {int(calib.max())}); "
+                         "tokenize the calibration text with the anchor's own tokenizer")

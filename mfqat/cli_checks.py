@@ -35,6 +35,23 @@ def need_path(path: Optional[str], flag: str, what: str = "file or folder") -> N
         raise UsageError(f"{flag} {path}: no such {what}")
 
 
+def need_searched_format(fmt: Optional[str]) -> None:
+    """``convert --scale-search`` needs a ``--to`` that the search serves (mxint6..mxint3)."""
+    from .formats import canonical_name
+    from .quant.scale_rules import SCALE_SEARCH_FORMATS  # loads torch: only with --scale-search
+
+    if not fmt or canonical_name(fmt) not in SCALE_SEARCH_FORMATS:
+        raise UsageError(f"--scale-search: --to {fmt or '(the anchor format)'} is not searched; the search serves "
+                         f"{', '.join(SCALE_SEARCH_FORMATS)} (other formats keep their scale rule)")
+
+
+def need_calib_text(a) -> None:
+    """``--calib-text`` (of eval / convert) goes with ``--scale-search`` and must exist."""
+    if a.calib_text and not a.scale_search:
+        raise UsageError("--calib-text calibrates the scale search: add --scale-search")
+    need_path(a.calib_text, "--calib-text")
+
+
 def need_model(path: Optional[str], flag: str) -> None:
     """A model argument: a built-in name, an existing folder with config.json, or a .gguf file."""
     if not path or path in BUILTIN_MODELS:
@@ -112,7 +129,9 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             if a.scale_search and not has_tokenizer(a.anchor):
                 raise UsageError(f"{a.anchor}: --scale-search calibrates with the anchor's tokenizer; this anchor "
                                  "has none (save_anchor(..., tokenizer=...))")
-            need_path(a.calib_text, "--calib-text")
+            if a.scale_search:
+                need_searched_format(a.to)
+            need_calib_text(a)
         else:
             need_model(a.anchor, "ANCHOR")
             need_tokenizer(a.anchor, a.tokenizer, cmd)
@@ -132,7 +151,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         need_model(a.fp_model, "--fp-model")
         if a.scale_search and not is_anchor(a.model):
             raise UsageError("--scale-search lowers an anchor: give an anchor directory as MODEL")
-        need_path(a.calib_text, "--calib-text")
+        need_calib_text(a)
         bad = [b for b in a.bnb.split(",") if b and b not in ("nf4", "int8")]
         if bad:
             raise UsageError(f"--bnb {','.join(bad)}: choose from nf4, int8")

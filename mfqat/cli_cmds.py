@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Optional
 
 
 def convert(a: argparse.Namespace) -> None:
@@ -27,11 +28,12 @@ def convert(a: argparse.Namespace) -> None:
         except Exception:
             print(f"[mfqat] {a.anchor}: no tokenizer saved with the anchor; wrote weights only")
         fmt = model.mfqat_format
+        searched = bool(model.mfqat_scale_search and model.mfqat_scale_search["formats"])
         write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
                          note=f"float32 weights that hold exactly the {fmt} values of the anchor (dequantized: "
                               "as large as a full-precision checkpoint; `mfqat export-mlx` writes packed weights)"
-                              + ("; lowered with the output-aware per-block scale search" if calib is not None else ""))
-        marker = {"source": str(Path(a.anchor).absolute()), "format": fmt, "scale_search": calib is not None}
+                              + ("; lowered with the output-aware per-block scale search" if searched else ""))
+        marker = {"source": str(Path(a.anchor).absolute()), "format": fmt, "scale_search": searched}
         write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
     print(f"wrote {a.out}: {model.mfqat_format} values as dequantized float32 weights (a plain from_pretrained "
           "checkpoint, not smaller than full precision; for packed low-bit weights use mfqat export-mlx)")
@@ -77,10 +79,7 @@ def evaluate(a: argparse.Namespace) -> None:
     if is_anchor:
         anchor = read_anchor(a.model)
         if a.scale_search:
-            from .anchor_search import search_scales
-            from .data import calibration_blocks
-            calib_text = load_text(a.calib_text) if a.calib_text else None
-            print(f"scale search: {search_scales(anchor, calibration_blocks(tok, calib_text, n_blocks=8))}")
+            search_for_eval(anchor, tok, formats, a.calib_text)
         rows = evaluate_formats(model, {f: anchor_state(anchor, f) for f in formats}, blocks)
     else:
         rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
@@ -124,3 +123,20 @@ def export(a: argparse.Namespace) -> None:
           f"for the quantized matrices, {rep['scale_dtype']} scales), "
           f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
           f"max |logit diff| {v.get('max_abs_logit_diff')}")
+
+
+def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> None:
+    """``eval --scale-search``: mark the anchor so that the evaluated formats the search serves are searched."""
+    from .anchor_search import search_scales, searchable_formats
+    from .data import calibration_blocks, load_text
+    from .formats import canonical_name
+
+    served = [f for f in formats if canonical_name(f) in searchable_formats(anchor.format)]
+    if not served:
+        print(f"scale search: none of {', '.join(formats)} is searched from a {anchor.format} anchor "
+              f"(it serves {', '.join(searchable_formats(anchor.format)) or 'no format of this family'})")
+        return
+    text = load_text(calib_text) if calib_text else None
+    rep = search_scales(anchor, calibration_blocks(tok, text, n_blocks=8), served)
+    print(f"scale search: {', '.join(rep['formats'])} lowered with the output-aware per-block exponent "
+          f"({rep['tensors']} tensors, {rep['calibration_tokens']} calibration tokens); other formats keep their rule")

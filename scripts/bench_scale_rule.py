@@ -5,7 +5,7 @@ Every decoder-block Linear weight (what ``mfqat.prepare`` targets) is quantized 
 rest stays full precision. Rules: ``floor`` (OCP), ``ceil``, ``mse`` (per block the exponent among
 floor-1, floor, floor+1 with the lowest squared error) and ``output`` (the same, each input column's
 error weighted by its mean squared input activation on calibration text: the AWQ importance,
-mfqat.export.awq.importance_matrix). Paths: ``direct`` quantizes the fp weights; ``slice`` quantizes
+mfqat.importance.importance_matrix). Paths: ``direct`` quantizes the fp weights; ``slice`` quantizes
 them to the family's anchor (mxint8 / mxfp8_e4m3, floor) and lowers the anchor with the rule
 (mfqat.slice.slice_and_scale with a scale_rule; its search compares against the anchor's values). Held-out texts no
 calibration uses: the pydoc held-out split and numpy's licence. Writes a JSON cache (resumable), a
@@ -26,7 +26,7 @@ from mfqat.data import calibration_blocks, licence_text, load_model, load_text, 
 from mfqat.formats import get_format
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
-from mfqat.export.awq import importance_matrix
+from mfqat.importance import importance_matrix
 from mfqat.progress import progress
 from mfqat.quant.api import quantize
 from mfqat.quant.scale_search import quantize_search

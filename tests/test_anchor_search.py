@@ -47,22 +47,34 @@ def test_calibrated_load_is_the_weighted_search_of_each_block(heavy, fmt):
                for n, q in anchor.quantized.items())  # without calib: the recorded rule, untouched
 
 
-@pytest.mark.parametrize("which,fmt", [("int8", "mxint8"), ("fp8", "mxfp4"), ("int8", "affine4")])
+@pytest.mark.parametrize("which,fmt", [("int8", "mxint8"), ("int8", None), ("fp8", "mxfp4"), ("int8", "affine4")])
 def test_formats_the_search_does_not_serve_keep_their_rule_and_say_so(heavy, which, fmt):
     _, int8, fp8, calib = heavy
     path = int8 if which == "int8" else fp8
-    with pytest.warns(UserWarning, match="scale search is not used for"):
-        got = linear_weights(mfqat.load_anchor(path, fmt, calib=calib))
-    want = linear_weights(mfqat.load_anchor(path, fmt))
+    with pytest.warns(UserWarning, match="scale search is not used for") as caught:
+        model = mfqat.load_anchor(path, fmt, calib=calib)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
+    assert model.mfqat_scale_search == {"formats": [], "tensors": 0}
+    got, want = linear_weights(model), linear_weights(mfqat.load_anchor(path, fmt))
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-def test_calib_must_be_token_ids(heavy):
+def test_calib_must_be_token_ids_of_the_anchors_vocabulary(heavy):
     _, int8, _, calib = heavy
-    with pytest.raises(ValueError, match=r"calib: expected token ids of shape \(blocks, seq_len\)"):
-        mfqat.load_anchor(int8, "mxint4", calib=calib.float())
-    with pytest.raises(ValueError, match="calib: expected token ids"):
-        mfqat.load_anchor(int8, "mxint4", calib=calib[0])
+    for bad in (calib.float(), calib[0], calib[:0], calib.bool()):
+        with pytest.raises(ValueError, match=r"calib: expected token ids of shape \(blocks, seq_len\)"):
+            mfqat.load_anchor(int8, "mxint4", calib=bad)
+    with pytest.raises(ValueError, match="tokenize the calibration text with the anchor's own tokenizer"):
+        mfqat.load_anchor(int8, "mxint4", calib=calib + 10 ** 6)
+    with pytest.raises(ValueError, match="unknown format .mxint9."):
+        mfqat.load_anchor(int8, "mxint9", calib=calib)
+
+
+def test_a_searched_load_reports_what_it_searched(heavy):
+    _, int8, _, calib = heavy
+    rep = mfqat.load_anchor(int8, "mxint4", calib=calib).mfqat_scale_search
+    assert rep["formats"] == ["mxint4"] and rep["tensors"] == 14 and rep["calibration_tokens"] == calib.numel()
+    assert mfqat.load_anchor(int8, "mxint4").mfqat_scale_search is None
 
 
 def test_eval_scale_search_changes_the_searched_formats_only(heavy, tmp_path, capsys):
@@ -74,18 +86,26 @@ def test_eval_scale_search_changes_the_searched_formats_only(heavy, tmp_path, ca
         out = capsys.readouterr().out
         rows[bool(flag)] = {line.split("|")[1].strip(): line for line in out.splitlines()
                             if line.startswith("|") and "mxint" in line}
-    assert "'formats': ['mxint6', 'mxint5', 'mxint4', 'mxint3']" in out
+    assert "scale search: mxint4 lowered with the output-aware per-block exponent (14 tensors" in out
     assert rows[True]["mxint8"] == rows[False]["mxint8"]  # the anchor's own format: never searched
     assert rows[True]["mxint4"] != rows[False]["mxint4"]
 
 
-def test_eval_scale_search_needs_an_anchor(tmp_path, capsys):
+@pytest.mark.parametrize("argv,expect", [
+    (["eval", "{hf}", "--scale-search"], "--scale-search lowers an anchor"),
+    (["eval", "{int8}", "--calib-text", "{hf}"], "add --scale-search"),
+    (["convert", "{int8}", "--to", "mxint8", "--scale-search", "--out", "{d}/c"], "--to mxint8 is not searched"),
+    (["convert", "{int8}", "--scale-search", "--out", "{d}/c"], "--to (the anchor format) is not searched"),
+    (["convert", "{int8}", "--to", "mxint4", "--calib-text", "{hf}", "--out", "{d}/c"], "add --scale-search"),
+])
+def test_scale_search_flag_mistakes_exit_2_before_loading(heavy, tmp_path, capsys, argv, expect):
     tok = tiny_tokenizer()
     tiny_llama(vocab_size=len(tok)).save_pretrained(tmp_path / "hf")
-    tok.save_pretrained(tmp_path / "hf")
+    argv = [x.format(hf=tmp_path / "hf", int8=heavy[1], d=tmp_path) for x in argv]
     with pytest.raises(SystemExit) as e:
-        main(["eval", str(tmp_path / "hf"), "--scale-search"])
-    assert e.value.code == 2 and "--scale-search lowers an anchor" in capsys.readouterr().err
+        main(argv)
+    assert e.value.code == 2 and expect in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
 
 
 def test_convert_scale_search_writes_the_calibrated_weights(heavy, tmp_path):

@@ -8,7 +8,7 @@ import torch
 import mfqat
 from mfqat.data import calibration_blocks, tiny_llama, tiny_tokenizer
 from mfqat.export import to_mlx
-from mfqat.export.awq import importance_matrix
+from mfqat.importance import importance_matrix
 from mfqat.formats import get_format
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE, SCALE_SEARCH_FORMATS
 

@@ -8,7 +8,8 @@ from gguf import GGUFWriter
 
 from mfqat.cli import main
 from mfqat.data import calibration_blocks, tiny_llama, tiny_tokenizer
-from mfqat.export.awq import activation_sums, apply_awq, awq_pairs, importance_matrix
+from mfqat.export.awq import apply_awq, awq_pairs
+from mfqat.importance import activation_sums, importance_matrix
 from mfqat.export.imatrix import imatrix_for_model, read_imatrix
 
 # HF module -> the GGUF name convert_hf_to_gguf.py gives it (written out by hand: checks gguf-py's map)

@@ -9,7 +9,7 @@ per block, the one whose dequantized block has the lowest error
 
 computed in float64, with ties (and all-zero or non-finite blocks) kept at floor; so the chosen
 block's error is never above floor's. With ``importance`` = the mean squared input activation per
-input channel (what ``--awq`` measures, mfqat.export.awq.importance_matrix) the error is the expected
+input channel (what ``--awq`` measures, mfqat.importance.importance_matrix) the error is the expected
 squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
 
 This is a reference (pure PyTorch) path for post-training quantization and export; it has no C++ or
