@@ -126,10 +126,10 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             if not is_anchor(a.anchor):
                 raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); convert reads anchors")
             need_formats([a.to or ""], "--to")
-            if a.scale_search and not has_tokenizer(a.anchor):
-                raise UsageError(f"{a.anchor}: --scale-search calibrates with the anchor's tokenizer; this anchor "
-                                 "has none (save_anchor(..., tokenizer=...))")
             if a.scale_search:
+                if not has_tokenizer(a.anchor):
+                    raise UsageError(f"{a.anchor}: --scale-search calibrates with the anchor's tokenizer; this "
+                                     "anchor has none (save_anchor(..., tokenizer=...))")
                 need_searched_format(a.to)
             need_calib_text(a)
         else:

@@ -15,11 +15,7 @@ def convert(a: argparse.Namespace) -> None:
     from .manifest import seal
     from .model_card import write_model_card
 
-    calib = None
-    if a.scale_search:
-        from .data import calibration_blocks, load_text
-        tok = AutoTokenizer.from_pretrained(a.anchor)
-        calib = calibration_blocks(tok, load_text(a.calib_text) if a.calib_text else None, n_blocks=8)
+    calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text) if a.scale_search else None
     model = load_anchor(a.anchor, a.to, calib=calib)
     with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
         model.save_pretrained(tmp)
@@ -125,10 +121,17 @@ def export(a: argparse.Namespace) -> None:
           f"max |logit diff| {v.get('max_abs_logit_diff')}")
 
 
+def calibration_ids(tok, calib_text: Optional[str]):
+    """``--scale-search``'s calibration token ids: 8 x 128 tokens of ``--calib-text`` (a file or
+    folder), else of the pydoc training split (never the held-out text)."""
+    from .data import calibration_blocks, load_text
+
+    return calibration_blocks(tok, load_text(calib_text) if calib_text else None, n_blocks=8)
+
+
 def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> None:
     """``eval --scale-search``: mark the anchor so that the evaluated formats the search serves are searched."""
     from .anchor_search import search_scales, searchable_formats
-    from .data import calibration_blocks, load_text
     from .formats import canonical_name
 
     served = [f for f in formats if canonical_name(f) in searchable_formats(anchor.format)]
@@ -136,7 +139,6 @@ def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> No
         print(f"scale search: none of {', '.join(formats)} is searched from a {anchor.format} anchor "
               f"(it serves {', '.join(searchable_formats(anchor.format)) or 'no format of this family'})")
         return
-    text = load_text(calib_text) if calib_text else None
-    rep = search_scales(anchor, calibration_blocks(tok, text, n_blocks=8), served)
+    rep = search_scales(anchor, calibration_ids(tok, calib_text), served)
     print(f"scale search: {', '.join(rep['formats'])} lowered with the output-aware per-block exponent "
           f"({rep['tensors']} tensors, {rep['calibration_tokens']} calibration tokens); other formats keep their rule")
