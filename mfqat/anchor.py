@@ -15,7 +15,6 @@ Version-1 anchors (no manifest) are still read; their config and tokenizer are n
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,21 +25,20 @@ from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
 from . import __version__
-from .anchor_meta import (ANCHOR_FORMAT_VERSION, TENSOR_DTYPES, check_quantized, check_version,  # noqa: F401
-                          validate_meta, weight_files)
+from .anchor_meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, TENSOR_DTYPES,  # noqa: F401
+                          check_importance, check_quantized, check_version, validate_meta, weight_files)
 from .formats import canonical_name, get_format
 from .io import PathLike, atomic_directory, sha256_file, write_json
 from .anchor_config import model_config, write_anchor_config
+from .anchor_tensors import default_targets, full_precision, quantize_targets, recorded_importance  # noqa: F401
 from .manifest import AnchorError, Snapshot, load_meta, retry_read, seal
 from .model_card import write_model_card
-from .qat.config import DEFAULT_TARGETS
 from .qat.prepare import qat_modules
-from .quant.api import quantize
 from .shard_files import MAX_SHARD_BYTES, write_safetensors
 from .sharded import unique_state_dict
 from .quant.mxtensor import MXTensor
 from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
-from .quant.scale_rules import anchor_rules, anchor_scale_rules
+from .quant.scale_rules import SEARCH_RULE, anchor_rules, anchor_scale_rules
 from .slice import slice_and_scale
 
 META_FILE = "mfqat.json"
@@ -82,50 +80,6 @@ class Anchor:
         return sd
 
 
-def default_targets(model: nn.Module, block_size: int) -> List[str]:
-    """PTQ targets for a plain model: decoder-block Linear weights whose rows divide into blocks."""
-    pat = re.compile(DEFAULT_TARGETS)
-    return [f"{n}.weight" for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size == 0]
-
-
-def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
-    """{weight: reason} for decoder-block Linear weights whose in_features is not a whole number of blocks."""
-    pat = re.compile(DEFAULT_TARGETS)
-    return {f"{n}.weight": f"in_features {m.in_features} not a multiple of {block_size}"
-            for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size}
-
-
-def _quantize_all(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str
-                  ) -> tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
-    """(tensors to write, mfqat.json entries): targets as codes + scales, the rest as they are."""
-    tensors: Dict[str, torch.Tensor] = {}
-    entries: Dict[str, dict] = {}
-    for k, v in sd.items():
-        if k in targets:
-            if not torch.isfinite(v).all():
-                raise ValueError(f"{k}: the weight holds NaN or Inf values; refusing to save an anchor of it")
-            q = quantize(v.float(), f, block_size, scale_rule)
-            tensors[f"{k}.codes"], tensors[f"{k}.scales"] = q.pack(), q.scales
-            entries[k] = {"format": f.name, "shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
-        else:
-            tensors[k] = v
-    return tensors, entries
-
-
-def full_precision(model: nn.Module, sd: Dict[str, torch.Tensor], entries: Dict[str, dict], block_size: int
-                   ) -> Dict[str, str]:
-    """{matrix kept in full precision: why}; warns naming layers left out for their width."""
-    odd = unblockable(model, block_size)
-    fp = {k: odd.get(k, "not a target") for k, v in sd.items()
-          if k not in entries and v.is_floating_point() and v.dim() >= 2}
-    skipped = [f"{k} ({r})" for k, r in fp.items() if k in odd]
-    if skipped:
-        warnings.warn("mfqat.save_anchor kept layers full precision: " + ", ".join(skipped), stacklevel=3)
-    return fp
-
-
 def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer=None,
                 block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
                 step: Optional[int] = None, schedule: Optional[dict] = None,
@@ -157,7 +111,9 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
     model_rules = next((m.scale_rules for _, m in qat_modules(model) if m.scale_rules), None)
     recorded = anchor_rules(f.name, scale_rule, scale_rules if scale_rules is not None else model_rules)
     scale_rule = recorded[f.name]
-    tensors, entries = _quantize_all(sd, targets, f, block_size, scale_rule)
+    tensors, entries = quantize_targets(sd, targets, f, block_size, scale_rule)
+    tensors.update({f"{k}.importance": v for k, v in recorded_importance(model, entries, recorded).items()})
+    version = ANCHOR_FORMAT_VERSION if SEARCH_RULE in recorded.values() else BASE_FORMAT_VERSION
     missing = [t for t in targets if t not in entries and t not in tied]
     if missing:
         raise ValueError(f"targets not found in the model's state dict: {missing[:5]}")
@@ -170,7 +126,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
             tokenizer.save_pretrained(tmp)
         write_model_card(tmp, "anchor", getattr(config, "_name_or_path", None) or None, [f.name], name=Path(path).name)
         files = write_safetensors(tmp, tensors, max_shard_bytes)
-        meta = {"format_version": ANCHOR_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
+        meta = {"format_version": version, "mfqat_version": __version__, "anchor_format": f.name,
                 "block_size": block_size, "scale_rule": scale_rule, "scale_rules": recorded,
                 "tensors": entries, "tied": tied,
                 "full_precision": fp, "schedule": schedule, "step": step,
@@ -230,6 +186,9 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
         anchor.quantized[k] = MXTensor.unpack(codes, scales, f, bs, tuple(e["shape"]),
                                               TENSOR_DTYPES[e.get("dtype", "float32")], scale_rule=meta["scale_rule"])
         anchor.quantized[k].slice_rules = rules
+        if f"{k}.importance" in raw:
+            anchor.quantized[k].importance = check_importance(k, raw.pop(f"{k}.importance"), e,
+                                                              str(snap.path / origin[f"{k}.importance"]))
     anchor.plain = raw
     return anchor
 

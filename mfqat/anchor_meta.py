@@ -3,8 +3,10 @@
 Every check raises :class:`~mfqat.manifest.AnchorError` naming the file and the field, so that
 malformed or crafted metadata never surfaces as a raw KeyError / ZeroDivisionError.
 
-Format versions: 1 (``files``: sha256 per weight file, no manifest; still read) and 2 (adds
-``manifest`` over every file, ``digest`` over mfqat.json itself, ``full_precision``).
+Format versions: 1 (``files``: sha256 per weight file, no manifest; still read), 2 (adds
+``manifest`` over every file, ``digest`` over mfqat.json itself, ``full_precision``) and 3 (written
+only when a format's scale rule is ``search``: the rule in ``scale_rules`` and a float32
+``<tensor>.importance`` per searched tensor, which an older mfqat would ignore and lower wrongly).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from .manifest import AnchorError, check_digests, check_name
 from .quant.reference import SCALE_RULES
 from .quant.scale_rules import check_scale_rules
 
-ANCHOR_FORMAT_VERSION = 2
+ANCHOR_FORMAT_VERSION = 3
+BASE_FORMAT_VERSION = 2  # what an anchor without a searched format is written as (older mfqat reads it)
 TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -119,3 +122,15 @@ def check_quantized(name: str, codes: torch.Tensor, scales: torch.Tensor, e: dic
 def weight_files(meta: dict) -> Dict[str, str]:
     """{weight file: sha256} of a validated anchor (names already confined)."""
     return {check_name(n, "files"): d for n, d in meta["files"].items()}
+
+
+def check_importance(name: str, imp: torch.Tensor, e: dict, where: str) -> torch.Tensor:
+    """A stored ``<name>.importance``: float32, one finite non-negative entry per input column."""
+    cols = e["shape"][-1]
+    if imp.dtype != torch.float32 or tuple(imp.shape) != (cols,):
+        raise AnchorError(f"{where}: tensor {name}.importance: {str(imp.dtype).replace('torch.', '')} "
+                          f"{tuple(imp.shape)}, expected float32 ({cols},)")
+    if not torch.isfinite(imp).all() or (imp < 0).any():
+        raise AnchorError(f"{where}: tensor {name}.importance holds negative, NaN or Inf values; the file is "
+                          "corrupt: save the anchor again")
+    return imp

@@ -134,6 +134,9 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     if config.quantize_activations or config.quantize_embeddings:
         raise ValueError("mfqat.mlx.prepare: quantize_activations / quantize_embeddings are not supported "
                          "on MLX yet (weight-only MF-QAT); set them to false in the QATConfig")
+    if "search" in config.scale_rules.values():
+        raise ValueError("mfqat.mlx.prepare: the 'search' scale rule is trained in PyTorch only (mfqat train); "
+                         "on MLX use floor or ceil in QATConfig.scale_rules")
     found = [name for name, _ in qat_layers(model)]
     if found or "mfqat_controller" in model.__dict__:
         raise ValueError(f"mfqat.mlx.prepare: {type(model).__name__} is already prepared ({len(found)} MF-QAT "

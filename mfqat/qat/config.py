@@ -73,8 +73,13 @@ class QATConfig:
             which nothing saturates. With floor (the default) each format takes its measured default
             (mfqat.quant.scale_rules.DEFAULT_SCALE_RULE, floor where none is listed); ceil applies ceil
             to every format.
-        scale_rules: {format: floor | ceil} overriding the rule per format (both roundings of
-            train-through-anchor follow it; the anchor records it and Slice-and-Scale on load uses it).
+        scale_rules: {format: floor | ceil | search} overriding the rule per format (both roundings
+            of train-through-anchor follow it; the anchor records it and Slice-and-Scale on load uses
+            it). ``search`` (mxint6..mxint3, through an MXINT8 anchor only): each block's exponent
+            e_b = argmin_{e in s0-1, s0, s0+1} sum_j I_j (A_j - qdq_e(A)_j)^2 over the anchor's
+            values A, with I_j = mean x_j^2, the Linear's squared input per column averaged over
+            the training forwards in the anchor format; ``save_anchor`` stores I, so load and
+            export lower exactly as training did (mfqat.quant.scale_search).
         seed: for the random schedule.
         repeats: ramps of the progressive schedule.
         layer_formats: {regex: [formats]} per-layer format sets (same schedule kind).
@@ -156,6 +161,11 @@ class QATConfig:
                                  f"set through_anchor: false or anchor_format")
             for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
                 check_reachable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
+        searched = sorted(f for f, r in self.scale_rules.items() if r == "search")
+        if searched and not (self.through_anchor and self.anchor_format == "mxint8"):
+            raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} needs training through an mxint8 "
+                             f"anchor (anchor_format mxint8, through_anchor true); got anchor_format "
+                             f"{self.anchor_format}, through_anchor {self.through_anchor}")
 
     def group_multiple(self) -> int:
         """What a layer's width must be a multiple of: the MX block size, and the affine group

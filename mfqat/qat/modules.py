@@ -14,7 +14,8 @@ from torch import nn
 
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
-from ..quant.scale_rules import rule_of
+from ..quant.scale_rules import SEARCH_RULE, rule_of
+from ..quant.scale_search import fake_quantize_search, search_exponents
 
 
 class MFQATMixin:
@@ -27,6 +28,9 @@ class MFQATMixin:
     anchor_format: Optional[str]
     affine_group_size: int = DERIVED_GROUP_SIZE  # group of the derived affine formats (mfqat.derive)
     scale_rules: Optional[Dict[str, str]] = None  # {format: rule}, set by prepare (mfqat.quant.scale_rules)
+    importance_sum: Optional[torch.Tensor] = None  # float64 (in_features,): sum of squared inputs seen
+    importance_tokens: int = 0  # how many input rows importance_sum holds
+    _search_cache: Optional[tuple] = None  # (key, exponents) of the last search, reused by backward
 
     def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
                   anchor_format: Optional[str] = None) -> None:
@@ -50,6 +54,8 @@ class MFQATMixin:
         if fmt is None:
             return w
         rules = self.scale_rules
+        if rule_of(rules, fmt) == SEARCH_RULE and fmt != self.anchor_format:
+            return self._searched(w, fmt, rule_of(rules, self.anchor_format, self.scale_rule))
         if self.anchor_format is None:
             return self._qdq(w, fmt, rule_of(rules, fmt, self.scale_rule))
         anchor_rule = rule_of(rules, self.anchor_format, self.scale_rule)
@@ -60,6 +66,47 @@ class MFQATMixin:
                                          rule_of(rules, fmt), self.mask_saturated)
         w = fake_quantize(w, self.anchor_format, self.block_size, anchor_rule, self.mask_saturated)
         return self._qdq(w, fmt, rule_of(rules, fmt))
+
+    @property
+    def tracks_importance(self) -> bool:
+        """Whether a format's rule is ``search``: the forward in the anchor format then records the
+        input importance that the search weighs its error with."""
+        return bool(self.scale_rules) and SEARCH_RULE in self.scale_rules.values()
+
+    def importance(self) -> Optional[torch.Tensor]:
+        """Mean squared input per input column over the anchor-format forwards seen in training
+        (float32, what ``save_anchor`` stores), or None before any."""
+        if not self.importance_tokens:
+            return None
+        return (self.importance_sum / self.importance_tokens).to(torch.float32)
+
+    def _record_importance(self, x: torch.Tensor) -> None:
+        """Add a training forward's inputs (anchor format only) to the importance statistic."""
+        with torch.no_grad():
+            rows = x.detach().reshape(-1, x.shape[-1])
+            sq = rows.to(torch.float64).square().sum(0)
+            self.importance_sum = sq if self.importance_sum is None else self.importance_sum.to(sq.device) + sq
+            self.importance_tokens += rows.shape[0]
+            self._search_cache = None
+
+    def _searched(self, w: torch.Tensor, fmt: str, anchor_rule: str) -> torch.Tensor:
+        """The ``search`` rule: each block's exponent chosen by importance-weighted error against
+        the anchor's values (mfqat.quant.scale_search), as Slice-and-Scale lowers the saved anchor.
+        The exponents are kept until the weight or the importance changes, so backward's recompute
+        does not search again."""
+        anchor = self.anchor_format
+        key = (fmt, w.data_ptr(), w._version, self.importance_tokens)
+        cached = self._search_cache
+        exps = cached[1] if cached is not None and cached[0] == key else None
+        imp = self.importance()
+        if exps is None:
+            from ..quant.api import fake_quantize
+
+            with torch.no_grad():
+                base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
+                exps = search_exponents(base, fmt, self.block_size, imp)
+            self._search_cache = (key, exps)
+        return fake_quantize_search(w, fmt, self.block_size, imp, anchor, anchor_rule, exps)
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
@@ -134,6 +181,8 @@ class MFQATLinear(nn.Linear, MFQATMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_format is not None and self.fmt is not None:
             x = fake_quantize(x, self.activation_format, self.block_size, self.scale_rule)
+        if self.training and self.fmt is not None and self.fmt == self.anchor_format and self.tracks_importance:
+            self._record_importance(x)
         observer = self._modules.get("act_observer")  # static activation observer (mfqat.qat.observers)
         if observer is not None and self.fmt is not None:
             x = observer(x)

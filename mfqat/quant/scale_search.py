@@ -12,8 +12,9 @@ block's error is never above floor's. With ``importance`` = the mean squared inp
 input channel (what ``--awq`` measures, mfqat.importance.importance_matrix) the error is the expected
 squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
 
-This is a reference (pure PyTorch) path for post-training quantization and export; it has no C++ or
-Triton kernel and training does not use it (docs/numerics.md, "Scale rules").
+This is a pure-PyTorch path (no C++ or Triton kernel): post-training quantization and export use
+:func:`quantize_search`; training uses :func:`fake_quantize_search` where a QATConfig's
+``scale_rules`` names ``search`` for a format (docs/numerics.md, "Scale rules").
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_el
                         to_blocks)
 
 SEARCH_OFFSETS: Tuple[int, ...] = (-1, 1)
+CHUNK_ELEMENTS = 1 << 15  # elements searched at once (about 1 MiB of float64 temporaries per candidate)
 
 
 def block_weights(importance: Optional[torch.Tensor], k: int, block_size: int, device) -> Optional[torch.Tensor]:
@@ -62,10 +64,23 @@ def mx_search_exponent(blocks: torch.Tensor, fmt: ElementFormat, importance: Opt
     ``blocks``: float32 (..., n_blocks, block_size) whose last two axes are one row's input columns;
     ``importance``: (n_blocks * block_size,) per input column, or None (plain squared error).
     Candidates are clamped to [-127, min(127, max_exp - emax)] (ceil's overflow cap, so a finite
-    input stays finite).
+    input stays finite). Rows are searched in chunks of about :data:`CHUNK_ELEMENTS` elements (the
+    temporaries stay in cache; every block's result is the same as in one pass).
     """
-    s0, nonfinite = mx_shared_exponent(blocks, fmt, "floor", max_exp)
     weights = block_weights(importance, blocks.shape[-2] * blocks.shape[-1], blocks.shape[-1], blocks.device)
+    rows = blocks.reshape(-1, *blocks.shape[-2:])
+    step = max(1, CHUNK_ELEMENTS // max(1, blocks.shape[-2] * blocks.shape[-1]))
+    parts = [_search_rows(rows[i:i + step], fmt, weights, max_exp, offsets) for i in range(0, rows.shape[0], step)]
+    if not parts:  # no rows at all
+        return mx_shared_exponent(blocks, fmt, "floor", max_exp)
+    s, nonfinite = (torch.cat([p[k] for p in parts]).reshape(blocks.shape[:-1]) for k in (0, 1))
+    return s, nonfinite
+
+
+def _search_rows(blocks: torch.Tensor, fmt: ElementFormat, weights: Optional[torch.Tensor], max_exp: int,
+                 offsets: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mx_search_exponent` on a chunk of rows (rows, n_blocks, block_size)."""
+    s0, nonfinite = mx_shared_exponent(blocks, fmt, "floor", max_exp)
     finite = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(blocks), blocks)
     best_s, best_err = s0, block_error(finite, fmt, s0, weights)
     hi = min(127, max_exp - fmt.emax)
@@ -95,3 +110,55 @@ def quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] 
     s, nonfinite = mx_search_exponent(blocks, f, importance, dtype_max_exponent(x.dtype))
     codes, scales = mx_encode_blocks(blocks, f, s, nonfinite)
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, None, "search")
+
+
+
+def search_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
+                     importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(shared exponent per block, non-finite mask) that :func:`quantize_search` picks for ``x``."""
+    return mx_search_exponent(to_blocks(x.detach(), block_size), get_format(fmt), importance,
+                              dtype_max_exponent(x.dtype))
+
+
+def dequantize_with_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
+                              exponents: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x`` quantized to ``fmt`` with the given per-block exponents (:func:`search_exponents`),
+    dequantized to x's dtype: bit for bit ``quantize_search(x, ...).dequantize()`` for its exponents."""
+    f = get_format(fmt)
+    blocks = to_blocks(x.detach(), block_size)
+    codes, scales = mx_encode_blocks(blocks, f, *exponents)
+    return MXTensor(codes.reshape(x.shape), scales, f, block_size, x.dtype, None, "search").dequantize(x.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: ``y`` (computed without grad); backward: the gradient passes to ``x`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, y):  # type: ignore[override]
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+def fake_quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: int,
+                         importance: Optional[torch.Tensor] = None, anchor: Optional[FormatLike] = None,
+                         anchor_rule: str = "floor",
+                         exponents: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """``quantize_search(x, fmt, block_size, importance).dequantize()``, differentiable by the STE.
+
+    With ``anchor``: ``x`` is first fake-quantized to the anchor format with ``anchor_rule`` and the
+    search runs on those values: bit for bit what Slice-and-Scale with the ``search`` rule gives
+    from the saved anchor (``mfqat.slice.slice_and_scale``), so a model trained through it deploys
+    exactly what it trained on. ``exponents``: the search's result for these values, when the
+    caller kept it (:func:`search_exponents`); the search is then skipped.
+    """
+    from .api import fake_quantize
+
+    with torch.no_grad():
+        base = x if anchor is None else fake_quantize(x, anchor, block_size, anchor_rule)
+        if exponents is None:
+            exponents = search_exponents(base, fmt, block_size, importance)
+        y = dequantize_with_exponents(base, fmt, block_size, exponents)
+    return _StraightThrough.apply(x, y) if x.requires_grad and torch.is_grad_enabled() else y

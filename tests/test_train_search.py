@@ -1,0 +1,151 @@
+"""Issue 12 item 4 inside training: the ``search`` scale rule, trained through the anchor and stored in it.
+
+A model trained with ``scale_rules: {mxint4: search, ...}`` records each Linear's input importance in
+its anchor-format forwards, lowers mxint6..mxint3 by the importance-weighted per-block exponent
+search, and ``save_anchor`` stores the importance so that ``load_anchor`` gives the same weights.
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mfqat
+from mfqat import QATConfig
+from mfqat.anchor import AnchorError, read_anchor
+from mfqat.data import tiny_llama
+from mfqat.qat.joint import joint_backward
+from mfqat.qat.prepare import qat_modules
+from mfqat.quant.api import fake_quantize, fake_quantize_through
+from mfqat.quant.scale_search import quantize_search
+
+FORMATS = ["mxint8", "mxint6", "mxint4"]
+SEARCH = {"mxint6": "search", "mxint4": "search", "mxint3": "search"}
+
+
+def trained(steps: int = 3, rules=SEARCH, seed: int = 0):
+    """A tiny Llama after ``steps`` joint steps with the given scale rules, and its batch."""
+    torch.manual_seed(seed)
+    m = tiny_llama()
+    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=rules))
+    opt = torch.optim.AdamW(m.parameters(), 1e-3)
+    ids = torch.randint(0, m.config.vocab_size, (2, 32))
+    for _ in range(steps):
+        joint_backward(m, m, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda l: l.backward())
+        opt.step()
+        opt.zero_grad()
+    return m.eval(), ids
+
+
+@pytest.fixture(scope="module")
+def model_and_anchor(tmp_path_factory):
+    m, ids = trained()
+    return m, ids, mfqat.save_anchor(m, tmp_path_factory.mktemp("a") / "anchor")
+
+
+def test_importance_is_the_mean_squared_input_of_anchor_format_training_forwards():
+    torch.manual_seed(1)
+    m = tiny_llama()
+    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+    name, lin = next(qat_modules(m))
+    seen = []
+    lin.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    ids = torch.randint(0, m.config.vocab_size, (2, 16))
+    for fmt in ["mxint8", "mxint4", "mxint8"]:  # only the anchor format's forwards count
+        mfqat.set_format(m, fmt)
+        m(ids)
+    m.eval()
+    m(ids)  # nor do eval forwards
+    rows = torch.cat([seen[0], seen[2]]).double()
+    assert lin.importance_tokens == rows.shape[0]
+    torch.testing.assert_close(lin.importance(), rows.square().mean(0).float(), rtol=1e-6, atol=0)
+
+
+def test_trained_search_model_equals_its_loaded_anchor_bit_for_bit(model_and_anchor):
+    m, ids, path = model_and_anchor
+    meta = json.loads((path / "mfqat.json").read_text())
+    assert meta["format_version"] == 3 and meta["scale_rules"]["mxint4"] == "search"
+    anchor = read_anchor(path)
+    name, lin = next(qat_modules(m))
+    assert torch.equal(anchor.quantized[f"{name}.weight"].importance, lin.importance())
+    for fmt in ["mxint8", "mxint6", "mxint4", "mxint3"]:
+        mfqat.set_format(m, fmt)
+        with torch.no_grad():
+            assert torch.equal(m(ids).logits, mfqat.load_anchor(path, fmt)(ids).logits), fmt
+
+
+def test_search_changes_the_weights_and_never_raises_the_weighted_error(model_and_anchor):
+    m, _, _ = model_and_anchor
+    changed = 0
+    for name, lin in qat_modules(m):
+        imp = lin.importance().double()
+        base = fake_quantize(lin.weight.detach(), "mxint8", 32)
+        for fmt in ["mxint4", "mxint3"]:
+            searched = lin.quantized_weight(fmt).detach()
+            floor = fake_quantize_through(lin.weight.detach(), "mxint8", fmt, 32)
+            assert torch.equal(searched, quantize_search(base, fmt, 32, lin.importance()).dequantize())
+            err = lambda w: ((base - w).double().square() * imp).reshape(-1, 32).sum(-1)  # noqa: E731
+            assert (err(searched) <= err(floor)).all(), (name, fmt)
+            changed += int(not torch.equal(searched, floor))
+    assert changed > 0
+
+
+def test_the_kept_exponents_follow_the_weight_and_the_importance():
+    m, ids = trained(steps=1)
+    _, lin = next(qat_modules(m))
+    first = lin.quantized_weight("mxint4").clone()
+    with torch.no_grad():
+        lin.weight.mul_(1.7)  # an optimizer step: the exponents kept for backward are stale now
+    fresh = quantize_search(fake_quantize(lin.weight.detach(), "mxint8", 32), "mxint4", 32, lin.importance())
+    assert torch.equal(lin.quantized_weight("mxint4"), fresh.dequantize())
+    assert not torch.equal(first, fresh.dequantize())
+    m.train()
+    mfqat.set_format(m, "mxint8")
+    m(ids * 0 + 3)  # new importance: the search runs again with it
+    fresh = quantize_search(fake_quantize(lin.weight.detach(), "mxint8", 32), "mxint4", 32, lin.importance())
+    assert torch.equal(lin.quantized_weight("mxint4"), fresh.dequantize())
+
+
+def test_search_gradient_is_straight_through():
+    m, ids = trained(steps=1)
+    m.train()
+    mfqat.set_format(m, "mxint4")
+    _, lin = next(qat_modules(m))
+    x = torch.randn(3, lin.in_features)
+    wq = lin.quantized_weight("mxint4").detach().requires_grad_()
+    (torch.nn.functional.linear(x, wq, lin.bias) ** 2).sum().backward()
+    (lin(x) ** 2).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, wq.grad)
+
+
+def test_anchors_without_search_stay_version_2(tmp_path):
+    m, _ = trained(steps=1, rules={})
+    path = mfqat.save_anchor(m, tmp_path / "a")
+    meta = json.loads((path / "mfqat.json").read_text())
+    assert meta["format_version"] == 2
+    assert not any(k.endswith(".importance") for k in load_file(str(path / "model.safetensors")))
+
+
+@pytest.mark.parametrize("bad", ["nan", "shape"])
+def test_a_corrupt_stored_importance_is_named(model_and_anchor, tmp_path, bad):
+    import shutil
+
+    _, _, path = model_and_anchor
+    copy = shutil.copytree(path, tmp_path / "a")
+    sd = load_file(str(copy / "model.safetensors"))
+    key = next(k for k in sd if k.endswith(".importance"))
+    sd[key] = sd[key][:-1] if bad == "shape" else sd[key].clone().fill_(float("nan"))
+    save_file(sd, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AnchorError, match=f"model.safetensors.*{key.removesuffix('.importance')}.importance"):
+        read_anchor(copy, verify=False)
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"scale_rules": {"mxint8": "search"}}, "mxint6.*only"),
+    ({"formats": ["mxfp8_e4m3", "mxfp4_e2m1"], "scale_rules": {"mxfp4_e2m1": "search"}}, "mxint6.*only"),
+    ({"formats": ["mxint4"], "schedule": "fixed", "scale_rules": {"mxint4": "search"}}, "through an mxint8 anchor"),
+    ({"scale_rules": {"mxint4": "serach"}}, "unknown scale rule"),
+])
+def test_search_rule_misuse_is_refused(kwargs, why):
+    with pytest.raises(ValueError, match=why):
+        QATConfig(**{"formats": FORMATS, "schedule": "joint", **kwargs})
