@@ -149,3 +149,32 @@ def test_a_corrupt_stored_importance_is_named(model_and_anchor, tmp_path, bad):
 def test_search_rule_misuse_is_refused(kwargs, why):
     with pytest.raises(ValueError, match=why):
         QATConfig(**{"formats": FORMATS, "schedule": "joint", **kwargs})
+
+
+def test_export_mlx_writes_the_trained_search_blocks(tmp_path):
+    """The MLX model of a search-trained anchor holds the blocks the model trained on (no calibration)."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    import numpy as np
+
+    from mfqat.data import tiny_tokenizer
+    from mfqat.export import to_mlx
+
+    from .test_export_exact import mlx_dequantized
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(tok))
+    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+    ids = torch.randint(0, len(tok), (2, 32))
+    joint_backward(m, m, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda l: l.backward())
+    path = mfqat.save_anchor(m.eval(), tmp_path / "a", tokenizer=tok)
+    rep = to_mlx(path, tmp_path / "m", recipe="uniform:mxint4")
+    assert rep["verify"]["weights_bit_exact"]
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    weights = {}
+    for f in sorted((tmp_path / "m").glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    for name, lin in qat_modules(m):
+        got = mlx_dequantized(tmp_path / "m", name, weights, cfg["quantization"])
+        assert np.array_equal(got, lin.quantized_weight("mxint4").detach().numpy()), name
