@@ -3,7 +3,7 @@
 
     python scripts/bench_train.py [--rounds 6] [--batch-size 4] [--seq-len 128] [--format mxint4]
                                   [--backends reference,auto] [--joint mxint8,mxint6,mxint4]
-                                  [--two-pass]
+                                  [--two-pass] [--search]
     python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
 
 The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
@@ -12,7 +12,9 @@ of K accumulated passes ("plain xK accumulated": the same structure without fake
 ratio to it is what fake-quant adds). ``--two-pass`` also times
 the joint step with the fused train-through-anchor op switched off (two quantize-dequantize passes
 per weight for each format below the anchor, as before the fused op). ``--memory`` runs each
-configuration in its own process and reports its peak resident set after 3 steps.
+configuration in its own process and reports its peak resident set after 3 steps. ``--search`` also
+times the joint step with the ``search`` scale rule for its mxint6..mxint3 formats
+(mfqat/configs/mxint_joint_search.yaml: the per-block exponent search inside training).
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
 configuration is reported, so slow drifts of the machine hit every configuration alike. Also prints
@@ -132,6 +134,7 @@ def main() -> None:
     p.add_argument("--backends", default="reference,auto", help="MFQAT_BACKEND values to time")
     p.add_argument("--joint", default="mxint8,mxint6,mxint4", help="formats of the joint step (empty: skip)")
     p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
+    p.add_argument("--search", action="store_true", help="also time the joint step with the search scale rule")
     p.add_argument("--memory", action="store_true", help="peak RSS per configuration (separate processes)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -157,6 +160,13 @@ def main() -> None:
         runs[f"joint x{len(formats)} [auto]"] = (joint_step, "auto", True)
         if a.two_pass:
             runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
+        if a.search:
+            from mfqat.quant.scale_rules import SCALE_SEARCH_FORMATS
+
+            searched = copy.deepcopy(model)
+            rules = {f: "search" for f in formats if f in SCALE_SEARCH_FORMATS}
+            mfqat.prepare(searched, mfqat.QATConfig(formats=formats, schedule="joint", scale_rules=rules))
+            runs[f"joint x{len(formats)} [search]"] = (make_joint_step(searched, batch, formats), "auto", True)
     fused_built = cpp.THROUGH_AVAILABLE
     times = {k: [] for k in runs}
     cpu = {k: [] for k in runs}

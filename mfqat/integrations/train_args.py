@@ -27,7 +27,8 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
                    "as --dataset")
     p.add_argument("--dataset", default=None, help="a .jsonl file (or a folder with train.jsonl [+ valid.jsonl]) of records with a 'text' field, chat 'messages' (rendered with the tokenizer's chat template) or 'prompt'/'completion'")
     p.add_argument("--qat-config", default=None, help="YAML QATConfig file, or the name of a shipped recipe (mxint_joint, "
-                   "mxint_468_cyclic, ...: see docs/recipes.md); default: joint mxint8/6/4 (mxint_joint)")
+                   "mxint_468_cyclic, ...: see docs/recipes.md); default: mxint_joint_search (joint mxint8/6/4 with the "
+                   "scale search trained in), or QATConfig's defaults with --formats")
     p.add_argument("--formats", default=None, help="comma list overriding the config's formats")
     p.add_argument("--schedule", default=None, help="override the config's schedule")
     p.add_argument("--no-qat", action="store_true", help="plain fine-tuning (the fair baseline)")

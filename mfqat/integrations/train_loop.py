@@ -33,6 +33,7 @@ from .train_setup import (_forever, load_data, load_qat_config, log_with, make_l
                           peak_memory_mib, save_master)
 from . import fsdp, grad_compress
 from ..sharded import full_state_dict, is_sharded
+from ..qat.importance_state import ImportanceStatistic, uses_search
 from ..qat.prepare import prepare, set_format
 
 
@@ -123,6 +124,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         model, opt, loader = acc.prepare(model, opt, loader)
     acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
     base = acc.unwrap_model(model)
+    if uses_search(base):  # the search rule's importance sums travel with the checkpoint
+        acc.register_for_checkpointing(ImportanceStatistic(base))
     gc = grad_compress.setup(acc, model, args.grad_compress, not args.no_error_feedback)
     start = 0
     if args.resume:

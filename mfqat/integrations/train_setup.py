@@ -16,9 +16,15 @@ from ..io import atomic_directory
 from ..qat.config import QATConfig
 
 
+# The recipe a run without --qat-config and without --formats trains (BENCHMARKS.md "Joint MF-QAT").
+DEFAULT_RECIPE = "mxint_joint_search"
+
+
 def load_qat_config(args) -> QATConfig:
-    """The QATConfig of --qat-config with the command line's overrides applied."""
-    data = QATConfig.read_yaml(args.qat_config) if args.qat_config else {}
+    """The QATConfig of --qat-config (default :data:`DEFAULT_RECIPE`, or QATConfig's defaults when
+    --formats is given alone) with the command line's overrides applied."""
+    source = args.qat_config or (None if args.formats else DEFAULT_RECIPE)
+    data = QATConfig.read_yaml(source) if source else {}
     if args.formats:
         data["formats"] = [canonical_name(f) for f in args.formats.split(",")]
     if args.schedule:
