@@ -15,7 +15,7 @@ from torch import nn
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import SEARCH_RULE, rule_of
-from ..quant.scale_search import fake_quantize_search, search_exponents
+from ..quant.scale_search import dequantize_with_exponents, search_exponents, straight_through
 
 
 class MFQATMixin:
@@ -94,19 +94,20 @@ class MFQATMixin:
         the anchor's values (mfqat.quant.scale_search), as Slice-and-Scale lowers the saved anchor.
         The exponents are kept until the weight or the importance changes, so backward's recompute
         does not search again."""
+        from ..quant.api import fake_quantize
+
         anchor = self.anchor_format
         key = (fmt, w.data_ptr(), w._version, self.importance_tokens)
         cached = self._search_cache
-        exps = cached[1] if cached is not None and cached[0] == key else None
-        imp = self.importance()
-        if exps is None:
-            from ..quant.api import fake_quantize
-
-            with torch.no_grad():
-                base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
-                exps = search_exponents(base, fmt, self.block_size, imp)
-            self._search_cache = (key, exps)
-        return fake_quantize_search(w, fmt, self.block_size, imp, anchor, anchor_rule, exps)
+        with torch.no_grad():
+            base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
+            if cached is not None and cached[0] == key:
+                exps = cached[1]
+            else:
+                exps = search_exponents(base, fmt, self.block_size, self.importance())
+                self._search_cache = (key, exps)
+            y = dequantize_with_exponents(base, fmt, self.block_size, exps)
+        return straight_through(w, y)
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX

@@ -7,14 +7,16 @@ per block, the one whose dequantized block has the lowest error
 
     err(s) = sum_j w_j * (x_j - qdq_s(x)_j)^2,     w_j = importance of input column j (or 1),
 
-computed in float64, with ties (and all-zero or non-finite blocks) kept at floor; so the chosen
-block's error is never above floor's. With ``importance`` = the mean squared input activation per
+decided as in float64 (a float32 screen settles clear leads, float64 the rest: the same blocks),
+with ties (and all-zero or non-finite blocks) kept at floor; so the chosen block's error is never
+above floor's. With ``importance`` = the mean squared input activation per
 input channel (what ``--awq`` measures, mfqat.importance.importance_matrix) the error is the expected
 squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
 
 This is a pure-PyTorch path (no C++ or Triton kernel): post-training quantization and export use
-:func:`quantize_search`; training uses :func:`fake_quantize_search` where a QATConfig's
-``scale_rules`` names ``search`` for a format (docs/numerics.md, "Scale rules").
+:func:`quantize_search`; training (MFQATLinear, where a QATConfig's ``scale_rules`` names ``search``
+for a format) uses :func:`search_exponents`, :func:`dequantize_with_exponents` and
+:func:`straight_through` on the anchor's values (docs/numerics.md, "Scale rules").
 """
 from __future__ import annotations
 
@@ -206,23 +208,6 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def fake_quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: int,
-                         importance: Optional[torch.Tensor] = None, anchor: Optional[FormatLike] = None,
-                         anchor_rule: str = "floor",
-                         exponents: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-    """``quantize_search(x, fmt, block_size, importance).dequantize()``, differentiable by the STE.
-
-    With ``anchor``: ``x`` is first fake-quantized to the anchor format with ``anchor_rule`` and the
-    search runs on those values: bit for bit what Slice-and-Scale with the ``search`` rule gives
-    from the saved anchor (``mfqat.slice.slice_and_scale``), so a model trained through it deploys
-    exactly what it trained on. ``exponents``: the search's result for these values, when the
-    caller kept it (:func:`search_exponents`); the search is then skipped.
-    """
-    from .api import fake_quantize
-
-    with torch.no_grad():
-        base = x if anchor is None else fake_quantize(x, anchor, block_size, anchor_rule)
-        if exponents is None:
-            exponents = search_exponents(base, fmt, block_size, importance)
-        y = dequantize_with_exponents(base, fmt, block_size, exponents)
+def straight_through(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` forward, the gradient passed to ``x`` unchanged (``y`` itself when no gradient is needed)."""
     return _StraightThrough.apply(x, y) if x.requires_grad and torch.is_grad_enabled() else y
