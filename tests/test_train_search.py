@@ -178,3 +178,18 @@ def test_export_mlx_writes_the_trained_search_blocks(tmp_path):
     for name, lin in qat_modules(m):
         got = mlx_dequantized(tmp_path / "m", name, weights, cfg["quantization"])
         assert np.array_equal(got, lin.quantized_weight("mxint4").detach().numpy()), name
+
+
+def test_mlx_training_refuses_the_search_rule():
+    pytest.importorskip("mlx.core")
+    import mlx.nn as nn
+
+    from mfqat.mlx.qat import prepare as mlx_prepare
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(64, 32)]
+
+    with pytest.raises(ValueError, match="'search' scale rule is trained in PyTorch only"):
+        mlx_prepare(Tiny(), QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH, targets=r"layers\.0"))
