@@ -48,12 +48,17 @@ def block_weights(importance: Optional[torch.Tensor], k: int, block_size: int, d
 def block_error(blocks: torch.Tensor, fmt: ElementFormat, s: torch.Tensor,
                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per block: sum_j w_j (x_j - qdq_s(x)_j)^2 in float64 for shared exponents s (finite blocks)."""
-    q, _ = mx_round_elements(blocks * exp2i(-s).unsqueeze(-1), fmt)
+    y = blocks * exp2i(-s).unsqueeze(-1)
+    if fmt.family == "mxint":  # mx_round_elements' MXINT rounding, without its saturation mask
+        step = float(2 ** fmt.int_shift)
+        q = torch.round(y * step).clamp_(fmt.code_min, fmt.code_max).div_(step)
+    else:
+        q, _ = mx_round_elements(y, fmt)
     # q * 2^s and x - q * 2^s are exact in float32 (q has at most 8 significant bits and lies within a
     # few binades of x / 2^s, so the difference is a multiple of ulp(x) below 2|x|); squares and sums in float64
-    err = (blocks - q * exp2i(s).unsqueeze(-1)).to(torch.float64).square()
+    err = torch.sub(blocks, q.mul_(exp2i(s).unsqueeze(-1))).to(torch.float64).square_()
     if weights is not None:
-        err = err * weights
+        err.mul_(weights)
     return err.sum(-1)
 
 
@@ -127,14 +132,25 @@ def dequantize_with_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
     dequantized to x's dtype: bit for bit ``quantize_search(x, ...).dequantize()`` for its exponents."""
     f = get_format(fmt)
     blocks = to_blocks(x.detach(), block_size)
-    if f.family == "mxint":  # the decoded values directly: q * 2^s, +0.0 for a rounded -0.0, NaN blocks NaN
-        s, nonfinite = exponents
-        y = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(blocks), blocks * exp2i(-s).unsqueeze(-1))
-        q, _ = mx_round_elements(y, f)
-        scale = torch.where(nonfinite, torch.full_like(blocks[..., 0], float("nan")), exp2i(s))
-        return ((q + 0.0) * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
+    if f.family == "mxint":  # the decoded values directly (see _mxint_values)
+        return _mxint_values(blocks, f, *exponents).reshape(x.shape).to(x.dtype)
     codes, scales = mx_encode_blocks(blocks, f, *exponents)
     return MXTensor(codes.reshape(x.shape), scales, f, block_size, x.dtype, None, "search").dequantize(x.dtype)
+
+
+def _mxint_values(blocks: torch.Tensor, f: ElementFormat, s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """MXINT blocks encoded with exponents ``s`` and decoded, in a few in-place passes: the integer
+    code c = clamp(round_half_even(x * 2^-s * 2^k)) (k = the format's fraction bits) times
+    2^(s - k), which is exact (s - k >= -133), so the one rounding of the product is the decoder's
+    (c / 2^k) * 2^s; + 0.0 turns a rounded -0 into the decoder's +0; non-finite blocks decode to NaN."""
+    y = blocks * exp2i(-s).unsqueeze(-1)
+    if bool(nonfinite.any()):
+        y = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(y), y)
+    c = torch.round(y.mul_(float(2 ** f.int_shift))).clamp_(f.code_min, f.code_max).add_(0.0)
+    scale = exp2i(s - f.int_shift)
+    if bool(nonfinite.any()):
+        scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
+    return c.mul_(scale.unsqueeze(-1))
 
 
 class _StraightThrough(torch.autograd.Function):
