@@ -1,5 +1,6 @@
-"""The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune -> anchor -> elastic formats
-by Slice-and-Scale (mxint4/mxint3 also with the output-aware scale search, mfqat.anchor_search)
+"""The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune (the default recipe,
+mxint_joint_search) -> anchor -> elastic formats by Slice-and-Scale (mxint4/mxint3 also with the
+search recalibrated on text, mfqat.anchor_search)
 -> Mac exports in MLX's affine layout, against mlx_lm.convert of the same fine-tuned weights at
 the same bytes (mfqat.demo_mac). Re-runs reuse finished stages (OUT/stages/*.json) unless --force."""
 from __future__ import annotations

@@ -14,7 +14,7 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     """The demo's flags, added to ``p`` (a new parser when None)."""
     p = p or argparse.ArgumentParser(description=DEMO_DOC)
     p.add_argument("--out", "--output-dir", dest="out", default="out/demo")
-    p.add_argument("--steps", type=int, default=40, help="joint MF-QAT steps (mxint8/6/4 in each: about 10 s a step on 2 cores)")
+    p.add_argument("--steps", type=int, default=40, help="joint MF-QAT steps (mxint_joint_search: mxint8/6/4 in each, about 16 s a step on 2 cores)")
     p.add_argument("--eval-blocks", type=int, default=24, help="held-out blocks of 128 tokens")
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--force", action="store_true", help="redo every stage")
