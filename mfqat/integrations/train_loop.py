@@ -33,6 +33,7 @@ from .train_setup import (_forever, load_data, load_qat_config, log_with, make_l
                           peak_memory_mib, save_master)
 from . import fsdp, grad_compress
 from ..sharded import full_state_dict, is_sharded
+from ..qat import importance_state
 from ..qat.importance_state import ImportanceStatistic, uses_search
 from ..qat.prepare import prepare, set_format
 
@@ -124,8 +125,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         model, opt, loader = acc.prepare(model, opt, loader)
     acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
     base = acc.unwrap_model(model)
-    if uses_search(base):  # the search rule's importance sums travel with the checkpoint
-        acc.register_for_checkpointing(ImportanceStatistic(base))
+    importance = ImportanceStatistic(base) if uses_search(base) else None  # the search rule's sums, per rank
     gc = grad_compress.setup(acc, model, args.grad_compress, not args.no_error_feedback)
     start = 0
     if args.resume:
@@ -133,6 +133,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
         if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
             gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index)))
+        if importance and importance_state.state_file(args.resume, acc.process_index).is_file():
+            importance.load_state_dict(torch.load(importance_state.state_file(args.resume, acc.process_index)))
     grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []
@@ -169,6 +171,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
             if gc:  # each rank's own residuals
                 ckpt.mkdir(parents=True, exist_ok=True)
                 torch.save(gc.state_dict(), grad_compress.residual_file(ckpt, acc.process_index))
+            if importance:  # and its own importance sums
+                ckpt.mkdir(parents=True, exist_ok=True)
+                torch.save(importance.state_dict(), importance_state.state_file(ckpt, acc.process_index))
             sd = full_state_dict(base) if cfg and is_sharded(base) else None  # every rank joins the gather
             if acc.is_main_process:
                 (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))

@@ -3,12 +3,14 @@
 Each MF-QAT Linear sums the squared inputs of its anchor-format training forwards
 (:meth:`mfqat.qat.modules.MFQATMixin.importance`); these sums are plain attributes, not part of the
 ``state_dict`` (whose keys stay those of the plain model). :class:`ImportanceStatistic` gathers them
-so that a training checkpoint carries them (``accelerate.Accelerator.register_for_checkpointing``)
-and a resumed run continues the statistic where it stopped: bit for bit the uninterrupted run.
+so that a training checkpoint carries them - one file per process (:func:`state_file`), since
+under DDP each rank records its own inputs - and a resumed run continues the statistic where it
+stopped: bit for bit the uninterrupted run.
 """
 from __future__ import annotations
 
-from typing import Dict
+from pathlib import Path
+from typing import Dict, Union
 
 from torch import nn
 
@@ -42,3 +44,8 @@ class ImportanceStatistic:
 def uses_search(model: nn.Module) -> bool:
     """Whether any MF-QAT module of ``model`` lowers a format with the ``search`` rule."""
     return any(getattr(m, "tracks_importance", False) for _, m in qat_modules(model))
+
+
+def state_file(folder: Union[str, Path], rank: int) -> Path:
+    """Where a training checkpoint keeps rank ``rank``'s importance sums."""
+    return Path(folder) / f"mfqat_importance_rank{rank}.pt"
