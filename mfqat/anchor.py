@@ -189,6 +189,10 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
         if f"{k}.importance" in raw:
             anchor.quantized[k].importance = check_importance(k, raw.pop(f"{k}.importance"), e,
                                                               str(snap.path / origin[f"{k}.importance"]))
+    stray = [k for k in raw if k.endswith(".importance")]
+    if stray:
+        raise AnchorError(f"{snap.path / origin[stray[0]]}: tensor {stray[0]} belongs to no quantized tensor of "
+                          f"mfqat.json; the weight files do not match the metadata: save the anchor again")
     anchor.plain = raw
     return anchor
 

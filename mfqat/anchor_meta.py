@@ -81,6 +81,9 @@ def validate_meta(meta: dict, where: str) -> dict:
             check_scale_rules(meta["scale_rules"], "field 'scale_rules'")
         except ValueError as e:
             raise AnchorError(f"{where}: {e}") from None
+        if version < 3 and "search" in meta["scale_rules"].values():
+            raise AnchorError(f"{where}: field 'scale_rules': the 'search' rule needs format version 3, "
+                              f"the file says {version}; the anchor was edited or is corrupt: save it again")
     tensors = meta.get("tensors")
     if not isinstance(tensors, dict):
         raise AnchorError(f"{where}: field 'tensors': expected an object, got {type(tensors).__name__}")

@@ -110,5 +110,8 @@ def test_train_with_the_fsdp_config_shards_and_saves_the_ddp_anchor(tmp_path):
     assert a.quantized.keys() == b.quantized.keys() and a.plain.keys() == b.plain.keys()
     assert all(torch.equal(a.quantized[k].codes, b.quantized[k].codes) for k in a.quantized)
     assert all(torch.equal(a.plain[k], b.plain[k]) for k in a.plain)
+    for k in a.quantized:  # the default recipe's search rule: the gathered copy keeps rank 0's importance
+        assert b.quantized[k].importance is not None, k
+        torch.testing.assert_close(a.quantized[k].importance, b.quantized[k].importance)
     r = _launch("fsdp", tmp_path / "refused", "--save-every", "1")
     assert r.returncode != 0 and "--save-every" in r.stderr and "not supported with FSDP" in r.stderr

@@ -145,6 +145,7 @@ def test_a_corrupt_stored_importance_is_named(model_and_anchor, tmp_path, bad):
     ({"formats": ["mxfp8_e4m3", "mxfp4_e2m1"], "scale_rules": {"mxfp4_e2m1": "search"}}, "mxint6.*only"),
     ({"formats": ["mxint4"], "schedule": "fixed", "scale_rules": {"mxint4": "search"}}, "through an mxint8 anchor"),
     ({"scale_rules": {"mxint4": "serach"}}, "unknown scale rule"),
+    ({"scale_rules": {"mxint4": "search"}, "mask_saturated": True}, "mask_saturated is not supported"),
 ])
 def test_search_rule_misuse_is_refused(kwargs, why):
     with pytest.raises(ValueError, match=why):
@@ -193,3 +194,36 @@ def test_mlx_training_refuses_the_search_rule():
 
     with pytest.raises(ValueError, match="'search' scale rule is trained in PyTorch only"):
         mlx_prepare(Tiny(), QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH, targets=r"layers\.0"))
+
+
+def test_gradient_checkpointing_records_each_input_once():
+    torch.manual_seed(2)
+    m = tiny_llama()
+    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    mfqat.set_format(m, "mxint8")
+    ids = torch.randint(0, m.config.vocab_size, (2, 16))
+    m(input_ids=ids, labels=ids).loss.backward()  # backward reruns each layer's forward
+    _, lin = next(qat_modules(m))
+    assert lin.importance_tokens == ids.numel()
+
+
+def test_search_rule_in_an_old_version_or_a_stray_importance_is_refused(model_and_anchor, tmp_path):
+    import shutil
+
+    from .test_safety_read import meta_of, write_meta
+
+    _, _, path = model_and_anchor
+    old = shutil.copytree(path, tmp_path / "old")
+    meta = meta_of(old)
+    meta["format_version"] = 2
+    write_meta(old, meta)
+    with pytest.raises(AnchorError, match="'search' rule needs format version 3"):
+        read_anchor(old)
+    stray = shutil.copytree(path, tmp_path / "stray")
+    sd = load_file(str(stray / "model.safetensors"))
+    sd["model.norm.importance"] = torch.ones(8)
+    save_file(sd, str(stray / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AnchorError, match="model.norm.importance belongs to no quantized tensor"):
+        read_anchor(stray, verify=False)

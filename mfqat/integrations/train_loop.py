@@ -197,7 +197,10 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         Path(f"{args.dump_weights}.rank{acc.process_index}").write_text(repr(flat.double().sum().item()) + " " +
                                                                         repr(flat.abs().double().sum().item()))
     if is_sharded(base):  # every rank joins the gather; rank 0 finishes on an unsharded copy
+        sharded_importance = importance.state_dict() if importance else None
         base = fsdp.unsharded_copy(base, cfg, acc.is_main_process)
+        if sharded_importance is not None and base is not None:  # the copy is a new model: carry the sums
+            ImportanceStatistic(base).load_state_dict(sharded_importance)
         summary["fsdp"] = "fully_shard (torch FSDP2) on CPU ranks" if self_shard else "accelerate FSDP"
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

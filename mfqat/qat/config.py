@@ -162,6 +162,9 @@ class QATConfig:
             for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
                 check_reachable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
         searched = sorted(f for f, r in self.scale_rules.items() if r == "search")
+        if searched and self.mask_saturated:
+            raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} has a plain straight-through "
+                             "gradient; mask_saturated is not supported with it (set mask_saturated: false)")
         if searched and not (self.through_anchor and self.anchor_format == "mxint8"):
             raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} needs training through an mxint8 "
                              f"anchor (anchor_format mxint8, through_anchor true); got anchor_format "

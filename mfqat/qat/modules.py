@@ -97,7 +97,7 @@ class MFQATMixin:
         from ..quant.api import fake_quantize
 
         anchor = self.anchor_format
-        key = (fmt, w.data_ptr(), w._version, self.importance_tokens)
+        key = (fmt, w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
         cached = self._search_cache
         with torch.no_grad():
             base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
@@ -182,7 +182,8 @@ class MFQATLinear(nn.Linear, MFQATMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation_format is not None and self.fmt is not None:
             x = fake_quantize(x, self.activation_format, self.block_size, self.scale_rule)
-        if self.training and self.fmt is not None and self.fmt == self.anchor_format and self.tracks_importance:
+        if (self.training and self.fmt is not None and self.fmt == self.anchor_format and self.tracks_importance
+                and torch._C._current_graph_task_id() == -1):  # not a checkpointed forward rerun in backward
             self._record_importance(x)
         observer = self._modules.get("act_observer")  # static activation observer (mfqat.qat.observers)
         if observer is not None and self.fmt is not None:
