@@ -17,7 +17,7 @@ import torch
 from .formats import get_format
 from .manifest import AnchorError, check_digests, check_name
 from .quant.reference import SCALE_RULES
-from .quant.scale_rules import check_scale_rules
+from .quant.scale_rules import SEARCH_RULE, check_scale_rules
 
 ANCHOR_FORMAT_VERSION = 3
 BASE_FORMAT_VERSION = 2  # what an anchor without a searched format is written as (older mfqat reads it)
@@ -81,7 +81,7 @@ def validate_meta(meta: dict, where: str) -> dict:
             check_scale_rules(meta["scale_rules"], "field 'scale_rules'")
         except ValueError as e:
             raise AnchorError(f"{where}: {e}") from None
-        if version < 3 and "search" in meta["scale_rules"].values():
+        if version < 3 and SEARCH_RULE in meta["scale_rules"].values():
             raise AnchorError(f"{where}: field 'scale_rules': the 'search' rule needs format version 3, "
                               f"the file says {version}; the anchor was edited or is corrupt: save it again")
     tensors = meta.get("tensors")

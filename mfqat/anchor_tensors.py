@@ -35,7 +35,7 @@ def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
 
 
 def quantize_targets(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str
-                  ) -> tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+                     ) -> tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
     """(tensors to write, mfqat.json entries): targets as codes + scales, the rest as they are."""
     tensors: Dict[str, torch.Tensor] = {}
     entries: Dict[str, dict] = {}

@@ -17,7 +17,7 @@ from ..derive import DERIVED_GROUP_SIZE, is_derived
 from ..formats import canonical_name
 from ..qat.config import QATConfig
 from ..qat.schedules import Schedule
-from ..quant.scale_rules import resolve_scale_rules, rule_of
+from ..quant.scale_rules import SEARCH_RULE, resolve_scale_rules, rule_of
 from .observers import WindowMinMaxObserver
 from .quant import fake_quantize
 
@@ -134,7 +134,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     if config.quantize_activations or config.quantize_embeddings:
         raise ValueError("mfqat.mlx.prepare: quantize_activations / quantize_embeddings are not supported "
                          "on MLX yet (weight-only MF-QAT); set them to false in the QATConfig")
-    if "search" in config.scale_rules.values():
+    if SEARCH_RULE in config.scale_rules.values():
         raise ValueError("mfqat.mlx.prepare: the 'search' scale rule is trained in PyTorch only (mfqat train); "
                          "on MLX use floor or ceil in QATConfig.scale_rules")
     found = [name for name, _ in qat_layers(model)]

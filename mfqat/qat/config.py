@@ -14,7 +14,7 @@ import math
 from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
 from ..formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
 from ..quant.reference import SCALE_RULES
-from ..quant.scale_rules import check_scale_rules
+from ..quant.scale_rules import SEARCH_RULE, check_scale_rules
 from .config_checks import (AFFINE_NAMES, _check_mx_format, _check_mx_formats, _check_observer, _check_qat_formats,
                             _check_regexes, _check_type, _fail, _matches, _patterns)
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
@@ -161,7 +161,7 @@ class QATConfig:
                                  f"set through_anchor: false or anchor_format")
             for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
                 check_reachable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
-        searched = sorted(f for f, r in self.scale_rules.items() if r == "search")
+        searched = sorted(f for f, r in self.scale_rules.items() if r == SEARCH_RULE)
         if searched and self.mask_saturated:
             raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} has a plain straight-through "
                              "gradient; mask_saturated is not supported with it (set mask_saturated: false)")

@@ -94,8 +94,6 @@ class MFQATMixin:
         the anchor's values (mfqat.quant.scale_search), as Slice-and-Scale lowers the saved anchor.
         The exponents are kept until the weight or the importance changes, so backward's recompute
         does not search again."""
-        from ..quant.api import fake_quantize
-
         anchor = self.anchor_format
         key = (fmt, w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
         cached = self._search_cache

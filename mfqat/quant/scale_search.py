@@ -118,7 +118,6 @@ def quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] 
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, None, "search")
 
 
-
 def search_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
                      importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(shared exponent per block, non-finite mask) that :func:`quantize_search` picks for ``x``."""
@@ -144,11 +143,12 @@ def _mxint_values(blocks: torch.Tensor, f: ElementFormat, s: torch.Tensor, nonfi
     2^(s - k), which is exact (s - k >= -133), so the one rounding of the product is the decoder's
     (c / 2^k) * 2^s; + 0.0 turns a rounded -0 into the decoder's +0; non-finite blocks decode to NaN."""
     y = blocks * exp2i(-s).unsqueeze(-1)
-    if bool(nonfinite.any()):
+    any_nonfinite = bool(nonfinite.any())
+    if any_nonfinite:
         y = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(y), y)
     c = torch.round(y.mul_(float(2 ** f.int_shift))).clamp_(f.code_min, f.code_max).add_(0.0)
     scale = exp2i(s - f.int_shift)
-    if bool(nonfinite.any()):
+    if any_nonfinite:
         scale = torch.where(nonfinite, torch.full_like(scale, float("nan")), scale)
     return c.mul_(scale.unsqueeze(-1))
 
