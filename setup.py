@@ -18,8 +18,9 @@ def cpp_extensions():
     sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp"))
     if not sources:
         return [], {}
-    ext = CppExtension("mfqat._C", sources,
-                       extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-std=c++20"],
+    headers = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".h"))
+    ext = CppExtension("mfqat._C", sources, depends=headers,
+                       extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-ffp-contract=off", "-std=c++20"],
                        extra_link_args=["-fopenmp"])
 
     class OptionalBuildExtension(BuildExtension):

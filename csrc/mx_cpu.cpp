@@ -9,147 +9,13 @@
 //     |t| < 2^22, which the element grids guarantee), with the sign of zero restored by copysign;
 //   * no -ffast-math: the compiler keeps IEEE semantics (subnormals, NaN propagation).
 // One pass over the tensor: read once, write once; blocks are split over threads by
-// at::parallel_for.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "mx_common.h"
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
 
 namespace mfqat {
 namespace {
-
-constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
-
-inline uint32_t float_bits(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof(b));
-  return b;
-}
-
-inline float bits_float(uint32_t b) {
-  float v;
-  std::memcpy(&v, &b, sizeof(v));
-  return v;
-}
-
-// Exact float32 2^e for e in [-149, 127].
-inline float exp2i(int32_t e) {
-  if (e >= -126) return bits_float(static_cast<uint32_t>(e + 127) << 23);
-  return bits_float(1u << (e + 149));
-}
-
-// Exact 2^e for e in the normal range [-126, 127] (no branch, so loops vectorise).
-inline float exp2i_normal(int32_t e) { return bits_float(static_cast<uint32_t>(e + 127) << 23); }
-
-// Round half to even for |t| < 2^22, keeping the sign of zero like nearbyint.
-inline float round_half_even(float t) {
-  float r = (t + kRoundMagic) - kRoundMagic;
-  return std::copysign(r, t);
-}
-
-struct MXParams {
-  bool is_int;
-  int32_t emax;
-  int32_t emin;
-  int32_t mbits;
-  float step;       // MXINT: 2^int_shift
-  float inv_step;   // MXINT: 2^-int_shift
-  float code_min;   // MXINT code range
-  float code_max;
-  float max_normal;
-  bool ceil_rule;
-};
-
-struct BlockScale {
-  int32_t s;
-  bool nonfinite;
-};
-
-template <typename T>
-inline float load(const T* p, int64_t i) {
-  return static_cast<float>(p[i]);
-}
-
-template <>
-inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
-  return bits_float(static_cast<uint32_t>(p[i].x) << 16);
-}
-
-template <typename T>
-inline T store(float v) {
-  return static_cast<T>(v);
-}
-
-// float32 -> bfloat16 with round-half-even and NaN -> 0x7fc0, the same rule as c10 (and so as
-// tensor.to(torch.bfloat16)), written branch-free so that the loops vectorise.
-template <>
-inline c10::BFloat16 store<c10::BFloat16>(float v) {
-  uint32_t b = float_bits(v);
-  uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-  uint16_t out = static_cast<uint16_t>(v != v ? 0x7fc0u : rounded);
-  return c10::BFloat16(out, c10::BFloat16::from_bits());
-}
-
-// floor(log2) of the input dtype's largest finite value (reference: dtype_max_exponent).
-template <typename T>
-constexpr int32_t max_exponent() {
-  return std::is_same<T, c10::Half>::value ? 15 : 127;
-}
-
-// Shared exponent from the largest absolute float32 bit pattern of a block (reference:
-// mx_shared_exponent); max_exp = floor(log2) of the input dtype's largest finite value.
-inline BlockScale exponent_from_max_bits(uint32_t max_bits, const MXParams& p, int32_t max_exp) {
-  BlockScale out{0, max_bits >= 0x7f800000u};
-  uint32_t amax_bits = out.nonfinite ? 0u : max_bits;
-  int32_t s = static_cast<int32_t>(amax_bits >> 23) - 127 - p.emax;
-  if (p.ceil_rule) {
-    int32_t k = -s;
-    k = k < -149 ? -149 : (k > 127 ? 127 : k);
-    float scaled = bits_float(amax_bits) * exp2i(k);
-    if (scaled > p.max_normal) s += 1;
-    // Cap (reference: mx_shared_exponent): 2^s * max_normal must stay finite in the input dtype.
-    const int32_t cap = max_exp - p.emax;
-    s = s > cap ? cap : s;
-  }
-  out.s = s < -127 ? -127 : (s > 127 ? 127 : s);
-  return out;
-}
-
-// Shared exponent of one block of the input (also copies the block to buf as float32).
-template <typename T>
-inline BlockScale block_exponent(const T* in, int64_t bs, const MXParams& p, float* buf) {
-  uint32_t max_bits = 0;
-  for (int64_t i = 0; i < bs; ++i) {
-    float v = load(in, i);
-    buf[i] = v;
-    uint32_t b = float_bits(v) & 0x7fffffffu;
-    max_bits = b > max_bits ? b : max_bits;
-  }
-  return exponent_from_max_bits(max_bits, p, max_exponent<T>());
-}
-
-// Element rounding (reference: mx_round_elements); returns the element-grid value.
-inline float round_int_element(float y, const MXParams& p) {
-  float r = round_half_even(y * p.step);
-  r = r < p.code_min ? p.code_min : r;  // two plain selects (a nested one blocks vectorisation)
-  r = r > p.code_max ? p.code_max : r;
-  return r * p.inv_step;
-}
-
-inline float round_fp_element(float y, const MXParams& p) {
-  float a = std::fabs(y);
-  int32_t e = static_cast<int32_t>(float_bits(a) >> 23) - 127;
-  e = e < p.emin ? p.emin : e;  // e in [emin, emax + 1]: both powers below are normal
-  float q = round_half_even(a * exp2i_normal(p.mbits - e)) * exp2i_normal(e - p.mbits);
-  q = q < p.max_normal ? q : p.max_normal;
-  return std::copysign(q, y);
-}
 
 template <typename T>
 void fake_quant_kernel(const T* x, T* out, bool* mask, int64_t n_blocks, int64_t bs, const MXParams& p) {
@@ -333,31 +199,6 @@ void slice_kernel(const uint8_t* codes, const uint8_t* scales, uint8_t* out_code
       out_scales[blk] = static_cast<uint8_t>(s_low + 127);
     }
   });
-}
-
-MXParams make_params(bool is_int, int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift,
-                     int64_t code_min, int64_t code_max, double max_normal, bool ceil_rule) {
-  MXParams p;
-  p.is_int = is_int;
-  p.emax = static_cast<int32_t>(emax);
-  p.emin = static_cast<int32_t>(emin);
-  p.mbits = static_cast<int32_t>(mbits);
-  p.step = exp2i(static_cast<int32_t>(int_shift));
-  p.inv_step = exp2i(-static_cast<int32_t>(int_shift));
-  p.code_min = static_cast<float>(code_min);
-  p.code_max = static_cast<float>(code_max);
-  p.max_normal = static_cast<float>(max_normal);
-  p.ceil_rule = ceil_rule;
-  return p;
-}
-
-void check_input(const at::Tensor& x, int64_t block_size) {
-  TORCH_CHECK(x.device().is_cpu(), "mfqat CPU op: expected a CPU tensor, got ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "mfqat CPU op: dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
-  TORCH_CHECK(block_size > 0 && block_size <= 256, "mfqat CPU op: block_size ", block_size, " not in [1, 256]");
-  TORCH_CHECK(x.dim() > 0 && x.size(-1) % block_size == 0, "mfqat CPU op: last dimension ",
-              x.dim() > 0 ? x.size(-1) : 0, " is not a multiple of block_size ", block_size);
 }
 
 std::tuple<at::Tensor, at::Tensor> fake_quant_mx(const at::Tensor& x_in, int64_t block_size, bool is_int,

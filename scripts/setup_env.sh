@@ -13,7 +13,7 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 STAMP="$VENV/.mfqat-installed"
-WANT="$( (cat "$ROOT/setup.py" "$ROOT"/csrc/*.cpp 2>/dev/null || true) | sha256sum | cut -c1-16)"
+WANT="$( (cat "$ROOT/setup.py" "$ROOT"/csrc/*.cpp "$ROOT"/csrc/*.h 2>/dev/null || true) | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[mfqat] installing dependencies (first run takes a minute or two)"
   python -m pip install -q --upgrade pip setuptools wheel

@@ -7,15 +7,17 @@ per block, the one whose dequantized block has the lowest error
 
     err(s) = sum_j w_j * (x_j - qdq_s(x)_j)^2,     w_j = importance of input column j (or 1),
 
-computed in float64, with ties (and all-zero or non-finite blocks) kept at floor; so the chosen
+computed in float64 and summed in a fixed pairwise order (:func:`fixed_order_sum`), with ties (and all-zero or non-finite blocks) kept at floor; so the chosen
 block's error is never above floor's. With ``importance`` = the mean squared input activation per
 input channel (what ``--awq`` measures, mfqat.importance.importance_matrix) the error is the expected
 squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
 
-This is a pure-PyTorch path (no C++ or Triton kernel): post-training quantization and export use
+:func:`mx_search_exponent` is the pure-PyTorch oracle. Post-training quantization and export use
 :func:`quantize_search`; training (MFQATLinear, where a QATConfig's ``scale_rules`` names ``search``
 for a format) uses :func:`search_exponents`, :func:`dequantize_with_exponents` and
-:func:`straight_through` on the anchor's values (docs/numerics.md, "Scale rules").
+:func:`straight_through` on the anchor's values (docs/numerics.md, "Scale rules"). Those three
+entry points run MXINT on CPU through the C++ ops (``csrc/mx_search.cpp``, bit-exact with the
+oracle, tests/test_search_kernel.py); MXFP and other devices use the oracle.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..formats import ElementFormat, FormatLike, get_format
+from .kernels import decode_exponents_dispatch, search_dispatch
 from .mxtensor import MXTensor
 from .reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_elements, mx_shared_exponent,
                         to_blocks)
@@ -59,7 +62,18 @@ def block_error(blocks: torch.Tensor, fmt: ElementFormat, s: torch.Tensor,
     err = torch.sub(blocks, q.mul_(exp2i(s).unsqueeze(-1))).to(torch.float64).square_()
     if weights is not None:
         err.mul_(weights)
-    return err.sum(-1)
+    return fixed_order_sum(err)
+
+
+def fixed_order_sum(e: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis in a fixed pairwise order, so a kernel can add in the same order bit for
+    bit: while n > 1, element i (i < h = n // 2) becomes e_i + e_(i+h), and an odd last element is
+    carried as element h."""
+    while e.shape[-1] > 1:
+        n, h = e.shape[-1], e.shape[-1] // 2
+        head = e[..., :h] + e[..., h:2 * h]
+        e = torch.cat([head, e[..., 2 * h:]], -1) if n % 2 else head
+    return e[..., 0]
 
 
 def mx_search_exponent(blocks: torch.Tensor, fmt: ElementFormat, importance: Optional[torch.Tensor] = None,
@@ -113,16 +127,23 @@ def quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] 
     if x.dim() == 0 or x.shape[-1] % bs:
         raise ValueError(f"tensor of shape {tuple(x.shape)}: last dimension is not a multiple of block_size={bs}")
     blocks = to_blocks(x.detach(), bs)
-    s, nonfinite = mx_search_exponent(blocks, f, importance, dtype_max_exponent(x.dtype))
+    s, nonfinite = search_exponents(x, f, bs, importance)
     codes, scales = mx_encode_blocks(blocks, f, s, nonfinite)
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, None, "search")
 
 
 def search_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
                      importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(shared exponent per block, non-finite mask) that :func:`quantize_search` picks for ``x``."""
-    return mx_search_exponent(to_blocks(x.detach(), block_size), get_format(fmt), importance,
-                              dtype_max_exponent(x.dtype))
+    """(shared exponent per block, non-finite mask) that :func:`quantize_search` picks for ``x``
+    (the C++ op for MXINT on CPU, else :func:`mx_search_exponent`)."""
+    f = get_format(fmt)
+    if x.dim() and x.shape[-1] % block_size == 0:
+        weights = block_weights(importance, x.shape[-1], block_size, x.device)
+        fast = search_dispatch(x.detach(), f, block_size, None if weights is None else weights.reshape(-1),
+                               SEARCH_OFFSETS)
+        if fast is not None:
+            return fast
+    return mx_search_exponent(to_blocks(x.detach(), block_size), f, importance, dtype_max_exponent(x.dtype))
 
 
 def dequantize_with_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
@@ -130,6 +151,9 @@ def dequantize_with_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
     """``x`` quantized to ``fmt`` with the given per-block exponents (:func:`search_exponents`),
     dequantized to x's dtype: bit for bit ``quantize_search(x, ...).dequantize()`` for its exponents."""
     f = get_format(fmt)
+    fast = decode_exponents_dispatch(x.detach(), f, block_size, exponents)
+    if fast is not None:
+        return fast
     blocks = to_blocks(x.detach(), block_size)
     if f.family == "mxint":  # the decoded values directly (see _mxint_values)
         return _mxint_values(blocks, f, *exponents).reshape(x.shape).to(x.dtype)

@@ -4,7 +4,8 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 
 * ``triton`` - fused Triton kernels (CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which the tests use and ``auto`` never picks);
-* ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built;
+* ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built
+  (it also has the MXINT scale search, :func:`search_dispatch`);
 * ``reference`` - pure PyTorch, every device, every format.
 
 ``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
@@ -136,3 +137,26 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
     if requested_backend() != "auto":
         raise RuntimeError(f"MFQAT_BACKEND={name} cannot slice tensors on {device}")
     return None
+
+
+def search_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, weights: Optional[torch.Tensor],
+                    offsets: Tuple[int, ...]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The MXINT scale search (exponent per block, non-finite mask) with the C++ op; None when only the
+    reference applies (MXFP, a non-CPU tensor, ``MFQAT_BACKEND=reference`` or an older build)."""
+    if fmt.family != "mxint" or not _search_kernel_applies(x):
+        return None
+    return cpp.search_cpp(x, fmt, block_size, weights, offsets)
+
+
+def decode_exponents_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int,
+                              exponents: Tuple[torch.Tensor, torch.Tensor]) -> Optional[torch.Tensor]:
+    """MXINT quantize-dequantize with given exponents with the C++ op, or None (as :func:`search_dispatch`)."""
+    if fmt.family != "mxint" or not _search_kernel_applies(x):
+        return None
+    return cpp.decode_exponents_cpp(x, fmt, block_size, *exponents)
+
+
+def _search_kernel_applies(x: torch.Tensor) -> bool:
+    """Whether the C++ search ops take ``x``: a CPU float tensor and a backend of auto or cpp."""
+    return (cpp.SEARCH_AVAILABLE and x.device.type == "cpu" and requested_backend() in ("auto", "cpp")
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))

@@ -2,7 +2,8 @@
 
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
-``slice_mx``; fake (meta)
+``slice_mx`` (mx_cpu.cpp), ``search_mx`` and ``decode_mx_exponents`` (the MXINT scale search,
+mx_search.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
 never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
 """
@@ -16,12 +17,14 @@ from ...formats import ElementFormat
 
 AVAILABLE = False
 THROUGH_AVAILABLE = False
+SEARCH_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
     from ... import _C  # noqa: F401  (loading it registers the ops)
 
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
     THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build
+    SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx")
 except Exception as exc:  # pragma: no cover - depends on the build
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -58,6 +61,16 @@ if THROUGH_AVAILABLE:
         mask = x.new_empty(x.shape if formats_and_need_mask[-1] else (0,), dtype=torch.bool)
         return out, mask
 
+if SEARCH_AVAILABLE:
+    @torch.library.register_fake("mfqat::search_mx")
+    def _search_mx_meta(x, weights, block_size, *rest):
+        shape = (*x.shape[:-1], x.shape[-1] // block_size)
+        return x.new_empty(shape, dtype=torch.int32), x.new_empty(shape, dtype=torch.bool)
+
+    @torch.library.register_fake("mfqat::decode_mx_exponents")
+    def _decode_mx_exponents_meta(x, s, nonfinite, block_size, *rest):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
 
 def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
                       need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -89,3 +102,19 @@ def slice_cpp(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst
                                     src.emax, src.emin, src.mbits, src.ebits, src.bias,
                                     dst.emax, dst.emin, dst.mbits, dst.ebits, dst.bias,
                                     dst.code_min, dst.code_max, float(dst.max_normal))
+
+
+def search_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, weights: Optional[torch.Tensor],
+               offsets: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MXINT scale search on CPU -> (int32 exponent per block, non-finite mask); ``weights``: float64
+    (K,) importance per input column or None (mfqat.quant.scale_search.mx_search_exponent's result)."""
+    w = weights if weights is not None else x.new_empty(0, dtype=torch.float64)
+    return torch.ops.mfqat.search_mx(x, w, block_size, fmt.emax, fmt.int_shift, fmt.code_min, fmt.code_max,
+                                     float(fmt.max_normal), list(offsets))
+
+
+def decode_exponents_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, s: torch.Tensor,
+                         nonfinite: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized to MXINT ``fmt`` with the given exponents and dequantized, in x's dtype."""
+    return torch.ops.mfqat.decode_mx_exponents(x, s, nonfinite, block_size, fmt.int_shift, fmt.code_min,
+                                               fmt.code_max)

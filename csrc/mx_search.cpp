@@ -1,0 +1,153 @@
+// mfqat CPU kernels for the MXINT scale search (reference: mfqat/quant/scale_search.py).
+//
+// search_mx: per block, the shared exponent among floor (OCP) and floor + d for d in `offsets`
+// (clamped to [-127, min(127, max_exp - emax)]) whose quantize-dequantize has the lowest error
+//     err(s) = sum_j w_j * (x_j - qdq_s(x)_j)^2
+// with the difference in float32 (exact, see the reference), its square and the weighting in
+// float64, and the sum in the reference's fixed pairwise order (fixed_order_sum: pairs (i, i + h)
+// for h = n / 2, an odd last element carried), so every block picks the same exponent as the
+// reference, near-ties included. Ties keep the earlier candidate (floor first); non-finite blocks
+// keep floor and are flagged.
+// decode_mx_exponents: MXINT values for given exponents (reference: _mxint_values): the code
+// clamp(round_half_even(x * 2^-s * 2^k)) with -0 made +0, times 2^(s - k); NaN for flagged blocks.
+#include "mx_common.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace mfqat {
+namespace {
+
+// err(s) of one finite float32 block (w: its float64 column weights, or nullptr).
+inline double block_error(const float* v, const double* w, int64_t bs, int32_t s, const MXParams& p, double* acc) {
+  const float to_grid = exp2i(-s), from_grid = exp2i(s);
+  for (int64_t i = 0; i < bs; ++i) {
+    const float d = v[i] - round_int_element(v[i] * to_grid, p) * from_grid;
+    acc[i] = static_cast<double>(d) * static_cast<double>(d);
+  }
+  if (w) {
+    for (int64_t i = 0; i < bs; ++i) acc[i] *= w[i];
+  }
+  int64_t n = bs;
+  while (n > 1) {
+    const int64_t h = n / 2;
+    for (int64_t i = 0; i < h; ++i) acc[i] += acc[i + h];
+    if (n % 2) acc[h] = acc[2 * h];
+    n = h + n % 2;
+  }
+  return acc[0];
+}
+
+template <typename T>
+void search_kernel(const T* x, const double* weights, int32_t* s_out, bool* nonfinite_out, int64_t n_blocks,
+                   int64_t bs, int64_t blocks_per_row, const MXParams& p, const std::vector<int64_t>& offsets) {
+  const int32_t hi = std::min<int32_t>(127, max_exponent<T>() - p.emax);
+  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
+    float buf[256];
+    double acc[256];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const BlockScale sc = block_exponent(x + blk * bs, bs, p, buf);
+      nonfinite_out[blk] = sc.nonfinite;
+      int32_t best = sc.s;
+      if (!sc.nonfinite) {
+        const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
+        double best_err = block_error(buf, w, bs, best, p, acc);
+        for (int64_t d : offsets) {
+          int32_t s = sc.s + static_cast<int32_t>(d);
+          s = s < -127 ? -127 : (s > hi ? hi : s);
+          const double err = block_error(buf, w, bs, s, p, acc);
+          if (err < best_err) {
+            best = s;
+            best_err = err;
+          }
+        }
+      }
+      s_out[blk] = best;
+    }
+  });
+}
+
+template <typename T>
+void decode_kernel(const T* x, const int32_t* s_in, const bool* nonfinite, T* out, int64_t n_blocks, int64_t bs,
+                   const MXParams& p, int32_t int_shift) {
+  const float nan = std::nanf("");
+  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const T* in = x + blk * bs;
+      T* o = out + blk * bs;
+      if (nonfinite[blk]) {
+        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
+        continue;
+      }
+      const float to_grid = exp2i(-s_in[blk]);  // two multiplications, as the reference (2^127 * 2^k overflows)
+      const float scale = exp2i(s_in[blk] - int_shift);
+      for (int64_t i = 0; i < bs; ++i) {
+        float c = round_half_even(load(in, i) * to_grid * p.step);
+        c = c < p.code_min ? p.code_min : c;
+        c = c > p.code_max ? p.code_max : c;
+        o[i] = store<T>((c + 0.0f) * scale);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size,
+                                             int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max,
+                                             double max_normal, at::IntArrayRef offsets) {
+  check_input(x_in, block_size);
+  const int64_t k = x_in.size(-1);
+  TORCH_CHECK(weights_in.numel() == 0 || (weights_in.scalar_type() == at::kDouble && weights_in.numel() == k),
+              "mfqat search_mx: weights must be empty or float64 with ", k, " entries (one per input column), got ",
+              weights_in.numel(), " of ", weights_in.scalar_type());
+  at::Tensor x = x_in.contiguous();
+  at::Tensor weights = weights_in.contiguous();
+  auto shape = x.sizes().vec();
+  shape.back() /= block_size;
+  at::Tensor s = at::empty(shape, x.options().dtype(at::kInt));
+  at::Tensor nonfinite = at::empty(shape, x.options().dtype(at::kBool));
+  const MXParams p = make_params(true, emax, 0, 0, int_shift, code_min, code_max, max_normal, false);
+  const std::vector<int64_t> offs(offsets.begin(), offsets.end());
+  const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx", [&] {
+    search_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), w, s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(),
+                            x.numel() / block_size, block_size, k / block_size, p, offs);
+  });
+  return {s, nonfinite};
+}
+
+at::Tensor decode_mx_exponents(const at::Tensor& x_in, const at::Tensor& s_in, const at::Tensor& nonfinite_in,
+                               int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max) {
+  check_input(x_in, block_size);
+  const int64_t n_blocks = x_in.numel() / block_size;
+  TORCH_CHECK(s_in.scalar_type() == at::kInt && s_in.numel() == n_blocks && nonfinite_in.scalar_type() == at::kBool &&
+                  nonfinite_in.numel() == n_blocks,
+              "mfqat decode_mx_exponents: expected int32 exponents and a bool mask with ", n_blocks, " entries");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor s = s_in.contiguous();
+  at::Tensor nonfinite = nonfinite_in.contiguous();
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const MXParams p = make_params(true, 0, 0, 0, int_shift, code_min, code_max, 0.0, false);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_decode_mx_exponents", [&] {
+    decode_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(), nonfinite.const_data_ptr<bool>(),
+                            out.data_ptr<scalar_t>(), n_blocks, block_size, p, static_cast<int32_t>(int_shift));
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mfqat, m) {
+  m.def("search_mx(Tensor x, Tensor weights, int block_size, int emax, int int_shift, int code_min, int code_max, "
+        "float max_normal, int[] offsets) -> (Tensor, Tensor)");
+  m.def("decode_mx_exponents(Tensor x, Tensor s, Tensor nonfinite, int block_size, int int_shift, int code_min, "
+        "int code_max) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
+  m.impl("search_mx", &search_mx);
+  m.impl("decode_mx_exponents", &decode_mx_exponents);
+}
+
+}  // namespace mfqat

@@ -1,0 +1,124 @@
+"""The C++ MXINT scale search (csrc/mx_search.cpp) is bit-exact with the PyTorch oracle
+(mfqat.quant.scale_search.mx_search_exponent and its MXINT decoder), on random, adversarial and
+hypothesis inputs, with and without importance weights, in float32, bfloat16 and float16."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mfqat.formats import get_format
+from mfqat.quant import scale_search
+from mfqat.quant.kernels import cpp
+from mfqat.quant.reference import dtype_max_exponent, to_blocks
+
+from .test_kernels import DTYPES, adversarial, assert_bits_equal
+
+pytestmark = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
+MXINT = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
+
+
+def oracle(x: torch.Tensor, name: str, bs: int, importance):
+    """(exponents, non-finite mask, decoded values) of the pure-PyTorch path."""
+    f = get_format(name)
+    blocks = to_blocks(x, bs)
+    s, nonfinite = scale_search.mx_search_exponent(blocks, f, importance, dtype_max_exponent(x.dtype))
+    values = scale_search._mxint_values(blocks, f, s, nonfinite).reshape(x.shape).to(x.dtype)
+    return s, nonfinite, values
+
+
+def kernel(x: torch.Tensor, name: str, bs: int, importance):
+    """The same three from the C++ ops."""
+    f = get_format(name)
+    w = None if importance is None else importance.to(torch.float64)
+    s, nonfinite = cpp.search_cpp(x, f, bs, w, scale_search.SEARCH_OFFSETS)
+    return s, nonfinite, cpp.decode_exponents_cpp(x, f, bs, s, nonfinite)
+
+
+def assert_same(x: torch.Tensor, name: str, bs: int, importance, what: str) -> None:
+    s_ref, nf_ref, v_ref = oracle(x, name, bs, importance)
+    s, nf, v = kernel(x, name, bs, importance)
+    assert torch.equal(nf, nf_ref), f"{what}: non-finite blocks differ"
+    bad = (s != s_ref).nonzero()
+    assert bad.numel() == 0, f"{what}: {len(bad)} exponents differ, first at {bad[0].tolist()}"
+    assert_bits_equal(v, v_ref, what)
+
+
+@pytest.mark.parametrize("name", MXINT)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_search_kernel_matches_oracle_on_adversarial_and_random_input(name, weighted):
+    g = torch.Generator().manual_seed(1)
+    cases = {"adversarial": adversarial(), "random": torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g)}
+    for label, x in cases.items():
+        imp = None
+        if weighted:  # uneven weights with exact zeros: the weighted error decides the exponent
+            imp = torch.rand(x.shape[-1], generator=g) ** 4
+            imp[::7] = 0.0
+        for dtype in DTYPES:
+            assert_same(x.to(dtype), name, 32, imp, f"{name} {label} {dtype} weighted={weighted}")
+
+
+def test_search_kernel_changes_exponents_where_the_oracle_does():
+    """Not a vacuous comparison: on random weights the search moves many blocks off floor."""
+    x = torch.randn(64, 512)
+    s, _, _ = kernel(x, "mxint4", 32, torch.rand(512))
+    floor, _ = scale_search.mx_shared_exponent(to_blocks(x, 32), get_format("mxint4"), "floor")
+    assert 0.05 < (s != floor).float().mean() < 0.95
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(MXINT), bs=st.sampled_from([1, 2, 3, 5, 8, 24, 32, 33]),
+       rows=st.integers(1, 4), blocks=st.integers(1, 4), log_scale=st.integers(-140, 120),
+       seed=st.integers(0, 2 ** 31 - 1), weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
+def test_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
+    x = x * float(2.0 ** max(-149, min(log_scale, 127)))  # tiny, subnormal, huge (inf in float16)
+    if rng.random() < 0.3:  # grid ties and zeros of both signs
+        x = torch.from_numpy(rng.integers(-16, 17, x.shape).astype(np.float32)) * 0.125
+        x[x == 0] = -0.0 if rng.random() < 0.5 else 0.0
+    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
+
+
+def test_fixed_order_sum_is_the_documented_pairwise_order():
+    """The reference's sum order, which the kernel repeats: pairs (i, i + n // 2), odd last carried."""
+    rng = np.random.default_rng(0)
+    for n in range(1, 41):
+        v = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).tolist()
+        e = list(v)
+        while len(e) > 1:
+            h = len(e) // 2
+            e = [e[i] + e[i + h] for i in range(h)] + e[2 * h:]
+        got = scale_search.fixed_order_sum(torch.tensor(v, dtype=torch.float64)).item()
+        assert got == e[0] and math.isfinite(got), n
+
+
+def test_search_entry_points_use_the_kernel_and_the_oracle_alike(monkeypatch):
+    """search_exponents / dequantize_with_exponents give the same bits on the cpp and reference backends."""
+    x = adversarial()[:, :128].to(torch.bfloat16)
+    imp = torch.rand(128)
+    results = {}
+    for backend in ("cpp", "reference"):
+        monkeypatch.setenv("MFQAT_BACKEND", backend)
+        exps = scale_search.search_exponents(x, "mxint4", 32, imp)
+        results[backend] = (exps, scale_search.dequantize_with_exponents(x, "mxint4", 32, exps))
+    (s1, nf1), v1 = results["cpp"]
+    (s2, nf2), v2 = results["reference"]
+    assert torch.equal(s1, s2) and torch.equal(nf1, nf2)
+    assert_bits_equal(v1, v2, "entry points")
+
+
+def test_search_ops_pass_opcheck_and_reject_bad_weights():
+    x = torch.randn(4, 64)
+    f = get_format("mxint4")
+    w = torch.rand(64, dtype=torch.float64)
+    args = (32, f.emax, f.int_shift, f.code_min, f.code_max, float(f.max_normal), [-1, 1])
+    torch.library.opcheck(torch.ops.mfqat.search_mx.default, (x, w, *args), test_utils=("test_schema", "test_faketensor"))
+    s, nf = torch.ops.mfqat.search_mx(x, w, *args)
+    torch.library.opcheck(torch.ops.mfqat.decode_mx_exponents.default, (x, s, nf, 32, f.int_shift, f.code_min, f.code_max),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="one per input column"):
+        torch.ops.mfqat.search_mx(x, torch.rand(63, dtype=torch.float64), *args)
