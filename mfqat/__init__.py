@@ -14,7 +14,7 @@ _PUBLIC = {
     ".slice": ["slice_and_scale"],
     ".quant.scale_search": ["quantize_search"],
     ".quant.scale_rules": ["DEFAULT_SCALE_RULE"],
-    ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare", "clip_rates"],
+    ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare", "clip_rates", "sync_importance"],
     ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
     ".mxqlora": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
@@ -27,7 +27,7 @@ __all__ = [
     "MXTensor", "quantize", "dequantize", "fake_quantize", "fake_quantize_through", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
     "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter", "peft_to_mlx",
-    "register_hf_quantizer", "clip_rates", "quantize_search", "DEFAULT_SCALE_RULE",
+    "register_hf_quantizer", "clip_rates", "quantize_search", "DEFAULT_SCALE_RULE", "sync_importance",
 ]
 
 

@@ -59,6 +59,20 @@ def write_json(path: PathLike, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def write_torch(path: PathLike, obj) -> None:
+    """``torch.save`` through a temp file + fsync + rename, so a crash leaves the old file or the new one."""
+    import torch
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~current_umask())
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def fsync_dir(path: PathLike) -> None:
     """Make renames inside a folder durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -57,8 +57,8 @@ def test_importance_is_the_mean_squared_input_of_anchor_format_training_forwards
     m.eval()
     m(ids)  # nor do eval forwards
     rows = torch.cat([seen[0], seen[2]]).double()
-    assert lin.importance_tokens == rows.shape[0]
     torch.testing.assert_close(lin.importance(), rows.square().mean(0).float(), rtol=1e-6, atol=0)
+    assert lin.importance_tokens == rows.shape[0] and lin.pending_tokens == 0
 
 
 def test_trained_search_model_equals_its_loaded_anchor_bit_for_bit(model_and_anchor):
@@ -101,9 +101,16 @@ def test_the_kept_exponents_follow_the_weight_and_the_importance():
     assert not torch.equal(first, fresh.dequantize())
     m.train()
     mfqat.set_format(m, "mxint8")
-    m(ids * 0 + 3)  # new importance: the search runs again with it
+    before = lin.importance()
+    m(ids * 0 + 3)  # new inputs: pending until the weight changes (the micro-batches of one step agree)
+    kept = lin.quantized_weight("mxint4").clone()
+    assert torch.equal(kept, fresh.dequantize()) and lin.pending_tokens > 0
+    with torch.no_grad():
+        lin.weight.mul_(0.9)  # the next optimizer step: the new inputs are folded in, the search reruns
+    searched = lin.quantized_weight("mxint4")
+    assert lin.pending_tokens == 0 and not torch.equal(lin.importance(), before)
     fresh = quantize_search(fake_quantize(lin.weight.detach(), "mxint8", 32), "mxint4", 32, lin.importance())
-    assert torch.equal(lin.quantized_weight("mxint4"), fresh.dequantize())
+    assert torch.equal(searched, fresh.dequantize())
 
 
 def test_search_gradient_is_straight_through():
@@ -206,6 +213,7 @@ def test_gradient_checkpointing_records_each_input_once():
     ids = torch.randint(0, m.config.vocab_size, (2, 16))
     m(input_ids=ids, labels=ids).loss.backward()  # backward reruns each layer's forward
     _, lin = next(qat_modules(m))
+    lin.importance()  # folds the pending records
     assert lin.importance_tokens == ids.numel()
 
 
@@ -227,3 +235,23 @@ def test_search_rule_in_an_old_version_or_a_stray_importance_is_refused(model_an
     save_file(sd, str(stray / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(AnchorError, match="model.norm.importance belongs to no quantized tensor"):
         read_anchor(stray, verify=False)
+
+
+def test_a_fused_optimizer_step_refreshes_the_kept_exponents():
+    """AdamW(fused=True) (the HF Trainer's default) changes weights without bumping their version:
+    the search must still see the new weights and fold the new inputs."""
+    torch.manual_seed(4)
+    m = tiny_llama()
+    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+    opt = torch.optim.AdamW(m.parameters(), 1e-2, fused=True)
+    ids = torch.randint(0, m.config.vocab_size, (2, 32))
+    _, lin = next(qat_modules(m))
+    for _ in range(2):
+        joint_backward(m, m, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda l: l.backward())
+        before = lin.quantized_weight("mxint4").clone()
+        opt.step()
+        opt.zero_grad()
+    m.train()
+    got = lin.quantized_weight("mxint4")
+    fresh = quantize_search(fake_quantize(lin.weight.detach(), "mxint8", 32), "mxint4", 32, lin.importance())
+    assert torch.equal(got, fresh.dequantize()) and not torch.equal(got, before)

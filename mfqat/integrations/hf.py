@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from typing import List, Optional
 
 import torch
@@ -11,6 +12,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..anchor import save_anchor
 from ..formats import canonical_name, get_format
+from ..qat import importance_state
 from ..qat.joint import normalized_weights, token_kl
 from ..qat.prepare import MFQATController, set_format
 from .lora import merged_copy
@@ -62,6 +64,18 @@ class MFQATCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, model=None, **kw):
         find_controller(model).set_step(model, state.global_step, max(state.max_steps, 1))
 
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        if model is None or not state.global_step or not importance_state.uses_search(model):
+            return  # a resumed run (global_step > 0) continues the search rule's importance statistic
+        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not importance_state.load_state(model, ckpt, args.process_index):
+            warnings.warn(f"MFQATCallback: {importance_state.state_file(ckpt, args.process_index)} not found; the "
+                          "search rule's importance statistic restarts from this step")
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        if model is not None:  # the search rule's importance: all-reduced and folded once per step
+            importance_state.sync_importance(model)
+
     def on_log(self, args, state, control, logs=None, model=None, **kw):
         if logs is not None and model is not None:
             fmt = find_controller(model).current_format()
@@ -96,9 +110,12 @@ class MFQATCallback(TrainerCallback):
         model.train(was_training)
 
     def on_save(self, args, state, control, model=None, **kw):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if model is not None and importance_state.uses_search(model):  # every rank, for on_train_begin
+            importance_state.save_state(model, folder, args.process_index)
         if self.anchor_format is None or not state.is_world_process_zero:
             return
-        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "mfqat_anchor")
+        ckpt = os.path.join(folder, "mfqat_anchor")
         ctl = find_controller(model)
         base = model
         while hasattr(base, "module"):

@@ -133,8 +133,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
         if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
             gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index)))
-        if importance and importance_state.state_file(args.resume, acc.process_index).is_file():
-            importance.load_state_dict(torch.load(importance_state.state_file(args.resume, acc.process_index)))
+        if importance:
+            importance_state.load_state(base, args.resume, acc.process_index)
     grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []
@@ -151,6 +151,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                 step_losses.setdefault(f, []).append(v)
         if args.grad_clip:
             acc.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if importance:  # every rank folds the same (all-reduced) importance before the weights change
+            importance_state.sync_importance(base)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -172,8 +174,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                 ckpt.mkdir(parents=True, exist_ok=True)
                 torch.save(gc.state_dict(), grad_compress.residual_file(ckpt, acc.process_index))
             if importance:  # and its own importance sums
-                ckpt.mkdir(parents=True, exist_ok=True)
-                torch.save(importance.state_dict(), importance_state.state_file(ckpt, acc.process_index))
+                importance_state.save_state(base, ckpt, acc.process_index)
             sd = full_state_dict(base) if cfg and is_sharded(base) else None  # every rank joins the gather
             if acc.is_main_process:
                 (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))

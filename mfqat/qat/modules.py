@@ -6,16 +6,40 @@ autocast and torch.compile see an ordinary Linear.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import SEARCH_RULE, rule_of
 from ..quant.scale_search import dequantize_with_exponents, search_exponents, straight_through
+
+
+_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+# A fused optimizer (AdamW(fused=True), the HF Trainer's default) updates weights without bumping
+# their version counter, so "has this weight changed" keys on the step count as well.
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def weight_key(w: torch.Tensor) -> tuple:
+    """Changes whenever ``w`` may have changed: an in-place edit (its version) or any optimizer step."""
+    return (w.data_ptr(), w._version, _OPTIMIZER_STEPS[0])
+
+
+def several_processes() -> bool:
+    """Whether torch.distributed runs with more than one process (the importance is then synced)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
 
 
 class MFQATMixin:
@@ -28,8 +52,11 @@ class MFQATMixin:
     anchor_format: Optional[str]
     affine_group_size: int = DERIVED_GROUP_SIZE  # group of the derived affine formats (mfqat.derive)
     scale_rules: Optional[Dict[str, str]] = None  # {format: rule}, set by prepare (mfqat.quant.scale_rules)
-    importance_sum: Optional[torch.Tensor] = None  # float64 (in_features,): sum of squared inputs seen
+    importance_sum: Optional[torch.Tensor] = None  # float64 (in_features,): folded sum of squared inputs
     importance_tokens: int = 0  # how many input rows importance_sum holds
+    pending_sum: Optional[torch.Tensor] = None  # recorded by this process since the last fold
+    pending_tokens: int = 0
+    _searched_key: Optional[tuple] = None  # weight_key of the weight at the last search
     _search_cache: Optional[tuple] = None  # (key, exponents) of the last search, reused by backward
 
     def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
@@ -74,35 +101,57 @@ class MFQATMixin:
         return bool(self.scale_rules) and SEARCH_RULE in self.scale_rules.values()
 
     def importance(self) -> Optional[torch.Tensor]:
-        """Mean squared input per input column over the anchor-format forwards seen in training
-        (float32, what ``save_anchor`` stores), or None before any."""
+        """Mean squared input per input column over the anchor-format training forwards (float32, what
+        ``save_anchor`` stores), or None before any. In one process the pending records are folded in
+        first; under torch.distributed it is what :func:`mfqat.qat.importance_state.sync_importance`
+        last folded (the same on every rank)."""
+        if not several_processes():
+            self.fold_importance()
+        return self._folded_importance()
+
+    def _folded_importance(self) -> Optional[torch.Tensor]:
+        """The mean over the folded records only: what the search weighs its error with."""
         if not self.importance_tokens:
             return None
         return (self.importance_sum / self.importance_tokens).to(torch.float32)
 
     def _record_importance(self, x: torch.Tensor) -> None:
-        """Add a training forward's inputs (anchor format only) to the importance statistic."""
+        """Add a training forward's inputs (anchor format only) to the pending importance records."""
         with torch.no_grad():
             rows = x.detach().reshape(-1, x.shape[-1])
             sq = rows.to(torch.float64).square().sum(0)
-            self.importance_sum = sq if self.importance_sum is None else self.importance_sum.to(sq.device) + sq
-            self.importance_tokens += rows.shape[0]
-            self._search_cache = None
+            self.pending_sum = sq if self.pending_sum is None else self.pending_sum.to(sq.device) + sq
+            self.pending_tokens += rows.shape[0]
+
+    def fold_importance(self, total: Optional[Tuple[torch.Tensor, int]] = None) -> None:
+        """Move the pending records into the statistic the search uses. ``total``: the pending
+        (sum, tokens) of every process (sync_importance's all-reduce) instead of this one's."""
+        s, n = total if total is not None else (self.pending_sum, self.pending_tokens)
+        if n:
+            self.importance_sum = s if self.importance_sum is None else self.importance_sum.to(s.device) + s
+            self.importance_tokens += int(n)
+        self.pending_sum, self.pending_tokens = None, 0
 
     def _searched(self, w: torch.Tensor, fmt: str, anchor_rule: str) -> torch.Tensor:
         """The ``search`` rule: each block's exponent chosen by importance-weighted error against
         the anchor's values (mfqat.quant.scale_search), as Slice-and-Scale lowers the saved anchor.
-        The exponents are kept until the weight or the importance changes, so backward's recompute
-        does not search again."""
+        The importance is frozen between weight updates: in one process the pending records are folded
+        in at the first search after the weight changed (or in eval mode), under torch.distributed by
+        sync_importance. So the exponents are kept until the weight or the folded importance changes:
+        backward's recompute and the other micro-batches of a step do not search again."""
         anchor = self.anchor_format
-        key = (fmt, w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
+        wkey = weight_key(w)
+        if self.pending_tokens and not several_processes() and (not self.training or self._searched_key != wkey):
+            self.fold_importance()
+        self._searched_key = wkey
+        key = (fmt, wkey, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
         cached = self._search_cache
         with torch.no_grad():
             base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
             if cached is not None and cached[0] == key:
                 exps = cached[1]
             else:
-                exps = search_exponents(base, fmt, self.block_size, self.importance())
+                exps = search_exponents(base, fmt, self.block_size, self._folded_importance())
                 self._search_cache = (key, exps)
             y = dequantize_with_exponents(base, fmt, self.block_size, exps)
         return straight_through(w, y)
