@@ -59,6 +59,8 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
     }
     if fam == "mxint":  # the output-aware scale search inside training (mfqat/configs/mxint_joint_search.yaml)
         out[f"joint-{fam}-search"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps)]
+        out[f"joint-{fam}-search-equal-compute"] = ["--qat-config", "mxint_joint_search",
+                                                    "--steps", str(max(steps // k, 1))]
         out[f"joint-{fam}-search-low2x-distill"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
                                                     "--loss-weights", f"{low}=2", "--distill-weight", "0.5"]
     if fam == "mxint":  # the 2-bit slice trained too (Matryoshka's int8/int4/int2)
