@@ -97,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
                                              int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max,
                                              double max_normal, at::IntArrayRef offsets) {
   check_input(x_in, block_size);
+  TORCH_CHECK(weights_in.device().is_cpu(), "mfqat search_mx: weights must be a CPU tensor, got ", weights_in.device());
   const int64_t k = x_in.size(-1);
   TORCH_CHECK(weights_in.numel() == 0 || (weights_in.scalar_type() == at::kDouble && weights_in.numel() == k),
               "mfqat search_mx: weights must be empty or float64 with ", k, " entries (one per input column), got ",
@@ -120,6 +121,8 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
 at::Tensor decode_mx_exponents(const at::Tensor& x_in, const at::Tensor& s_in, const at::Tensor& nonfinite_in,
                                int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max) {
   check_input(x_in, block_size);
+  TORCH_CHECK(s_in.device().is_cpu() && nonfinite_in.device().is_cpu(),
+              "mfqat decode_mx_exponents: exponents and mask must be CPU tensors");
   const int64_t n_blocks = x_in.numel() / block_size;
   TORCH_CHECK(s_in.scalar_type() == at::kInt && s_in.numel() == n_blocks && nonfinite_in.scalar_type() == at::kBool &&
                   nonfinite_in.numel() == n_blocks,

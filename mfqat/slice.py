@@ -91,15 +91,15 @@ def double_rounding_fraction(x: torch.Tensor, anchor_fmt: FormatLike, fmt: Forma
 def _slice_by_rule(q: MXTensor, dst, scale_rule: str, importance: Optional[torch.Tensor]) -> MXTensor:
     """Slice-and-Scale whose lower exponents follow ``scale_rule`` (see :func:`slice_and_scale`)."""
     from .quant.reference import SCALE_RULES, dtype_max_exponent, mx_encode_blocks, mx_shared_exponent
-    from .quant.scale_search import mx_search_exponent
+    from .quant.scale_search import search_exponents
 
     if scale_rule not in (*SCALE_RULES, "search"):
         raise ValueError(f"unknown scale_rule '{scale_rule}' for {dst.name}; choose one of {(*SCALE_RULES, 'search')}")
     bs = q.block_size
     blocks = q.dequantize(torch.float32).reshape(*q.shape[:-1], q.shape[-1] // bs, bs)  # exact
     max_exp = dtype_max_exponent(q.dtype)
-    if scale_rule == "search":
-        s, nonfinite = mx_search_exponent(blocks, dst, importance, max_exp)
+    if scale_rule == "search":  # the anchor's values in its dtype (exact there): the C++ op where it applies
+        s, nonfinite = search_exponents(q.dequantize(q.dtype), dst, bs, importance)
     else:
         s, nonfinite = mx_shared_exponent(blocks, dst, scale_rule, max_exp)
     codes, scales = mx_encode_blocks(blocks, dst, s, nonfinite)

@@ -92,3 +92,29 @@ def test_trainer_resume_keeps_the_importance_statistic(tmp_path):
     for k, q in whole.quantized.items():
         assert torch.equal(q.importance, resumed.quantized[k].importance), k
         assert torch.equal(q.codes, resumed.quantized[k].codes), k
+
+
+def _recorded_model():
+    torch.manual_seed(5)
+    model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+    ids = torch.randint(0, 256, (2, 16))
+    joint_backward(model, model, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda l: l.backward())
+    mfqat.set_format(model, "mxint8")
+    model(ids)  # one more anchor-format forward: pending records
+    return model
+
+
+def test_checkpointed_importance_keeps_pending_records_and_a_new_rank_takes_rank0s(tmp_path):
+    from mfqat.qat import importance_state
+
+    model = _recorded_model()
+    _, lin = next(qat_modules(model))
+    assert lin.importance_tokens > 0 and lin.pending_tokens > 0
+    importance_state.save_state(model, tmp_path, 0)
+    for rank, pending in ((0, lin.pending_tokens), (3, 0)):  # rank 3 of a run resumed on more processes
+        other = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+        assert importance_state.load_state(other, tmp_path, rank)
+        _, lin2 = next(qat_modules(other))
+        assert lin2.importance_tokens == lin.importance_tokens and lin2.pending_tokens == pending
+        assert torch.equal(lin2.importance_sum, lin.importance_sum)
+    assert not importance_state.load_state(model, tmp_path / "empty", 0)

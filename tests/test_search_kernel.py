@@ -122,3 +122,10 @@ def test_search_ops_pass_opcheck_and_reject_bad_weights():
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match="one per input column"):
         torch.ops.mfqat.search_mx(x, torch.rand(63, dtype=torch.float64), *args)
+
+
+def test_search_kernel_takes_non_contiguous_input():
+    """A transposed view (the kernel makes it contiguous) gives the oracle's result."""
+    x = torch.randn(96, 64).t()  # (64, 96), not contiguous
+    assert not x.is_contiguous()
+    assert_same(x, "mxint4", 32, torch.rand(96), "transposed view")

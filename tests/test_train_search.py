@@ -255,3 +255,37 @@ def test_a_fused_optimizer_step_refreshes_the_kept_exponents():
     got = lin.quantized_weight("mxint4")
     fresh = quantize_search(fake_quantize(lin.weight.detach(), "mxint8", 32), "mxint4", 32, lin.importance())
     assert torch.equal(got, fresh.dequantize()) and not torch.equal(got, before)
+
+
+def test_each_format_keeps_its_exponents_and_non_finite_inputs_are_left_out(monkeypatch):
+    from mfqat.qat import modules
+
+    m, ids = trained(steps=1)
+    m.train()
+    _, lin = next(qat_modules(m))
+    calls = []
+    real = modules.search_exponents
+    monkeypatch.setattr(modules, "search_exponents", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    for _ in range(2):  # two micro-batches of one step: mxint6 and mxint4 are searched once each
+        for fmt in ("mxint6", "mxint4"):
+            lin.quantized_weight(fmt)
+    assert sorted(calls) == ["mxint4", "mxint6"]
+    before = lin.importance()
+    x = torch.randn(4, lin.in_features)
+    x[0, 0] = float("inf")
+    mfqat.set_format(m, "mxint8")
+    with pytest.warns(UserWarning, match="non-finite"):
+        lin(x)
+    assert torch.equal(lin.importance(), before)
+
+
+def test_forget_searched_exponents_after_a_data_edit():
+    from mfqat.qat import forget_searched_exponents
+
+    m, _ = trained(steps=1)
+    _, lin = next(qat_modules(m))
+    lin.quantized_weight("mxint4")
+    lin.weight.data.mul_(1.5)  # bumps no version: the kept exponents are stale until forgotten
+    forget_searched_exponents(m)
+    fresh = quantize_search(fake_quantize(lin.weight.detach(), "mxint8", 32), "mxint4", 32, lin.importance())
+    assert torch.equal(lin.quantized_weight("mxint4"), fresh.dequantize())

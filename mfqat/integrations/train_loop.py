@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -133,8 +134,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
         if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
             gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index)))
-        if importance:
-            importance_state.load_state(base, args.resume, acc.process_index)
+        if importance and not importance_state.load_state(base, args.resume, acc.process_index):
+            warnings.warn(f"{args.resume} holds no importance sums (mfqat_importance_rank*.pt); the search "
+                          "rule's importance statistic restarts from this step")
     grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []

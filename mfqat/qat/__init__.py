@@ -1,6 +1,6 @@
 """MF-QAT: modules, prepare(), format schedules."""
 from .config import QATConfig
-from .importance_state import sync_importance
+from .importance_state import forget_searched_exponents, sync_importance
 from .joint import joint_backward
 from .modules import MFQATEmbedding, MFQATLinear
 from .observers import WindowMinMaxObserver, clip_rates, mean_clip_rate
@@ -11,4 +11,5 @@ from .schedules import (CyclicSchedule, FixedSchedule, JointSchedule, Progressiv
 __all__ = ["QATConfig", "MFQATLinear", "MFQATEmbedding", "MFQATController", "prepare", "unprepare",
            "set_format", "qat_modules", "Schedule", "ProgressiveSchedule", "CyclicSchedule",
            "RandomSchedule", "FixedSchedule", "JointSchedule", "make_schedule", "joint_backward",
-           "WindowMinMaxObserver", "clip_rates", "mean_clip_rate", "sync_importance"]
+           "WindowMinMaxObserver", "clip_rates", "mean_clip_rate", "sync_importance",
+           "forget_searched_exponents"]

@@ -65,15 +65,32 @@ def sync_importance(model: nn.Module) -> None:
         for m in mods:
             m.fold_importance()
         return
-    dev = mods[0].weight.device
-    sums = [torch.zeros(m.weight.shape[-1], dtype=torch.float64, device=dev) if m.pending_sum is None
+    nccl = torch.distributed.get_backend() == "nccl"
+    dev = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    sums = [torch.zeros(input_width(m), dtype=torch.float64, device=dev) if m.pending_sum is None
             else m.pending_sum.to(dev) for m in mods]
     tokens = torch.tensor([float(m.pending_tokens) for m in mods], dtype=torch.float64, device=dev)
     flat = torch.cat(sums + [tokens])  # one collective for the whole model
     torch.distributed.all_reduce(flat)
     totals = flat[-len(mods):].tolist()
     for m, part, n in zip(mods, torch.split(flat[:-len(mods)], [s.numel() for s in sums]), totals):
-        m.fold_importance((part.clone(), int(n)))
+        home = m.importance_sum.device if m.importance_sum is not None else part.device
+        m.fold_importance((part.to(home, copy=True), int(n)))
+
+
+def forget_searched_exponents(model: nn.Module) -> None:
+    """Drop the exponents each MF-QAT module keeps for its searched formats, so the next forward
+    searches again: needed only after weights were edited through ``.data`` (which neither bumps their
+    version nor steps an optimizer), e.g. an EMA copy or an in-place adapter merge."""
+    for _, m in qat_modules(model):
+        if hasattr(m, "_search_cache"):
+            m._search_cache = None
+
+
+def input_width(module: nn.Module) -> int:
+    """Input columns of an MF-QAT module (not its weight's local shape, which a sharded weight changes)."""
+    width = getattr(module, "in_features", None) or getattr(module, "embedding_dim", None)
+    return int(width if width is not None else module.weight.shape[-1])
 
 
 def uses_search(model: nn.Module) -> bool:
@@ -95,14 +112,22 @@ def save_state(model: nn.Module, folder: Union[str, Path], rank: int) -> Path:
 
 
 def load_state(model: nn.Module, folder: Union[str, Path], rank: int) -> bool:
-    """Restore rank ``rank``'s importance sums from a checkpoint folder; False when it has none."""
+    """Restore rank ``rank``'s importance sums from a checkpoint folder; False when it has none.
+
+    A rank without a file of its own (the run is resumed with more processes) takes rank 0's folded
+    sums, which every rank shares, without rank 0's pending records."""
     path = state_file(folder, rank)
-    if not path.is_file():
-        return False
+    own = path.is_file()
+    if not own:
+        path = state_file(folder, 0)
+        if not path.is_file():
+            return False
     try:
         state = torch.load(path, weights_only=True)
     except Exception as exc:
         raise RuntimeError(f"{path}: cannot read the importance sums of this checkpoint ({exc}); delete the file "
                            f"to restart the statistic, or resume from another checkpoint") from exc
+    if not own:
+        state = {name: {**entry, "pending_sum": None, "pending_tokens": 0} for name, entry in state.items()}
     ImportanceStatistic(model).load_state_dict(state)
     return True

@@ -6,6 +6,7 @@ autocast and torch.compile see an ordinary Linear.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -57,7 +58,7 @@ class MFQATMixin:
     pending_sum: Optional[torch.Tensor] = None  # recorded by this process since the last fold
     pending_tokens: int = 0
     _searched_key: Optional[tuple] = None  # weight_key of the weight at the last search
-    _search_cache: Optional[tuple] = None  # (key, exponents) of the last search, reused by backward
+    _search_cache: Optional[dict] = None  # {format: (key, exponents)} of the last search, reused by backward
 
     def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
                   anchor_format: Optional[str] = None) -> None:
@@ -120,6 +121,10 @@ class MFQATMixin:
         with torch.no_grad():
             rows = x.detach().reshape(-1, x.shape[-1])
             sq = rows.to(torch.float64).square().sum(0)
+            if not bool(torch.isfinite(sq).all()):  # e.g. an fp16 overflow: it would poison the statistic
+                warnings.warn("MF-QAT: a training forward's input has non-finite values; it is left out of "
+                              "the search rule's importance statistic")
+                return
             self.pending_sum = sq if self.pending_sum is None else self.pending_sum.to(sq.device) + sq
             self.pending_tokens += rows.shape[0]
 
@@ -144,15 +149,17 @@ class MFQATMixin:
         if self.pending_tokens and not several_processes() and (not self.training or self._searched_key != wkey):
             self.fold_importance()
         self._searched_key = wkey
-        key = (fmt, wkey, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
-        cached = self._search_cache
+        key = (wkey, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
+        if self._search_cache is None:
+            self._search_cache = {}
+        cached = self._search_cache.get(fmt)  # one entry per format: an int32 and a bool per block
         with torch.no_grad():
             base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
             if cached is not None and cached[0] == key:
                 exps = cached[1]
             else:
                 exps = search_exponents(base, fmt, self.block_size, self._folded_importance())
-                self._search_cache = (key, exps)
+                self._search_cache[fmt] = (key, exps)
             y = dequantize_with_exponents(base, fmt, self.block_size, exps)
         return straight_through(w, y)
 
