@@ -1,6 +1,8 @@
-"""The C++ MXINT scale search (csrc/mx_search.cpp) is bit-exact with the PyTorch oracle
-(mfqat.quant.scale_search.mx_search_exponent and its MXINT decoder), on random, adversarial and
-hypothesis inputs, with and without importance weights, in float32, bfloat16 and float16."""
+"""The MXINT scale search kernels - the C++ op (csrc/mx_search.cpp) and the Triton kernel
+(mfqat/quant/kernels/triton_search.py; interpreted on CPU here, compiled on CUDA by
+scripts/gpu_check.sh) - are bit-exact with the PyTorch oracle (mfqat.quant.scale_search.
+mx_search_exponent and its MXINT decoder), on random, adversarial and hypothesis inputs, with and
+without importance weights, in float32, bfloat16 and float16."""
 import math
 
 import numpy as np
@@ -11,13 +13,20 @@ from hypothesis import strategies as st
 
 from mfqat.formats import get_format
 from mfqat.quant import scale_search
-from mfqat.quant.kernels import cpp
+from mfqat.quant.kernels import cpp, triton_mx, triton_search
 from mfqat.quant.reference import dtype_max_exponent, to_blocks
 
 from .test_kernels import DTYPES, adversarial, assert_bits_equal
 
-pytestmark = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
 MXINT = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
+PATHS = []
+if cpp.SEARCH_AVAILABLE:
+    PATHS.append(("cpp", "cpu"))
+if triton_mx.usable_on(torch.device("cpu")):
+    PATHS.append(("triton", "cpu"))
+if torch.cuda.is_available() and triton_mx.AVAILABLE:
+    PATHS.append(("triton", "cuda"))
+needs_cpp = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
 
 
 def oracle(x: torch.Tensor, name: str, bs: int, importance):
@@ -29,26 +38,33 @@ def oracle(x: torch.Tensor, name: str, bs: int, importance):
     return s, nonfinite, values
 
 
-def kernel(x: torch.Tensor, name: str, bs: int, importance):
-    """The same three from the C++ ops."""
+def kernel(x: torch.Tensor, name: str, bs: int, importance, path=("cpp", "cpu")):
+    """The same three from a kernel: ``path`` = (backend, device)."""
     f = get_format(name)
-    w = None if importance is None else importance.to(torch.float64)
-    s, nonfinite = cpp.search_cpp(x, f, bs, w, scale_search.SEARCH_OFFSETS)
-    return s, nonfinite, cpp.decode_exponents_cpp(x, f, bs, s, nonfinite)
+    backend, device = path
+    x = x.to(device)
+    w = None if importance is None else importance.to(device=device, dtype=torch.float64)
+    if backend == "cpp":
+        s, nonfinite = cpp.search_cpp(x, f, bs, w, scale_search.SEARCH_OFFSETS)
+        return s, nonfinite, cpp.decode_exponents_cpp(x, f, bs, s, nonfinite)
+    s, nonfinite = triton_search.search_triton(x, f, bs, w)
+    values = triton_search.decode_exponents_triton(x, f, bs, s, nonfinite)
+    return s.cpu(), nonfinite.cpu(), values.cpu()
 
 
-def assert_same(x: torch.Tensor, name: str, bs: int, importance, what: str) -> None:
+def assert_same(x: torch.Tensor, name: str, bs: int, importance, what: str, path=("cpp", "cpu")) -> None:
     s_ref, nf_ref, v_ref = oracle(x, name, bs, importance)
-    s, nf, v = kernel(x, name, bs, importance)
+    s, nf, v = kernel(x, name, bs, importance, path)
     assert torch.equal(nf, nf_ref), f"{what}: non-finite blocks differ"
     bad = (s != s_ref).nonzero()
     assert bad.numel() == 0, f"{what}: {len(bad)} exponents differ, first at {bad[0].tolist()}"
     assert_bits_equal(v, v_ref, what)
 
 
+@pytest.mark.parametrize("path", PATHS, ids="-".join)
 @pytest.mark.parametrize("name", MXINT)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_search_kernel_matches_oracle_on_adversarial_and_random_input(name, weighted):
+def test_search_kernel_matches_oracle_on_adversarial_and_random_input(path, name, weighted):
     g = torch.Generator().manual_seed(1)
     cases = {"adversarial": adversarial(), "random": torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g)}
     for label, x in cases.items():
@@ -57,17 +73,19 @@ def test_search_kernel_matches_oracle_on_adversarial_and_random_input(name, weig
             imp = torch.rand(x.shape[-1], generator=g) ** 4
             imp[::7] = 0.0
         for dtype in DTYPES:
-            assert_same(x.to(dtype), name, 32, imp, f"{name} {label} {dtype} weighted={weighted}")
+            assert_same(x.to(dtype), name, 32, imp, f"{name} {label} {dtype} weighted={weighted}", path)
 
 
-def test_search_kernel_changes_exponents_where_the_oracle_does():
+@pytest.mark.parametrize("path", PATHS, ids="-".join)
+def test_search_kernel_changes_exponents_where_the_oracle_does(path):
     """Not a vacuous comparison: on random weights the search moves many blocks off floor."""
     x = torch.randn(64, 512)
-    s, _, _ = kernel(x, "mxint4", 32, torch.rand(512))
+    s, _, _ = kernel(x, "mxint4", 32, torch.rand(512), path)
     floor, _ = scale_search.mx_shared_exponent(to_blocks(x, 32), get_format("mxint4"), "floor")
     assert 0.05 < (s != floor).float().mean() < 0.95
 
 
+@needs_cpp
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(MXINT), bs=st.sampled_from([1, 2, 3, 5, 8, 24, 32, 33]),
        rows=st.integers(1, 4), blocks=st.integers(1, 4), log_scale=st.integers(-140, 120),
@@ -83,6 +101,20 @@ def test_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_scale
     assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
 
 
+@pytest.mark.skipif(not any(p[0] == "triton" for p in PATHS), reason="Triton not usable here")
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(MXINT), bs=st.sampled_from([8, 16, 32, 64, 256]), rows=st.integers(1, 3),
+       blocks=st.integers(1, 3), log_scale=st.integers(-140, 120), seed=st.integers(0, 2 ** 31 - 1),
+       weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
+def test_triton_search_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
+    x = x * float(2.0 ** max(-149, min(log_scale, 127)))
+    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    path = next(p for p in PATHS if p[0] == "triton")
+    assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}", path)
+
+
 def test_fixed_order_sum_is_the_documented_pairwise_order():
     """The reference's sum order, which the kernel repeats: pairs (i, i + n // 2), odd last carried."""
     rng = np.random.default_rng(0)
@@ -96,21 +128,24 @@ def test_fixed_order_sum_is_the_documented_pairwise_order():
         assert got == e[0] and math.isfinite(got), n
 
 
+@needs_cpp
 def test_search_entry_points_use_the_kernel_and_the_oracle_alike(monkeypatch):
-    """search_exponents / dequantize_with_exponents give the same bits on the cpp and reference backends."""
+    """search_exponents / dequantize_with_exponents give the same bits on every backend."""
     x = adversarial()[:, :128].to(torch.bfloat16)
     imp = torch.rand(128)
     results = {}
-    for backend in ("cpp", "reference"):
+    backends = ("cpp", "reference") + (("triton",) if triton_mx.usable_on(torch.device("cpu")) else ())
+    for backend in backends:
         monkeypatch.setenv("MFQAT_BACKEND", backend)
         exps = scale_search.search_exponents(x, "mxint4", 32, imp)
         results[backend] = (exps, scale_search.dequantize_with_exponents(x, "mxint4", 32, exps))
-    (s1, nf1), v1 = results["cpp"]
-    (s2, nf2), v2 = results["reference"]
-    assert torch.equal(s1, s2) and torch.equal(nf1, nf2)
-    assert_bits_equal(v1, v2, "entry points")
+    (s2, nf2), v2 = results.pop("reference")
+    for backend, ((s1, nf1), v1) in results.items():
+        assert torch.equal(s1, s2) and torch.equal(nf1, nf2), backend
+        assert_bits_equal(v1, v2, f"entry points, {backend}")
 
 
+@needs_cpp
 def test_search_ops_pass_opcheck_and_reject_bad_weights():
     x = torch.randn(4, 64)
     f = get_format("mxint4")
@@ -124,8 +159,9 @@ def test_search_ops_pass_opcheck_and_reject_bad_weights():
         torch.ops.mfqat.search_mx(x, torch.rand(63, dtype=torch.float64), *args)
 
 
-def test_search_kernel_takes_non_contiguous_input():
+@pytest.mark.parametrize("path", PATHS, ids="-".join)
+def test_search_kernel_takes_non_contiguous_input(path):
     """A transposed view (the kernel makes it contiguous) gives the oracle's result."""
     x = torch.randn(96, 64).t()  # (64, 96), not contiguous
     assert not x.is_contiguous()
-    assert_same(x, "mxint4", 32, torch.rand(96), "transposed view")
+    assert_same(x, "mxint4", 32, torch.rand(96), "transposed view", path)

@@ -5,7 +5,7 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 * ``triton`` - fused Triton kernels (CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which the tests use and ``auto`` never picks);
 * ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built
-  (it also has the MXINT scale search, :func:`search_dispatch`);
+  (it also has the MXINT scale search, :func:`search_dispatch`, as has Triton: ``triton_search``);
 * ``reference`` - pure PyTorch, every device, every format.
 
 ``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
@@ -21,7 +21,7 @@ import torch
 
 from ...formats import ElementFormat
 from ..reference import fake_quantize_reference, quantize_reference
-from . import cpp, triton_mx
+from . import cpp, triton_mx, triton_search
 
 BACKENDS = ("reference", "cpp", "triton")
 
@@ -141,22 +141,37 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
 
 def search_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, weights: Optional[torch.Tensor],
                     offsets: Tuple[int, ...]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """The MXINT scale search (exponent per block, non-finite mask) with the C++ op; None when only the
-    reference applies (MXFP, a non-CPU tensor, ``MFQAT_BACKEND=reference`` or an older build)."""
-    if fmt.family != "mxint" or not _search_kernel_applies(x):
-        return None
-    return cpp.search_cpp(x, fmt, block_size, weights, offsets)
+    """The MXINT scale search (exponent per block, non-finite mask) with the C++ op (CPU) or the Triton
+    kernel (CUDA); None when only the reference applies (MXFP, ``MFQAT_BACKEND=reference``, a block
+    size or candidate set the kernel lacks, an older build)."""
+    backend = _search_backend(x, fmt, block_size, offsets)
+    if backend == "cpp":
+        return cpp.search_cpp(x, fmt, block_size, weights, offsets)
+    if backend == "triton":
+        return triton_search.search_triton(x, fmt, block_size, weights)
+    return None
 
 
 def decode_exponents_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int,
                               exponents: Tuple[torch.Tensor, torch.Tensor]) -> Optional[torch.Tensor]:
-    """MXINT quantize-dequantize with given exponents with the C++ op, or None (as :func:`search_dispatch`)."""
-    if fmt.family != "mxint" or not _search_kernel_applies(x):
+    """MXINT quantize-dequantize with given exponents by a kernel, or None (as :func:`search_dispatch`)."""
+    backend = _search_backend(x, fmt, block_size, (-1, 1))
+    if backend == "cpp":
+        return cpp.decode_exponents_cpp(x, fmt, block_size, *exponents)
+    if backend == "triton":
+        return triton_search.decode_exponents_triton(x, fmt, block_size, *exponents)
+    return None
+
+
+def _search_backend(x: torch.Tensor, fmt: ElementFormat, block_size: int, offsets: Tuple[int, ...]) -> Optional[str]:
+    """cpp for CPU tensors, triton for CUDA ones (or CPU ones under the interpreter when forced), else None."""
+    name = requested_backend()
+    if fmt.family != "mxint" or name == "reference" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    return cpp.decode_exponents_cpp(x, fmt, block_size, *exponents)
-
-
-def _search_kernel_applies(x: torch.Tensor) -> bool:
-    """Whether the C++ search ops take ``x``: a CPU float tensor and a backend of auto or cpp."""
-    return (cpp.SEARCH_AVAILABLE and x.device.type == "cpu" and requested_backend() in ("auto", "cpp")
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    if name in ("auto", "cpp") and x.device.type == "cpu" and cpp.SEARCH_AVAILABLE:
+        return "cpp"
+    on_device = x.device.type == "cuda" or name == "triton"
+    if name in ("auto", "triton") and on_device and triton_mx.usable_on(x.device) \
+            and triton_search.applies(block_size, offsets):
+        return "triton"
+    return None
