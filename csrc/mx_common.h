@@ -169,4 +169,17 @@ inline void check_input(const at::Tensor& x, int64_t block_size) {
 }
 
 
+// Element-grid value -> stored code (reference: mx_values_to_codes).
+inline uint8_t fp_code(float q, const MXParams& p, int32_t bias, int32_t ebits) {
+  float a = std::fabs(q);
+  uint32_t sign = std::signbit(q) ? 1u : 0u;
+  int32_t e = static_cast<int32_t>(float_bits(a) >> 23) - 127;
+  e = e < p.emin ? p.emin : e;
+  bool subnormal = a < exp2i(p.emin);
+  uint32_t exp_field = subnormal ? 0u : static_cast<uint32_t>(e + bias);
+  uint32_t mant = static_cast<uint32_t>(a * exp2i(p.mbits - e));
+  if (!subnormal) mant -= (1u << p.mbits);
+  return static_cast<uint8_t>((sign << (ebits + p.mbits)) | (exp_field << p.mbits) | mant);
+}
+
 }  // namespace mfqat

@@ -105,19 +105,6 @@ void fake_quant_through_kernel(const T* x, T* out, bool* mask, int64_t n_blocks,
   });
 }
 
-// Element-grid value -> stored code (reference: mx_values_to_codes).
-inline uint8_t fp_code(float q, const MXParams& p, int32_t bias, int32_t ebits) {
-  float a = std::fabs(q);
-  uint32_t sign = std::signbit(q) ? 1u : 0u;
-  int32_t e = static_cast<int32_t>(float_bits(a) >> 23) - 127;
-  e = e < p.emin ? p.emin : e;
-  bool subnormal = a < exp2i(p.emin);
-  uint32_t exp_field = subnormal ? 0u : static_cast<uint32_t>(e + bias);
-  uint32_t mant = static_cast<uint32_t>(a * exp2i(p.mbits - e));
-  if (!subnormal) mant -= (1u << p.mbits);
-  return static_cast<uint8_t>((sign << (ebits + p.mbits)) | (exp_field << p.mbits) | mant);
-}
-
 template <typename T>
 void quantize_kernel(const T* x, uint8_t* codes, uint8_t* scales, int64_t n_blocks, int64_t bs,
                      const MXParams& p, int32_t bias, int32_t ebits) {
@@ -140,63 +127,6 @@ void quantize_kernel(const T* x, uint8_t* codes, uint8_t* scales, int64_t n_bloc
       } else {
         for (int64_t i = 0; i < bs; ++i) c[i] = fp_code(round_fp_element(buf[i] * to_grid, p), p, bias, ebits);
       }
-    }
-  });
-}
-
-// Element code -> value (reference: mx_codes_to_values), MXFP only; exact.
-inline float fp_value(uint8_t code, int32_t ebits, int32_t mbits, int32_t bias, int32_t emin) {
-  uint32_t c = code;
-  uint32_t sign = (c >> (ebits + mbits)) & 1u;
-  int32_t exp_field = static_cast<int32_t>((c >> mbits) & ((1u << ebits) - 1u));
-  int32_t mant = static_cast<int32_t>(c & ((1u << mbits) - 1u));
-  bool subnormal = exp_field == 0;
-  int32_t e = subnormal ? emin : exp_field - bias;
-  float sig = static_cast<float>(subnormal ? mant : mant + (1 << mbits));
-  float v = sig * exp2i(e - mbits);
-  return sign ? -v : v;
-}
-
-// Slice-and-Scale of one tensor (reference: mfqat/slice.py), codes (n_blocks * bs) + E8M0 scales.
-void slice_kernel(const uint8_t* codes, const uint8_t* scales, uint8_t* out_codes, uint8_t* out_scales,
-                  int64_t n_blocks, int64_t bs, bool is_int, int32_t shift, const MXParams& src,
-                  int32_t src_ebits, int32_t src_bias, const MXParams& dst, int32_t dst_ebits, int32_t dst_bias) {
-  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
-    float vals[256];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const uint8_t* c = codes + blk * bs;
-      uint8_t* o = out_codes + blk * bs;
-      const uint8_t scale = scales[blk];
-      if (is_int) {  // rounded right shift of the two's-complement codes, scale unchanged
-        const float inv = exp2i(-shift);
-        for (int64_t i = 0; i < bs; ++i) {
-          float q = round_half_even(static_cast<float>(static_cast<int8_t>(c[i])) * inv);
-          q = q < dst.code_min ? dst.code_min : (q > dst.code_max ? dst.code_max : q);
-          o[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
-        }
-        out_scales[blk] = scale;
-        continue;
-      }
-      if (scale == 255) {  // NaN block stays NaN
-        std::memset(o, 0, bs);
-        out_scales[blk] = scale;
-        continue;
-      }
-      const int32_t s_high = static_cast<int32_t>(scale) - 127;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < bs; ++i) {
-        vals[i] = fp_value(c[i], src_ebits, src.mbits, src_bias, src.emin);
-        float a = std::fabs(vals[i]);
-        amax = a > amax ? a : amax;
-      }
-      int32_t s_low = static_cast<int32_t>(float_bits(amax) >> 23) - 127 + s_high - dst.emax;
-      s_low = s_low < -127 ? -127 : (s_low > 127 ? 127 : s_low);
-      if (amax == 0.0f) s_low = -127;
-      int32_t k = s_high - s_low;
-      k = k < -149 ? -149 : (k > 127 ? 127 : k);
-      const float to_grid = exp2i(k);
-      for (int64_t i = 0; i < bs; ++i) o[i] = fp_code(round_fp_element(vals[i] * to_grid, dst), dst, dst_bias, dst_ebits);
-      out_scales[blk] = static_cast<uint8_t>(s_low + 127);
     }
   });
 }
@@ -259,34 +189,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_mx(const at::Tensor& x_in, int64_t b
   return {codes, scales};
 }
 
-std::tuple<at::Tensor, at::Tensor> slice_mx(const at::Tensor& codes_in, const at::Tensor& scales_in, int64_t block_size,
-                                            bool is_int, int64_t shift,
-                                            int64_t src_emax, int64_t src_emin, int64_t src_mbits, int64_t src_ebits,
-                                            int64_t src_bias,
-                                            int64_t dst_emax, int64_t dst_emin, int64_t dst_mbits, int64_t dst_ebits,
-                                            int64_t dst_bias, int64_t dst_code_min, int64_t dst_code_max,
-                                            double dst_max_normal) {
-  TORCH_CHECK(codes_in.device().is_cpu() && scales_in.device().is_cpu(), "mfqat slice_mx: CPU tensors expected");
-  TORCH_CHECK(codes_in.element_size() == 1 && scales_in.scalar_type() == at::kByte,
-              "mfqat slice_mx: int8/uint8 codes and uint8 E8M0 scales expected");
-  TORCH_CHECK(block_size > 0 && block_size <= 256 && codes_in.numel() % block_size == 0 &&
-                  codes_in.numel() / block_size == scales_in.numel(),
-              "mfqat slice_mx: codes (", codes_in.numel(), ") and scales (", scales_in.numel(),
-              ") do not match block_size ", block_size);
-  at::Tensor codes = codes_in.contiguous().view(at::kByte);
-  at::Tensor scales = scales_in.contiguous();
-  at::Tensor out_codes = at::empty_like(codes);
-  at::Tensor out_scales = at::empty_like(scales);
-  const MXParams src = make_params(false, src_emax, src_emin, src_mbits, 0, 0, 0, 0.0, false);
-  const MXParams dst = make_params(is_int, dst_emax, dst_emin, dst_mbits, 0, dst_code_min, dst_code_max,
-                                   dst_max_normal, false);
-  slice_kernel(codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<uint8_t>(), out_codes.data_ptr<uint8_t>(),
-               out_scales.data_ptr<uint8_t>(), codes.numel() / block_size, block_size, is_int,
-               static_cast<int32_t>(shift), src, static_cast<int32_t>(src_ebits), static_cast<int32_t>(src_bias), dst,
-               static_cast<int32_t>(dst_ebits), static_cast<int32_t>(dst_bias));
-  return {is_int ? out_codes.view(at::kChar) : out_codes, out_scales};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(mfqat, m) {
@@ -298,16 +200,12 @@ TORCH_LIBRARY(mfqat, m) {
         "bool need_mask) -> (Tensor, Tensor)");
   m.def("quantize_mx(Tensor x, int block_size, bool is_int, int emax, int emin, int mbits, int int_shift, "
         "int code_min, int code_max, float max_normal, bool ceil_rule, int bias, int ebits) -> (Tensor, Tensor)");
-  m.def("slice_mx(Tensor codes, Tensor scales, int block_size, bool is_int, int shift, int src_emax, int src_emin, "
-        "int src_mbits, int src_ebits, int src_bias, int dst_emax, int dst_emin, int dst_mbits, int dst_ebits, "
-        "int dst_bias, int dst_code_min, int dst_code_max, float dst_max_normal) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
   m.impl("fake_quant_mx", &fake_quant_mx);
   m.impl("fake_quant_mx_through", &fake_quant_mx_through);
   m.impl("quantize_mx", &quantize_mx);
-  m.impl("slice_mx", &slice_mx);
 }
 
 }  // namespace mfqat
