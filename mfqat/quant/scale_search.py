@@ -7,8 +7,8 @@ per block, the one whose dequantized block has the lowest error
 
     err(s) = sum_j w_j * (x_j - qdq_s(x)_j)^2,     w_j = importance of input column j (or 1),
 
-computed in float64 and summed in a fixed pairwise order (:func:`fixed_order_sum`), with ties (and all-zero or non-finite blocks) kept at floor; so the chosen
-block's error is never above floor's. With ``importance`` = the mean squared input activation per
+computed in float64 and summed in a fixed pairwise order (:func:`fixed_order_sum`), with ties (and
+all-zero or non-finite blocks) kept at floor; so the chosen block's error is never above floor's. With ``importance`` = the mean squared input activation per
 input channel (what ``--awq`` measures, mfqat.importance.importance_matrix) the error is the expected
 squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
 
@@ -16,8 +16,9 @@ squared error of the layer's output contribution under uncorrelated inputs: the 
 :func:`quantize_search`; training (MFQATLinear, where a QATConfig's ``scale_rules`` names ``search``
 for a format) uses :func:`search_exponents`, :func:`dequantize_with_exponents` and
 :func:`straight_through` on the anchor's values (docs/numerics.md, "Scale rules"). Those three
-entry points run MXINT on CPU through the C++ ops (``csrc/mx_search.cpp``, bit-exact with the
-oracle, tests/test_search_kernel.py); MXFP and other devices use the oracle.
+entry points run MXINT through a kernel bit-exact with the oracle (tests/test_search_kernel.py): the
+C++ ops (``csrc/mx_search.cpp``) on CPU, Triton (``kernels/triton_search.py``) on CUDA; MXFP uses
+the oracle.
 """
 from __future__ import annotations
 
