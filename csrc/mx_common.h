@@ -12,9 +12,51 @@
 #include <cstring>
 #include <type_traits>
 
+#include <cstdlib>
+
+#include <ATen/Parallel.h>
+
 namespace mfqat {
 
+// The element loops are built twice: for the baseline target (-march=x86-64-v2, SSE4.2) and for
+// AVX2, taken at run time where the CPU has it. Both builds do the same IEEE operations in the same
+// order (no -ffast-math, and -ffp-contract=off forms no fused multiply-add), so they give the same
+// bits; MFQAT_CPU_ISA=baseline forces the baseline build (the tests compare the two).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MFQAT_AVX2_TARGET __attribute__((target("avx2"), flatten))
+#else
+#define MFQAT_AVX2_TARGET
+#endif
 
+inline bool use_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  const char* isa = std::getenv("MFQAT_CPU_ISA");
+  return has_avx2 && !(isa && std::strcmp(isa, "baseline") == 0);
+#else
+  return false;
+#endif
+}
+
+template <auto Blocks, typename... Args>
+MFQAT_AVX2_TARGET void call_avx2(int64_t begin, int64_t end, Args... args) {
+  Blocks(begin, end, args...);
+}
+
+// Blocks(begin, end, args...) over the blocks [0, n_blocks), split over threads (at::parallel_for,
+// 256 blocks a task), in the AVX2 build where the CPU has it. Blocks takes everything by value, so
+// its stores cannot alias its parameters and the element loops vectorise.
+template <auto Blocks, typename... Args>
+void parallel_blocks(int64_t n_blocks, Args... args) {
+  const bool avx2 = use_avx2();
+  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
+    if (avx2) {
+      call_avx2<Blocks>(begin, end, args...);
+    } else {
+      Blocks(begin, end, args...);
+    }
+  });
+}
 
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 
@@ -86,6 +128,13 @@ inline c10::BFloat16 store<c10::BFloat16>(float v) {
   uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
   uint16_t out = static_cast<uint16_t>(v != v ? 0x7fc0u : rounded);
   return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
+
+// v as stored in T and loaded back (the identity for float32).
+template <typename T>
+inline float load_stored(float v) {
+  const T t = store<T>(v);
+  return load(&t, 0);
 }
 
 // floor(log2) of the input dtype's largest finite value (reference: dtype_max_exponent).

@@ -41,56 +41,74 @@ inline double block_error(const float* v, const double* w, int64_t bs, int32_t s
 }
 
 template <typename T>
-void search_kernel(const T* x, const double* weights, int32_t* s_out, bool* nonfinite_out, int64_t n_blocks,
-                   int64_t bs, int64_t blocks_per_row, const MXParams& p, const std::vector<int64_t>& offsets) {
+void search_blocks(int64_t begin, int64_t end, const T* x, const double* weights, int32_t* s_out, bool* nonfinite_out,
+                   int64_t bs, int64_t blocks_per_row, MXParams p, const int64_t* offsets, int64_t n_offsets) {
   const int32_t hi = std::min<int32_t>(127, max_exponent<T>() - p.emax);
-  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
-    float buf[256];
-    double acc[256];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const BlockScale sc = block_exponent(x + blk * bs, bs, p, buf);
-      nonfinite_out[blk] = sc.nonfinite;
-      int32_t best = sc.s;
-      if (!sc.nonfinite) {
-        const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
-        double best_err = block_error(buf, w, bs, best, p, acc);
-        for (int64_t d : offsets) {
-          int32_t s = sc.s + static_cast<int32_t>(d);
-          s = s < -127 ? -127 : (s > hi ? hi : s);
-          const double err = block_error(buf, w, bs, s, p, acc);
-          if (err < best_err) {
-            best = s;
-            best_err = err;
-          }
+  float buf[256];
+  double acc[256];
+  for (int64_t blk = begin; blk < end; ++blk) {
+    const BlockScale sc = block_exponent(x + blk * bs, bs, p, buf);
+    nonfinite_out[blk] = sc.nonfinite;
+    int32_t best = sc.s;
+    if (!sc.nonfinite) {
+      const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
+      double best_err = block_error(buf, w, bs, best, p, acc);
+      for (int64_t j = 0; j < n_offsets; ++j) {
+        int32_t s = sc.s + static_cast<int32_t>(offsets[j]);
+        s = s < -127 ? -127 : (s > hi ? hi : s);
+        const double err = block_error(buf, w, bs, s, p, acc);
+        if (err < best_err) {
+          best = s;
+          best_err = err;
         }
       }
-      s_out[blk] = best;
     }
-  });
+    s_out[blk] = best;
+  }
 }
 
-template <typename T>
-void decode_kernel(const T* x, const int32_t* s_in, const bool* nonfinite, T* out, int64_t n_blocks, int64_t bs,
-                   const MXParams& p, int32_t int_shift) {
+// One block's MXINT code for exponent s, decoded (reference: _mxint_values): v is x (or its anchor value).
+inline float decode_value(float v, float to_grid, float scale, const MXParams& p) {
+  float c = round_half_even(v * to_grid * p.step);  // two multiplications, as the reference (2^127 * 2^k overflows)
+  c = c < p.code_min ? p.code_min : c;
+  c = c > p.code_max ? p.code_max : c;
+  return (c + 0.0f) * scale;
+}
+
+// Through = true: x is first quantize-dequantized in the anchor format `a` (the searched formats are
+// searched on the anchor's values), as fake_quant_mx then decode_mx_exponents would, in one pass. The
+// anchor's value is rounded to T as the two-pass composition stores it (it is exact in T, see
+// mx_cpu.cpp's through_blocks; the rounding only makes that independent of the argument).
+template <typename T, bool Through>
+void decode_blocks(int64_t begin, int64_t end, const T* __restrict__ x, const int32_t* s_in, const bool* nonfinite,
+                   T* __restrict__ out,
+                   int64_t bs, MXParams p, int32_t int_shift, MXParams a) {
   const float nan = std::nanf("");
-  at::parallel_for(0, n_blocks, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const T* in = x + blk * bs;
-      T* o = out + blk * bs;
-      if (nonfinite[blk]) {
-        for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
-        continue;
-      }
-      const float to_grid = exp2i(-s_in[blk]);  // two multiplications, as the reference (2^127 * 2^k overflows)
-      const float scale = exp2i(s_in[blk] - int_shift);
-      for (int64_t i = 0; i < bs; ++i) {
-        float c = round_half_even(load(in, i) * to_grid * p.step);
-        c = c < p.code_min ? p.code_min : c;
-        c = c > p.code_max ? p.code_max : c;
-        o[i] = store<T>((c + 0.0f) * scale);
-      }
+  float mid[256];
+  for (int64_t blk = begin; blk < end; ++blk) {
+    const T* in = x + blk * bs;
+    T* o = out + blk * bs;
+    if (nonfinite[blk]) {
+      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
+      continue;
     }
-  });
+    const float to_grid = exp2i(-s_in[blk]);
+    const float scale = exp2i(s_in[blk] - int_shift);
+    if constexpr (Through) {
+      const BlockScale sa = block_exponent(in, bs, a, mid);
+      const float a_to = exp2i(-sa.s), a_from = exp2i(sa.s);
+      if (sa.nonfinite) {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = nan;
+      } else if (a.is_int) {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_int_element(mid[i] * a_to, a) * a_from);
+      } else {
+        for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_fp_element(mid[i] * a_to, a) * a_from);
+      }
+      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(mid[i], to_grid, scale, p));
+    } else {
+      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(load(in, i), to_grid, scale, p));
+    }
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size,
@@ -112,31 +130,55 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
   const std::vector<int64_t> offs(offsets.begin(), offsets.end());
   const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx", [&] {
-    search_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), w, s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(),
-                            x.numel() / block_size, block_size, k / block_size, p, offs);
+    parallel_blocks<search_blocks<scalar_t>>(x.numel() / block_size, x.const_data_ptr<scalar_t>(), w,
+                                             s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(), block_size,
+                                             k / block_size, p, offs.data(), static_cast<int64_t>(offs.size()));
   });
   return {s, nonfinite};
 }
 
-at::Tensor decode_mx_exponents(const at::Tensor& x_in, const at::Tensor& s_in, const at::Tensor& nonfinite_in,
-                               int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max) {
-  check_input(x_in, block_size);
-  TORCH_CHECK(s_in.device().is_cpu() && nonfinite_in.device().is_cpu(),
+void check_exponents(const at::Tensor& s, const at::Tensor& nonfinite, int64_t n_blocks) {
+  TORCH_CHECK(s.device().is_cpu() && nonfinite.device().is_cpu(),
               "mfqat decode_mx_exponents: exponents and mask must be CPU tensors");
-  const int64_t n_blocks = x_in.numel() / block_size;
-  TORCH_CHECK(s_in.scalar_type() == at::kInt && s_in.numel() == n_blocks && nonfinite_in.scalar_type() == at::kBool &&
-                  nonfinite_in.numel() == n_blocks,
+  TORCH_CHECK(s.scalar_type() == at::kInt && s.numel() == n_blocks && nonfinite.scalar_type() == at::kBool &&
+                  nonfinite.numel() == n_blocks,
               "mfqat decode_mx_exponents: expected int32 exponents and a bool mask with ", n_blocks, " entries");
+}
+
+template <bool Through>
+at::Tensor decode_exponents(const at::Tensor& x_in, const at::Tensor& s_in, const at::Tensor& nonfinite_in,
+                            int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max, const MXParams& a) {
+  check_input(x_in, block_size);
+  const int64_t n_blocks = x_in.numel() / block_size;
+  check_exponents(s_in, nonfinite_in, n_blocks);
   at::Tensor x = x_in.contiguous();
   at::Tensor s = s_in.contiguous();
   at::Tensor nonfinite = nonfinite_in.contiguous();
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const MXParams p = make_params(true, 0, 0, 0, int_shift, code_min, code_max, 0.0, false);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_decode_mx_exponents", [&] {
-    decode_kernel<scalar_t>(x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(), nonfinite.const_data_ptr<bool>(),
-                            out.data_ptr<scalar_t>(), n_blocks, block_size, p, static_cast<int32_t>(int_shift));
+    parallel_blocks<decode_blocks<scalar_t, Through>>(n_blocks, x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(),
+                                                      nonfinite.const_data_ptr<bool>(), out.data_ptr<scalar_t>(),
+                                                      block_size, p, static_cast<int32_t>(int_shift), a);
   });
   return out;
+}
+
+at::Tensor decode_mx_exponents(const at::Tensor& x, const at::Tensor& s, const at::Tensor& nonfinite,
+                               int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max) {
+  const MXParams unused = make_params(true, 0, 0, 0, 0, 0, 0, 0.0, false);
+  return decode_exponents<false>(x, s, nonfinite, block_size, int_shift, code_min, code_max, unused);
+}
+
+// decode_mx_exponents(fake_quant_mx(x, <anchor>), s, nonfinite, ...) bit for bit, in one pass.
+at::Tensor decode_mx_exponents_through(const at::Tensor& x, const at::Tensor& s, const at::Tensor& nonfinite,
+                                       int64_t block_size, bool a_is_int, int64_t a_emax, int64_t a_emin,
+                                       int64_t a_mbits, int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max,
+                                       double a_max_normal, bool a_ceil_rule, int64_t int_shift, int64_t code_min,
+                                       int64_t code_max) {
+  const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
+                                 a_ceil_rule);
+  return decode_exponents<true>(x, s, nonfinite, block_size, int_shift, code_min, code_max, a);
 }
 
 }  // namespace
@@ -146,11 +188,15 @@ TORCH_LIBRARY_FRAGMENT(mfqat, m) {
         "float max_normal, int[] offsets) -> (Tensor, Tensor)");
   m.def("decode_mx_exponents(Tensor x, Tensor s, Tensor nonfinite, int block_size, int int_shift, int code_min, "
         "int code_max) -> Tensor");
+  m.def("decode_mx_exponents_through(Tensor x, Tensor s, Tensor nonfinite, int block_size, bool a_is_int, int a_emax, "
+        "int a_emin, int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, "
+        "bool a_ceil_rule, int int_shift, int code_min, int code_max) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
   m.impl("search_mx", &search_mx);
   m.impl("decode_mx_exponents", &decode_mx_exponents);
+  m.impl("decode_mx_exponents_through", &decode_mx_exponents_through);
 }
 
 }  // namespace mfqat

@@ -165,3 +165,47 @@ def test_search_kernel_takes_non_contiguous_input(path):
     x = torch.randn(96, 64).t()  # (64, 96), not contiguous
     assert not x.is_contiguous()
     assert_same(x, "mxint4", 32, torch.rand(96), "transposed view", path)
+
+
+def reference_through(x: torch.Tensor, anchor: str, name: str, bs: int, exps) -> torch.Tensor:
+    """The oracle composition: the anchor's reference quantize-dequantize, then the MXINT decode."""
+    from mfqat.quant.reference import fake_quantize_reference
+
+    base, _ = fake_quantize_reference(x, get_format(anchor), bs, "floor")
+    f = get_format(name)
+    return scale_search._mxint_values(to_blocks(base, bs), f, *exps).reshape(x.shape).to(x.dtype)
+
+
+@needs_cpp
+@pytest.mark.parametrize("anchor", ["mxint8", "mxfp8_e4m3"])
+@pytest.mark.parametrize("name", ["mxint6", "mxint4", "mxint3", "mxint2"])
+def test_fused_anchor_decode_matches_the_composition(anchor, name):
+    """decode_mx_exponents_through = the anchor's quantize-dequantize then the decode, bit for bit, for
+    the searched exponents and for exponents one off either way (saturating and coarse blocks)."""
+    a, f = get_format(anchor), get_format(name)
+    for dtype in DTYPES:
+        x = adversarial(seed=11).to(dtype)
+        x[0, :32] = torch.linspace(-1.0, 1.0, 32) * 1.999  # the anchor's largest codes
+        base, _ = cpp.fake_quantize_cpp(x, a, 32)
+        s, nonfinite = cpp.search_cpp(base, f, 32, torch.rand(x.shape[-1], dtype=torch.float64), (-1, 1))
+        for d in (0, -1, 1):
+            exps = ((s + d).clamp(-127, 127).to(torch.int32), nonfinite)
+            what = f"{anchor}->{name} {dtype} exponents{d:+d}"
+            fused = cpp.decode_exponents_through_cpp(x, a, "floor", f, 32, *exps)
+            assert_bits_equal(fused, cpp.decode_exponents_cpp(base, f, 32, *exps), what)
+            assert_bits_equal(fused, reference_through(x, anchor, name, 32, exps), what + " (oracle)")
+
+
+@needs_cpp
+def test_searched_weight_uses_the_fused_op_with_the_same_bits(monkeypatch):
+    """The public entry point gives the same bits fused (C++) and composed (reference backend)."""
+    x = torch.randn(8, 256) * torch.logspace(-3, 2, 256)
+    exps = scale_search.search_exponents(cpp.fake_quantize_cpp(x, get_format("mxint8"), 32)[0], "mxint4", 32, None)
+    fused = scale_search.dequantize_through_with_exponents(x, "mxint8", "floor", "mxint4", 32, exps)
+    monkeypatch.setenv("MFQAT_BACKEND", "reference")
+    assert_bits_equal(fused, scale_search.dequantize_through_with_exponents(x, "mxint8", "floor", "mxint4", 32, exps),
+                      "entry point")
+    f, a = get_format("mxint4"), get_format("mxint8")
+    torch.library.opcheck(torch.ops.mfqat.decode_mx_exponents_through.default,
+                          (x, *exps, 32, *cpp._format_args(a, "floor"), f.int_shift, f.code_min, f.code_max),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -17,7 +17,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import SEARCH_RULE, rule_of
-from ..quant.scale_search import dequantize_with_exponents, search_exponents, straight_through
+from ..quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
+                                  straight_through)
 
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
@@ -154,12 +155,13 @@ class MFQATMixin:
             self._search_cache = {}
         cached = self._search_cache.get(fmt)  # one entry per format: an int32 and a bool per block
         with torch.no_grad():
+            if cached is not None and cached[0] == key:  # the anchor's rounding and the decode in one pass
+                y = dequantize_with_exponents(w, fmt, self.block_size, cached[1]) if anchor is None else \
+                    dequantize_through_with_exponents(w, anchor, anchor_rule, fmt, self.block_size, cached[1])
+                return straight_through(w, y)
             base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
-            if cached is not None and cached[0] == key:
-                exps = cached[1]
-            else:
-                exps = search_exponents(base, fmt, self.block_size, self._folded_importance())
-                self._search_cache[fmt] = (key, exps)
+            exps = search_exponents(base, fmt, self.block_size, self._folded_importance())
+            self._search_cache[fmt] = (key, exps)
             y = dequantize_with_exponents(base, fmt, self.block_size, exps)
         return straight_through(w, y)
 

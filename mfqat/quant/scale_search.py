@@ -27,7 +27,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..formats import ElementFormat, FormatLike, get_format
-from .kernels import decode_exponents_dispatch, search_dispatch
+from .api import fake_quantize
+from .kernels import decode_exponents_dispatch, decode_exponents_through_dispatch, search_dispatch
 from .mxtensor import MXTensor
 from .reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_elements, mx_shared_exponent,
                         to_blocks)
@@ -160,6 +161,18 @@ def dequantize_with_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
         return _mxint_values(blocks, f, *exponents).reshape(x.shape).to(x.dtype)
     codes, scales = mx_encode_blocks(blocks, f, *exponents)
     return MXTensor(codes.reshape(x.shape), scales, f, block_size, x.dtype, None, "search").dequantize(x.dtype)
+
+
+def dequantize_through_with_exponents(x: torch.Tensor, anchor: FormatLike, anchor_rule: str, fmt: FormatLike,
+                                      block_size: int, exponents: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``dequantize_with_exponents(fake_quantize(x, anchor, block_size, anchor_rule), fmt, block_size,
+    exponents)`` bit for bit: the weight a searched format trains on (the search runs on the anchor's
+    values). One pass over ``x`` with the C++ op, else the two steps."""
+    a, f = get_format(anchor), get_format(fmt)
+    fast = decode_exponents_through_dispatch(x.detach(), a, anchor_rule, f, block_size, exponents)
+    if fast is not None:
+        return fast
+    return dequantize_with_exponents(fake_quantize(x.detach(), a, block_size, anchor_rule), f, block_size, exponents)
 
 
 def _mxint_values(blocks: torch.Tensor, f: ElementFormat, s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:

@@ -163,6 +163,16 @@ def decode_exponents_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: i
     return None
 
 
+def decode_exponents_through_dispatch(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str, fmt: ElementFormat,
+                                      block_size: int, exponents: Tuple[torch.Tensor, torch.Tensor]
+                                      ) -> Optional[torch.Tensor]:
+    """:func:`decode_exponents_dispatch` of ``x`` quantize-dequantized in ``anchor`` first, fused in one
+    pass by the C++ op; None where no fused kernel applies (the caller composes the two steps)."""
+    if anchor.is_mx and _search_backend(x, fmt, block_size, (-1, 1)) == "cpp" and cpp.SEARCH_THROUGH_AVAILABLE:
+        return cpp.decode_exponents_through_cpp(x, anchor, anchor_rule, fmt, block_size, *exponents)
+    return None
+
+
 def _search_backend(x: torch.Tensor, fmt: ElementFormat, block_size: int, offsets: Tuple[int, ...]) -> Optional[str]:
     """cpp for CPU tensors, triton for CUDA ones (or CPU ones under the interpreter when forced), else None."""
     name = requested_backend()

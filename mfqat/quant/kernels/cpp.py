@@ -2,8 +2,8 @@
 
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
-``slice_mx`` (mx_cpu.cpp), ``search_mx`` and ``decode_mx_exponents`` (the MXINT scale search,
-mx_search.cpp); fake (meta)
+``slice_mx`` (mx_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and ``decode_mx_exponents_through`` (the MXINT scale
+search, mx_search.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
 never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
 """
@@ -18,6 +18,7 @@ from ...formats import ElementFormat
 AVAILABLE = False
 THROUGH_AVAILABLE = False
 SEARCH_AVAILABLE = False
+SEARCH_THROUGH_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
     from ... import _C  # noqa: F401  (loading it registers the ops)
@@ -25,6 +26,7 @@ try:  # the extension is optional: a missing compiler at install time leaves the
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
     THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build
     SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx")
+    SEARCH_THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "decode_mx_exponents_through")
 except Exception as exc:  # pragma: no cover - depends on the build
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -69,6 +71,11 @@ if SEARCH_AVAILABLE:
 
     @torch.library.register_fake("mfqat::decode_mx_exponents")
     def _decode_mx_exponents_meta(x, s, nonfinite, block_size, *rest):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+if SEARCH_THROUGH_AVAILABLE:
+    @torch.library.register_fake("mfqat::decode_mx_exponents_through")
+    def _decode_mx_exponents_through_meta(x, s, nonfinite, block_size, *rest):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -118,3 +125,10 @@ def decode_exponents_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
     """``x`` quantized to MXINT ``fmt`` with the given exponents and dequantized, in x's dtype."""
     return torch.ops.mfqat.decode_mx_exponents(x, s, nonfinite, block_size, fmt.int_shift, fmt.code_min,
                                                fmt.code_max)
+
+
+def decode_exponents_through_cpp(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str, fmt: ElementFormat,
+                                 block_size: int, s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_exponents_cpp` of ``x`` quantize-dequantized in ``anchor`` first, in one pass."""
+    return torch.ops.mfqat.decode_mx_exponents_through(x, s, nonfinite, block_size, *_format_args(anchor, anchor_rule),
+                                                       fmt.int_shift, fmt.code_min, fmt.code_max)
