@@ -26,7 +26,7 @@ FORMATS = ["mxint8", "mxint6", "mxint4"]
 SEARCH = {"mxint6": "search", "mxint4": "search"}
 
 
-def _ddp_worker(rank: int, port: int, out: str) -> None:
+def _ddp_worker(rank: int, port: int, out: str, sync: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -39,14 +39,22 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     wrapped = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(7 + rank)  # each rank its own data
-    for _ in range(3):
-        batch = torch.randint(0, 320, (2, 32), generator=g)
-        joint_backward(wrapped, model, {"input_ids": batch, "labels": batch}, FORMATS, lambda f: 1.0,
-                       lambda loss: loss.backward())
-        mfqat.sync_importance(model)
-        opt.step()
-        opt.zero_grad()
-    report = {}
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            batch = torch.randint(0, 320, (2, 32), generator=g)
+            joint_backward(wrapped, model, {"input_ids": batch, "labels": batch}, FORMATS, lambda f: 1.0,
+                           lambda loss: loss.backward())
+            if sync:
+                mfqat.sync_importance(model)
+            opt.step()
+            opt.zero_grad()
+    report = {"warned": any("sync_importance" in str(w.message) for w in caught)}
+    if not sync:
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
+        return dist.destroy_process_group()
     for name, lin in qat_modules(model):
         report[name] = {"tokens": lin.importance_tokens, "importance": lin.importance().tolist(),
                         "mxint4": lin.quantized_weight("mxint4").sum().item()}
@@ -57,12 +65,20 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
 def test_ddp_ranks_search_with_the_same_summed_importance(tmp_path):
     mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0.pop("warned") is False and r1.pop("warned") is False
     assert r0.keys() == r1.keys() and len(r0) > 0
     for name in r0:
         # 3 steps x 2 ranks x 64 tokens, all folded (the last sync ran before the last step)
         assert r0[name]["tokens"] == r1[name]["tokens"] == 3 * 2 * 64, name
         assert r0[name]["importance"] == r1[name]["importance"], name
         assert r0[name]["mxint4"] == r1[name]["mxint4"], name
+
+
+def test_ddp_without_sync_warns_that_the_importance_is_stale(tmp_path):
+    """An own DDP loop that never calls sync_importance is told so (from the second step on)."""
+    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path), False), nprocs=2, join=True)
+    for r in (0, 1):
+        assert json.loads((tmp_path / f"rank{r}.json").read_text())["warned"] is True, f"rank {r}"
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ class MFQATMixin:
     importance_tokens: int = 0  # how many input rows importance_sum holds
     pending_sum: Optional[torch.Tensor] = None  # recorded by this process since the last fold
     pending_tokens: int = 0
+    _pending_since: int = 0  # the optimizer step count at the first pending record
     _searched_key: Optional[tuple] = None  # weight_key of the weight at the last search
     _search_cache: Optional[dict] = None  # {format: (key, exponents)} of the last search, reused by backward
 
@@ -126,6 +127,8 @@ class MFQATMixin:
                 warnings.warn("MF-QAT: a training forward's input has non-finite values; it is left out of "
                               "the search rule's importance statistic")
                 return
+            if self.pending_sum is None:
+                self._pending_since = _OPTIMIZER_STEPS[0]
             self.pending_sum = sq if self.pending_sum is None else self.pending_sum.to(sq.device) + sq
             self.pending_tokens += rows.shape[0]
 
@@ -149,6 +152,10 @@ class MFQATMixin:
         wkey = weight_key(w)
         if self.pending_tokens and not several_processes() and (not self.training or self._searched_key != wkey):
             self.fold_importance()
+        elif self.pending_tokens and self._pending_since < _OPTIMIZER_STEPS[0] and several_processes():
+            warnings.warn("MF-QAT: inputs recorded before the last optimizer step were never synced, so the search "
+                          "rule still uses the importance of earlier steps; call mfqat.sync_importance(model) "
+                          "before each optimizer.step() under torch.distributed (mfqat train and MFQATCallback do)")
         self._searched_key = wkey
         key = (wkey, w.dtype, w.device, tuple(w.shape), self.importance_tokens)
         if self._search_cache is None:
