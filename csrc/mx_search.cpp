@@ -10,6 +10,8 @@
 // keep floor and are flagged.
 // decode_mx_exponents: MXINT values for given exponents (reference: _mxint_values): the code
 // clamp(round_half_even(x * 2^-s * 2^k)) with -0 made +0, times 2^(s - k); NaN for flagged blocks.
+// search_mx_through / decode_mx_exponents_through: the same on the anchor's quantize-dequantize of x
+// (train-through-anchor), computed per block in registers: one pass over x instead of two or three.
 #include "mx_common.h"
 
 #include <ATen/Parallel.h>
@@ -40,6 +42,23 @@ inline double block_error(const float* v, const double* w, int64_t bs, int32_t s
   return acc[0];
 }
 
+// The exponent one finite float32 block v takes: floor (sc.s) unless a candidate has a lower error.
+inline int32_t best_exponent(const float* v, const double* w, int64_t bs, int32_t floor_s, int32_t hi,
+                             const MXParams& p, const int64_t* offsets, int64_t n_offsets, double* acc) {
+  int32_t best = floor_s;
+  double best_err = block_error(v, w, bs, best, p, acc);
+  for (int64_t j = 0; j < n_offsets; ++j) {
+    int32_t s = floor_s + static_cast<int32_t>(offsets[j]);
+    s = s < -127 ? -127 : (s > hi ? hi : s);
+    const double err = block_error(v, w, bs, s, p, acc);
+    if (err < best_err) {
+      best = s;
+      best_err = err;
+    }
+  }
+  return best;
+}
+
 template <typename T>
 void search_blocks(int64_t begin, int64_t end, const T* x, const double* weights, int32_t* s_out, bool* nonfinite_out,
                    int64_t bs, int64_t blocks_per_row, MXParams p, const int64_t* offsets, int64_t n_offsets) {
@@ -49,21 +68,8 @@ void search_blocks(int64_t begin, int64_t end, const T* x, const double* weights
   for (int64_t blk = begin; blk < end; ++blk) {
     const BlockScale sc = block_exponent(x + blk * bs, bs, p, buf);
     nonfinite_out[blk] = sc.nonfinite;
-    int32_t best = sc.s;
-    if (!sc.nonfinite) {
-      const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
-      double best_err = block_error(buf, w, bs, best, p, acc);
-      for (int64_t j = 0; j < n_offsets; ++j) {
-        int32_t s = sc.s + static_cast<int32_t>(offsets[j]);
-        s = s < -127 ? -127 : (s > hi ? hi : s);
-        const double err = block_error(buf, w, bs, s, p, acc);
-        if (err < best_err) {
-          best = s;
-          best_err = err;
-        }
-      }
-    }
-    s_out[blk] = best;
+    const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
+    s_out[blk] = sc.nonfinite ? sc.s : best_exponent(buf, w, bs, sc.s, hi, p, offsets, n_offsets, acc);
   }
 }
 
@@ -73,6 +79,22 @@ inline float decode_value(float v, float to_grid, float scale, const MXParams& p
   c = c < p.code_min ? p.code_min : c;
   c = c > p.code_max ? p.code_max : c;
   return (c + 0.0f) * scale;
+}
+
+// One block of x quantize-dequantized in the anchor format `a`, as fake_quant_mx stores it in T (exact
+// in T, see mx_cpu.cpp's through_blocks; rounding to T only makes that independent of the argument);
+// NaN for a non-finite block.
+template <typename T>
+inline void anchor_block(const T* in, int64_t bs, const MXParams& a, float* mid) {
+  const BlockScale sa = block_exponent(in, bs, a, mid);
+  const float a_to = exp2i(-sa.s), a_from = exp2i(sa.s);
+  if (sa.nonfinite) {
+    for (int64_t i = 0; i < bs; ++i) mid[i] = std::nanf("");
+  } else if (a.is_int) {
+    for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_int_element(mid[i] * a_to, a) * a_from);
+  } else {
+    for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_fp_element(mid[i] * a_to, a) * a_from);
+  }
 }
 
 // Through = true: x is first quantize-dequantized in the anchor format `a` (the searched formats are
@@ -95,15 +117,7 @@ void decode_blocks(int64_t begin, int64_t end, const T* __restrict__ x, const in
     const float to_grid = exp2i(-s_in[blk]);
     const float scale = exp2i(s_in[blk] - int_shift);
     if constexpr (Through) {
-      const BlockScale sa = block_exponent(in, bs, a, mid);
-      const float a_to = exp2i(-sa.s), a_from = exp2i(sa.s);
-      if (sa.nonfinite) {
-        for (int64_t i = 0; i < bs; ++i) mid[i] = nan;
-      } else if (a.is_int) {
-        for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_int_element(mid[i] * a_to, a) * a_from);
-      } else {
-        for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_fp_element(mid[i] * a_to, a) * a_from);
-      }
+      anchor_block(in, bs, a, mid);
       for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(mid[i], to_grid, scale, p));
     } else {
       for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(load(in, i), to_grid, scale, p));
@@ -111,15 +125,52 @@ void decode_blocks(int64_t begin, int64_t end, const T* __restrict__ x, const in
   }
 }
 
+// search_mx of the anchor's values (fake_quant_mx(x, <anchor>)) and their decode with the exponents
+// found (decode_mx_exponents), in one pass over x: a searched format's weight at the step's search.
+template <typename T>
+void search_through_blocks(int64_t begin, int64_t end, const T* x, const double* weights, int32_t* s_out,
+                           bool* nonfinite_out, T* values, int64_t bs, int64_t blocks_per_row, MXParams p,
+                           MXParams a, int32_t int_shift, const int64_t* offsets, int64_t n_offsets) {
+  const int32_t hi = std::min<int32_t>(127, max_exponent<T>() - p.emax);
+  const float nan = std::nanf("");
+  float mid[256];
+  double acc[256];
+  for (int64_t blk = begin; blk < end; ++blk) {
+    anchor_block(x + blk * bs, bs, a, mid);
+    uint32_t max_bits = 0;
+    for (int64_t i = 0; i < bs; ++i) {
+      const uint32_t b = float_bits(mid[i]) & 0x7fffffffu;
+      max_bits = b > max_bits ? b : max_bits;
+    }
+    const BlockScale sc = exponent_from_max_bits(max_bits, p, max_exponent<T>());
+    nonfinite_out[blk] = sc.nonfinite;
+    T* o = values + blk * bs;
+    if (sc.nonfinite) {
+      s_out[blk] = sc.s;
+      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
+      continue;
+    }
+    const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
+    const int32_t best = best_exponent(mid, w, bs, sc.s, hi, p, offsets, n_offsets, acc);
+    s_out[blk] = best;
+    const float to_grid = exp2i(-best), scale = exp2i(best - int_shift);
+    for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(mid[i], to_grid, scale, p));
+  }
+}
+
+void check_weights(const at::Tensor& weights, int64_t k) {
+  TORCH_CHECK(weights.device().is_cpu(), "mfqat search_mx: weights must be a CPU tensor, got ", weights.device());
+  TORCH_CHECK(weights.numel() == 0 || (weights.scalar_type() == at::kDouble && weights.numel() == k),
+              "mfqat search_mx: weights must be empty or float64 with ", k, " entries (one per input column), got ",
+              weights.numel(), " of ", weights.scalar_type());
+}
+
 std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size,
                                              int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max,
                                              double max_normal, at::IntArrayRef offsets) {
   check_input(x_in, block_size);
-  TORCH_CHECK(weights_in.device().is_cpu(), "mfqat search_mx: weights must be a CPU tensor, got ", weights_in.device());
   const int64_t k = x_in.size(-1);
-  TORCH_CHECK(weights_in.numel() == 0 || (weights_in.scalar_type() == at::kDouble && weights_in.numel() == k),
-              "mfqat search_mx: weights must be empty or float64 with ", k, " entries (one per input column), got ",
-              weights_in.numel(), " of ", weights_in.scalar_type());
+  check_weights(weights_in, k);
   at::Tensor x = x_in.contiguous();
   at::Tensor weights = weights_in.contiguous();
   auto shape = x.sizes().vec();
@@ -181,6 +232,35 @@ at::Tensor decode_mx_exponents_through(const at::Tensor& x, const at::Tensor& s,
   return decode_exponents<true>(x, s, nonfinite, block_size, int_shift, code_min, code_max, a);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
+    const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size, bool a_is_int, int64_t a_emax,
+    int64_t a_emin, int64_t a_mbits, int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max, double a_max_normal,
+    bool a_ceil_rule, int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max, double max_normal,
+    at::IntArrayRef offsets) {
+  check_input(x_in, block_size);
+  const int64_t k = x_in.size(-1);
+  check_weights(weights_in, k);
+  at::Tensor x = x_in.contiguous();
+  at::Tensor weights = weights_in.contiguous();
+  auto shape = x.sizes().vec();
+  shape.back() /= block_size;
+  at::Tensor s = at::empty(shape, x.options().dtype(at::kInt));
+  at::Tensor nonfinite = at::empty(shape, x.options().dtype(at::kBool));
+  at::Tensor values = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
+                                 a_ceil_rule);
+  const MXParams p = make_params(true, emax, 0, 0, int_shift, code_min, code_max, max_normal, false);
+  const std::vector<int64_t> offs(offsets.begin(), offsets.end());
+  const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx_through", [&] {
+    parallel_blocks<search_through_blocks<scalar_t>>(
+        x.numel() / block_size, x.const_data_ptr<scalar_t>(), w, s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(),
+        values.data_ptr<scalar_t>(), block_size, k / block_size, p, a, static_cast<int32_t>(int_shift), offs.data(),
+        static_cast<int64_t>(offs.size()));
+  });
+  return {s, nonfinite, values};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mfqat, m) {
@@ -191,12 +271,16 @@ TORCH_LIBRARY_FRAGMENT(mfqat, m) {
   m.def("decode_mx_exponents_through(Tensor x, Tensor s, Tensor nonfinite, int block_size, bool a_is_int, int a_emax, "
         "int a_emin, int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, "
         "bool a_ceil_rule, int int_shift, int code_min, int code_max) -> Tensor");
+  m.def("search_mx_through(Tensor x, Tensor weights, int block_size, bool a_is_int, int a_emax, int a_emin, "
+        "int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, bool a_ceil_rule, int emax, "
+        "int int_shift, int code_min, int code_max, float max_normal, int[] offsets) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
   m.impl("search_mx", &search_mx);
   m.impl("decode_mx_exponents", &decode_mx_exponents);
   m.impl("decode_mx_exponents_through", &decode_mx_exponents_through);
+  m.impl("search_mx_through", &search_mx_through);
 }
 
 }  // namespace mfqat

@@ -85,3 +85,6 @@ def test_search_and_decode_same_bits_in_both_builds(monkeypatch, name):
         _, t1, t2 = both_builds(monkeypatch,
                                 lambda: cpp.decode_exponents_through_cpp(x, anchor, "floor", f, 32, s1, n1))
         assert_bits_equal(t1, t2, f"{name} decode through the anchor")
+        _, r1, r2 = both_builds(monkeypatch, lambda: cpp.search_through_cpp(x, anchor, "floor", f, 32, w, (-1, 1)))
+        assert torch.equal(r1[0], r2[0]) and torch.equal(r1[1], r2[1]), f"{name} search through the anchor"
+        assert_bits_equal(r1[2], r2[2], f"{name} search through the anchor, values")

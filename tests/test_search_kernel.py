@@ -209,3 +209,38 @@ def test_searched_weight_uses_the_fused_op_with_the_same_bits(monkeypatch):
     torch.library.opcheck(torch.ops.mfqat.decode_mx_exponents_through.default,
                           (x, *exps, 32, *cpp._format_args(a, "floor"), f.int_shift, f.code_min, f.code_max),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_cpp
+@pytest.mark.parametrize("anchor", ["mxint8", "mxfp8_e4m3"])
+@pytest.mark.parametrize("name", ["mxint6", "mxint4", "mxint3"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fused_anchor_search_matches_the_composition(anchor, name, weighted):
+    """search_mx_through = the anchor's quantize-dequantize, the search and the decode, bit for bit."""
+    a, f = get_format(anchor), get_format(name)
+    for dtype in DTYPES:
+        x = adversarial(seed=13).to(dtype)
+        x[0, :32] = torch.linspace(-1.0, 1.0, 32) * 1.999
+        w = torch.rand(x.shape[-1], dtype=torch.float64) if weighted else None
+        s, nonfinite, values = cpp.search_through_cpp(x, a, "floor", f, 32, w, (-1, 1))
+        base, _ = cpp.fake_quantize_cpp(x, a, 32)
+        s_ref, nf_ref, v_ref = oracle(base, name, 32, None if w is None else w.float())
+        what = f"{anchor}->{name} {dtype} weighted={weighted}"
+        assert torch.equal(nonfinite, nf_ref), what
+        assert torch.equal(s, s_ref), what
+        assert_bits_equal(values, v_ref, what)
+
+
+@needs_cpp
+def test_searched_format_search_entry_point_is_the_same_fused_or_not(monkeypatch):
+    x = torch.randn(16, 256) * torch.logspace(-3, 2, 256)
+    imp = torch.rand(256)
+    (s1, n1), v1 = scale_search.search_through_anchor(x, "mxint8", "floor", "mxint4", 32, imp)
+    monkeypatch.setenv("MFQAT_BACKEND", "reference")
+    (s2, n2), v2 = scale_search.search_through_anchor(x, "mxint8", "floor", "mxint4", 32, imp)
+    assert torch.equal(s1, s2) and torch.equal(n1, n2)
+    assert_bits_equal(v1, v2, "search_through_anchor")
+    f, a = get_format("mxint4"), get_format("mxint8")
+    torch.library.opcheck(torch.ops.mfqat.search_mx_through.default,
+                          (x, imp.double(), 32, *cpp._format_args(a, "floor"), f.emax, f.int_shift, f.code_min,
+                           f.code_max, float(f.max_normal), [-1, 1]), test_utils=("test_schema", "test_faketensor"))

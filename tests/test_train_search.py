@@ -264,8 +264,8 @@ def test_each_format_keeps_its_exponents_and_non_finite_inputs_are_left_out(monk
     m.train()
     _, lin = next(qat_modules(m))
     calls = []
-    real = modules.search_exponents
-    monkeypatch.setattr(modules, "search_exponents", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = modules.search_through_anchor  # (w, anchor, anchor_rule, fmt, ...): the search through the anchor
+    monkeypatch.setattr(modules, "search_through_anchor", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     for _ in range(2):  # two micro-batches of one step: mxint6 and mxint4 are searched once each
         for fmt in ("mxint6", "mxint4"):
             lin.quantized_weight(fmt)

@@ -18,7 +18,7 @@ from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import SEARCH_RULE, rule_of
 from ..quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
-                                  straight_through)
+                                  search_through_anchor, straight_through)
 
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
@@ -166,10 +166,12 @@ class MFQATMixin:
                 y = dequantize_with_exponents(w, fmt, self.block_size, cached[1]) if anchor is None else \
                     dequantize_through_with_exponents(w, anchor, anchor_rule, fmt, self.block_size, cached[1])
                 return straight_through(w, y)
-            base = w if anchor is None else fake_quantize(w, anchor, self.block_size, anchor_rule)
-            exps = search_exponents(base, fmt, self.block_size, self._folded_importance())
+            if anchor is None:
+                exps = search_exponents(w, fmt, self.block_size, self._folded_importance())
+                y = dequantize_with_exponents(w, fmt, self.block_size, exps)
+            else:  # the anchor's rounding, the search and the decode in one pass
+                exps, y = search_through_anchor(w, anchor, anchor_rule, fmt, self.block_size, self._folded_importance())
             self._search_cache[fmt] = (key, exps)
-            y = dequantize_with_exponents(base, fmt, self.block_size, exps)
         return straight_through(w, y)
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:

@@ -28,7 +28,8 @@ import torch
 
 from ..formats import ElementFormat, FormatLike, get_format
 from .api import fake_quantize
-from .kernels import decode_exponents_dispatch, decode_exponents_through_dispatch, search_dispatch
+from .kernels import (decode_exponents_dispatch, decode_exponents_through_dispatch, search_dispatch,
+                      search_through_dispatch)
 from .mxtensor import MXTensor
 from .reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_elements, mx_shared_exponent,
                         to_blocks)
@@ -173,6 +174,24 @@ def dequantize_through_with_exponents(x: torch.Tensor, anchor: FormatLike, ancho
     if fast is not None:
         return fast
     return dequantize_with_exponents(fake_quantize(x.detach(), a, block_size, anchor_rule), f, block_size, exponents)
+
+
+def search_through_anchor(x: torch.Tensor, anchor: FormatLike, anchor_rule: str, fmt: FormatLike, block_size: int,
+                          importance: Optional[torch.Tensor] = None
+                          ) -> Tuple[Tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(:func:`search_exponents`, :func:`dequantize_with_exponents`) of ``fake_quantize(x, anchor,
+    block_size, anchor_rule)`` for ``fmt``, bit for bit: the exponents a searched format keeps for the
+    step and the weight it trains on. One pass over ``x`` with the C++ op, else the three steps."""
+    a, f = get_format(anchor), get_format(fmt)
+    if x.dim() and x.shape[-1] % block_size == 0:
+        weights = block_weights(importance, x.shape[-1], block_size, x.device)
+        fast = search_through_dispatch(x.detach(), a, anchor_rule, f, block_size,
+                                       None if weights is None else weights.reshape(-1), SEARCH_OFFSETS)
+        if fast is not None:
+            return fast[:2], fast[2]
+    base = fake_quantize(x.detach(), a, block_size, anchor_rule)
+    exps = search_exponents(base, f, block_size, importance)
+    return exps, dequantize_with_exponents(base, f, block_size, exps)
 
 
 def _mxint_values(blocks: torch.Tensor, f: ElementFormat, s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:

@@ -173,6 +173,16 @@ def decode_exponents_through_dispatch(x: torch.Tensor, anchor: ElementFormat, an
     return None
 
 
+def search_through_dispatch(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str, fmt: ElementFormat,
+                            block_size: int, weights: Optional[torch.Tensor], offsets: Tuple[int, ...]
+                            ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`search_dispatch` of ``x`` quantize-dequantized in ``anchor`` plus the decoded values, fused in
+    one pass by the C++ op; None where no fused kernel applies."""
+    if anchor.is_mx and _search_backend(x, fmt, block_size, offsets) == "cpp" and cpp.SEARCH_THROUGH_AVAILABLE:
+        return cpp.search_through_cpp(x, anchor, anchor_rule, fmt, block_size, weights, offsets)
+    return None
+
+
 def _search_backend(x: torch.Tensor, fmt: ElementFormat, block_size: int, offsets: Tuple[int, ...]) -> Optional[str]:
     """cpp for CPU tensors, triton for CUDA ones (or CPU ones under the interpreter when forced), else None."""
     name = requested_backend()

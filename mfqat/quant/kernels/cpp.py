@@ -2,8 +2,8 @@
 
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
-``slice_mx`` (mx_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and ``decode_mx_exponents_through`` (the MXINT scale
-search, mx_search.cpp); fake (meta)
+``slice_mx`` (mx_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
+``search_mx_through`` / ``decode_mx_exponents_through`` (the MXINT scale search, mx_search.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
 never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
 """
@@ -26,7 +26,7 @@ try:  # the extension is optional: a missing compiler at install time leaves the
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
     THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build
     SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx")
-    SEARCH_THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "decode_mx_exponents_through")
+    SEARCH_THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx_through")
 except Exception as exc:  # pragma: no cover - depends on the build
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -77,6 +77,12 @@ if SEARCH_THROUGH_AVAILABLE:
     @torch.library.register_fake("mfqat::decode_mx_exponents_through")
     def _decode_mx_exponents_through_meta(x, s, nonfinite, block_size, *rest):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("mfqat::search_mx_through")
+    def _search_mx_through_meta(x, weights, block_size, *rest):
+        shape = (*x.shape[:-1], x.shape[-1] // block_size)
+        return (x.new_empty(shape, dtype=torch.int32), x.new_empty(shape, dtype=torch.bool),
+                torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
@@ -132,3 +138,14 @@ def decode_exponents_through_cpp(x: torch.Tensor, anchor: ElementFormat, anchor_
     """:func:`decode_exponents_cpp` of ``x`` quantize-dequantized in ``anchor`` first, in one pass."""
     return torch.ops.mfqat.decode_mx_exponents_through(x, s, nonfinite, block_size, *_format_args(anchor, anchor_rule),
                                                        fmt.int_shift, fmt.code_min, fmt.code_max)
+
+
+def search_through_cpp(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str, fmt: ElementFormat, block_size: int,
+                       weights: Optional[torch.Tensor], offsets: Tuple[int, ...]
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`search_cpp` of ``x`` quantize-dequantized in ``anchor``, with the values those exponents
+    decode to: (exponents, non-finite mask, values in x's dtype), one pass over ``x``."""
+    w = weights if weights is not None else x.new_empty(0, dtype=torch.float64)
+    return torch.ops.mfqat.search_mx_through(x, w, block_size, *_format_args(anchor, anchor_rule), fmt.emax,
+                                             fmt.int_shift, fmt.code_min, fmt.code_max, float(fmt.max_normal),
+                                             list(offsets))
