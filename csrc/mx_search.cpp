@@ -165,6 +165,13 @@ void check_weights(const at::Tensor& weights, int64_t k) {
               weights.numel(), " of ", weights.scalar_type());
 }
 
+// A search's per-block outputs for x: int32 exponents and the non-finite mask.
+std::tuple<at::Tensor, at::Tensor> block_outputs(const at::Tensor& x, int64_t block_size) {
+  auto shape = x.sizes().vec();
+  shape.back() /= block_size;
+  return {at::empty(shape, x.options().dtype(at::kInt)), at::empty(shape, x.options().dtype(at::kBool))};
+}
+
 std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size,
                                              int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max,
                                              double max_normal, at::IntArrayRef offsets) {
@@ -173,10 +180,7 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
   check_weights(weights_in, k);
   at::Tensor x = x_in.contiguous();
   at::Tensor weights = weights_in.contiguous();
-  auto shape = x.sizes().vec();
-  shape.back() /= block_size;
-  at::Tensor s = at::empty(shape, x.options().dtype(at::kInt));
-  at::Tensor nonfinite = at::empty(shape, x.options().dtype(at::kBool));
+  auto [s, nonfinite] = block_outputs(x, block_size);
   const MXParams p = make_params(true, emax, 0, 0, int_shift, code_min, code_max, max_normal, false);
   const std::vector<int64_t> offs(offsets.begin(), offsets.end());
   const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
@@ -242,10 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
   check_weights(weights_in, k);
   at::Tensor x = x_in.contiguous();
   at::Tensor weights = weights_in.contiguous();
-  auto shape = x.sizes().vec();
-  shape.back() /= block_size;
-  at::Tensor s = at::empty(shape, x.options().dtype(at::kInt));
-  at::Tensor nonfinite = at::empty(shape, x.options().dtype(at::kBool));
+  auto [s, nonfinite] = block_outputs(x, block_size);
   at::Tensor values = at::empty_like(x, at::MemoryFormat::Contiguous);
   const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
                                  a_ceil_rule);
