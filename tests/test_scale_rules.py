@@ -253,3 +253,20 @@ def test_search_in_chunks_and_its_decoded_values_are_one_pass(name, seed, shift,
     decoded = scale_search.dequantize_with_exponents(x, f, 32, got)
     ref = quantize_search(x, f, importance=imp).dequantize(torch.float32)
     assert torch.equal(decoded.view(torch.int32), ref.view(torch.int32))
+
+
+def test_a_single_format_model_is_evaluated_with_the_rule_it_trained_with():
+    """ptq_state quantizes with the given rule: a dedicated mxfp4 QAT model (default rule ceil) is
+    evaluated on the ceil weights its forward used, not on floor's (bench_joint's baseline)."""
+    from mfqat.eval.elastic import ptq_state
+    from mfqat.qat.prepare import qat_modules
+
+    torch.manual_seed(0)
+    model = mfqat.prepare(tiny_llama(), QATConfig(formats=["mxfp4_e2m1"], schedule="fixed"))
+    mfqat.set_format(model, "mxfp4_e2m1")
+    name, lin = next(qat_modules(model))
+    rule = DEFAULT_SCALE_RULE["mxfp4_e2m1"]
+    state = ptq_state(model, "mxfp4_e2m1", scale_rule=rule)
+    key = next(k for k in state if k.startswith(name) and k.endswith("weight"))
+    assert torch.equal(state[key], lin.quantized_weight())
+    assert not torch.equal(ptq_state(model, "mxfp4_e2m1")[key], lin.quantized_weight())

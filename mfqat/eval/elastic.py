@@ -12,12 +12,13 @@ from ..quant.api import quantize
 from .perplexity import perplexity
 
 
-def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optional[List[str]] = None
-              ) -> Dict[str, torch.Tensor]:
-    """Direct (post-training) quantization of the model's target weights to ``fmt``."""
+def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optional[List[str]] = None,
+              scale_rule: str = "floor") -> Dict[str, torch.Tensor]:
+    """Direct (post-training) quantization of the model's target weights to ``fmt`` (``scale_rule``:
+    the MX scale rule, e.g. the one a single-format QAT model trained with)."""
     sd = model.state_dict()
     names = targets or default_targets(model, block_size)
-    return {k: quantize(sd[k].float(), fmt, block_size).dequantize(sd[k].dtype) for k in names}
+    return {k: quantize(sd[k].float(), fmt, block_size, scale_rule).dequantize(sd[k].dtype) for k in names}
 
 
 def anchor_state(anchor: Anchor, fmt: Optional[str], dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
