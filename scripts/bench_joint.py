@@ -4,8 +4,7 @@
 Every run uses the demo's settings (SmolLM2-135M, pydoc text, batch 4x128, lr 2e-5, AdamW, grad
 clip 1.0, seed 0). Baseline: one *dedicated* QAT run per format (``--schedule fixed``), evaluated
 in its own format by direct quantization of its master weights with the rule it trained with (its
-best case; for mxfp4, whose default rule is ceil, also a floor run, and per text the better of the
-two). Candidates: one joint MF-QAT model per recipe, saved as ONE anchor and evaluated at every format by
+best case; mxfp4 trains and is read with ceil, its default). Candidates: one joint MF-QAT model per recipe, saved as ONE anchor and evaluated at every format by
 Slice-and-Scale (what is deployed). Two comparisons: equal optimizer steps, and equal compute
 (the joint model at steps / K, K = formats per step, so it does as many forward+backward passes
 as one dedicated run). Perplexity on two held-out texts: the pydoc split no run trains on, and
@@ -72,14 +71,9 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
 
 
 def dedicated_runs(fmt: str, steps: int) -> Dict[str, Tuple[List[str], str]]:
-    """name -> (train arguments, scale rule it trains and is evaluated with) of the dedicated
-    (single-format) baselines of one format: the library's default rule, and for mxfp4 (default ceil)
-    also floor, the shipped fixed_mxfp4 recipe, which trains the better dedicated model."""
-    rule = DEFAULT_SCALE_RULE.get(fmt, "floor")
-    runs = {f"dedicated-{fmt}": (["--steps", str(steps), "--formats", fmt, "--schedule", "fixed"], rule)}
-    if fmt == "mxfp4_e2m1" and rule != "floor":
-        runs[f"dedicated-{fmt}-floor"] = (["--steps", str(steps), "--qat-config", "fixed_mxfp4"], "floor")
-    return runs
+    """name -> (train arguments, the scale rule it trains with) of the dedicated single-format run."""
+    return {f"dedicated-{fmt}": (["--steps", str(steps), "--formats", fmt, "--schedule", "fixed"],
+                                 DEFAULT_SCALE_RULE.get(fmt, "floor"))}
 
 
 def evaluate(model, held: Dict[str, torch.Tensor], states: Dict[str, dict]) -> Dict[str, Dict[str, float]]:
@@ -125,8 +119,8 @@ def main() -> None:
             master, _ = load_model(s["master"])  # evaluated with the rule it trained with
             res = cached(name if rule == "floor" else f"{name}@{rule}",
                          lambda: evaluate(master, held, {f: ptq_state(master, f, scale_rule=rule)}))
-            for t in held:  # the better dedicated model per text: the best alternative a user has
-                dedicated[t][f] = min(dedicated[t].get(f, float("inf")), res[t][f])
+            for t in held:
+                dedicated[t][f] = res[t][f]
     joint: Dict[str, Dict[str, Dict[str, float]]] = {}
     only = [x for x in a.only.split(",") if x]
     for name, extra in recipes(a.family, a.steps).items():
