@@ -168,7 +168,7 @@ def decode_exponents_through_dispatch(x: torch.Tensor, anchor: ElementFormat, an
                                       ) -> Optional[torch.Tensor]:
     """:func:`decode_exponents_dispatch` of ``x`` quantize-dequantized in ``anchor`` first, fused in one
     pass by the C++ op; None where no fused kernel applies (the caller composes the two steps)."""
-    if anchor.is_mx and _search_backend(x, fmt, block_size, (-1, 1)) == "cpp" and cpp.SEARCH_THROUGH_AVAILABLE:
+    if _fused_through_applies(x, anchor, fmt, block_size, (-1, 1)):
         return cpp.decode_exponents_through_cpp(x, anchor, anchor_rule, fmt, block_size, *exponents)
     return None
 
@@ -178,9 +178,15 @@ def search_through_dispatch(x: torch.Tensor, anchor: ElementFormat, anchor_rule:
                             ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """:func:`search_dispatch` of ``x`` quantize-dequantized in ``anchor`` plus the decoded values, fused in
     one pass by the C++ op; None where no fused kernel applies."""
-    if anchor.is_mx and _search_backend(x, fmt, block_size, offsets) == "cpp" and cpp.SEARCH_THROUGH_AVAILABLE:
+    if _fused_through_applies(x, anchor, fmt, block_size, offsets):
         return cpp.search_through_cpp(x, anchor, anchor_rule, fmt, block_size, weights, offsets)
     return None
+
+
+def _fused_through_applies(x: torch.Tensor, anchor: ElementFormat, fmt: ElementFormat, block_size: int,
+                           offsets: Tuple[int, ...]) -> bool:
+    """Whether the C++ train-through-anchor search ops serve this call (CPU, MXINT target, MX anchor)."""
+    return anchor.is_mx and cpp.SEARCH_THROUGH_AVAILABLE and _search_backend(x, fmt, block_size, offsets) == "cpp"
 
 
 def _search_backend(x: torch.Tensor, fmt: ElementFormat, block_size: int, offsets: Tuple[int, ...]) -> Optional[str]:
