@@ -1,4 +1,4 @@
-// mfqat CPU kernels for the MXINT scale search (reference: mfqat/quant/scale_search.py).
+// mfqat CPU kernels for the MX scale search, MXINT and MXFP (reference: mfqat/quant/scale_search.py).
 //
 // search_mx: per block, the shared exponent among floor (OCP) and floor + d for d in `offsets`
 // (clamped to [-127, min(127, max_exp - emax)]) whose quantize-dequantize has the lowest error
@@ -8,8 +8,9 @@
 // for h = n / 2, an odd last element carried), so every block picks the same exponent as the
 // reference, near-ties included. Ties keep the earlier candidate (floor first); non-finite blocks
 // keep floor and are flagged.
-// decode_mx_exponents: MXINT values for given exponents (reference: _mxint_values): the code
-// clamp(round_half_even(x * 2^-s * 2^k)) with -0 made +0, times 2^(s - k); NaN for flagged blocks.
+// decode_mx_exponents: the values for given exponents; MXINT (reference: _mxint_values): the code
+// clamp(round_half_even(x * 2^-s * 2^k)) with -0 made +0, times 2^(s - k); MXFP: the element rounding of
+// x * 2^-s times 2^s (what encoding then decoding gives); NaN for flagged blocks.
 // search_mx_through / decode_mx_exponents_through: the same on the anchor's quantize-dequantize of x
 // (train-through-anchor), computed per block in registers: one pass over x instead of two or three.
 #include "mx_common.h"
@@ -25,9 +26,16 @@ namespace {
 // err(s) of one finite float32 block (w: its float64 column weights, or nullptr).
 inline double block_error(const float* v, const double* w, int64_t bs, int32_t s, const MXParams& p, double* acc) {
   const float to_grid = exp2i(-s), from_grid = exp2i(s);
-  for (int64_t i = 0; i < bs; ++i) {
-    const float d = v[i] - round_int_element(v[i] * to_grid, p) * from_grid;
-    acc[i] = static_cast<double>(d) * static_cast<double>(d);
+  if (p.is_int) {  // one loop per family, so each vectorises
+    for (int64_t i = 0; i < bs; ++i) {
+      const float d = v[i] - round_int_element(v[i] * to_grid, p) * from_grid;
+      acc[i] = static_cast<double>(d) * static_cast<double>(d);
+    }
+  } else {
+    for (int64_t i = 0; i < bs; ++i) {
+      const float d = v[i] - round_fp_element(v[i] * to_grid, p) * from_grid;
+      acc[i] = static_cast<double>(d) * static_cast<double>(d);
+    }
   }
   if (w) {
     for (int64_t i = 0; i < bs; ++i) acc[i] *= w[i];
@@ -81,6 +89,18 @@ inline float decode_value(float v, float to_grid, float scale, const MXParams& p
   return (c + 0.0f) * scale;
 }
 
+// A finite block v (x or its anchor values) encoded with exponent s and decoded into o: MXINT by
+// decode_value (scale 2^(s - k)), MXFP as the element rounding of v * 2^-s times 2^s (int_shift is 0).
+template <typename T>
+inline void decode_block(const float* v, int64_t bs, int32_t s, int32_t int_shift, const MXParams& p, T* o) {
+  const float to_grid = exp2i(-s), scale = exp2i(s - int_shift);
+  if (p.is_int) {
+    for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(v[i], to_grid, scale, p));
+  } else {
+    for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_fp_element(v[i] * to_grid, p) * scale);
+  }
+}
+
 // One block of x quantize-dequantized in the anchor format `a`, as fake_quant_mx stores it in T (exact
 // in T, see mx_cpu.cpp's through_blocks; rounding to T only makes that independent of the argument);
 // NaN for a non-finite block.
@@ -114,14 +134,12 @@ void decode_blocks(int64_t begin, int64_t end, const T* __restrict__ x, const in
       for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
       continue;
     }
-    const float to_grid = exp2i(-s_in[blk]);
-    const float scale = exp2i(s_in[blk] - int_shift);
     if constexpr (Through) {
       anchor_block(in, bs, a, mid);
-      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(mid[i], to_grid, scale, p));
     } else {
-      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(load(in, i), to_grid, scale, p));
+      for (int64_t i = 0; i < bs; ++i) mid[i] = load(in, i);
     }
+    decode_block(mid, bs, s_in[blk], int_shift, p, o);
   }
 }
 
@@ -153,8 +171,7 @@ void search_through_blocks(int64_t begin, int64_t end, const T* x, const double*
     const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
     const int32_t best = best_exponent(mid, w, bs, sc.s, hi, p, offsets, n_offsets, acc);
     s_out[blk] = best;
-    const float to_grid = exp2i(-best), scale = exp2i(best - int_shift);
-    for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(mid[i], to_grid, scale, p));
+    decode_block(mid, bs, best, int_shift, p, o);
   }
 }
 
@@ -173,7 +190,8 @@ std::tuple<at::Tensor, at::Tensor> block_outputs(const at::Tensor& x, int64_t bl
 }
 
 std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size,
-                                             int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max,
+                                             bool is_int, int64_t emax, int64_t emin, int64_t mbits,
+                                             int64_t int_shift, int64_t code_min, int64_t code_max,
                                              double max_normal, at::IntArrayRef offsets) {
   check_input(x_in, block_size);
   const int64_t k = x_in.size(-1);
@@ -181,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
   at::Tensor x = x_in.contiguous();
   at::Tensor weights = weights_in.contiguous();
   auto [s, nonfinite] = block_outputs(x, block_size);
-  const MXParams p = make_params(true, emax, 0, 0, int_shift, code_min, code_max, max_normal, false);
+  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, false);
   const std::vector<int64_t> offs(offsets.begin(), offsets.end());
   const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx", [&] {
@@ -202,7 +220,7 @@ void check_exponents(const at::Tensor& s, const at::Tensor& nonfinite, int64_t n
 
 template <bool Through>
 at::Tensor decode_exponents(const at::Tensor& x_in, const at::Tensor& s_in, const at::Tensor& nonfinite_in,
-                            int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max, const MXParams& a) {
+                            int64_t block_size, const MXParams& p, int64_t int_shift, const MXParams& a) {
   check_input(x_in, block_size);
   const int64_t n_blocks = x_in.numel() / block_size;
   check_exponents(s_in, nonfinite_in, n_blocks);
@@ -210,7 +228,6 @@ at::Tensor decode_exponents(const at::Tensor& x_in, const at::Tensor& s_in, cons
   at::Tensor s = s_in.contiguous();
   at::Tensor nonfinite = nonfinite_in.contiguous();
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  const MXParams p = make_params(true, 0, 0, 0, int_shift, code_min, code_max, 0.0, false);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_decode_mx_exponents", [&] {
     parallel_blocks<decode_blocks<scalar_t, Through>>(n_blocks, x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(),
                                                       nonfinite.const_data_ptr<bool>(), out.data_ptr<scalar_t>(),
@@ -220,27 +237,31 @@ at::Tensor decode_exponents(const at::Tensor& x_in, const at::Tensor& s_in, cons
 }
 
 at::Tensor decode_mx_exponents(const at::Tensor& x, const at::Tensor& s, const at::Tensor& nonfinite,
-                               int64_t block_size, int64_t int_shift, int64_t code_min, int64_t code_max) {
+                               int64_t block_size, bool is_int, int64_t emax, int64_t emin, int64_t mbits,
+                               int64_t int_shift, int64_t code_min, int64_t code_max, double max_normal) {
+  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, false);
   const MXParams unused = make_params(true, 0, 0, 0, 0, 0, 0, 0.0, false);
-  return decode_exponents<false>(x, s, nonfinite, block_size, int_shift, code_min, code_max, unused);
+  return decode_exponents<false>(x, s, nonfinite, block_size, p, int_shift, unused);
 }
 
 // decode_mx_exponents(fake_quant_mx(x, <anchor>), s, nonfinite, ...) bit for bit, in one pass.
 at::Tensor decode_mx_exponents_through(const at::Tensor& x, const at::Tensor& s, const at::Tensor& nonfinite,
                                        int64_t block_size, bool a_is_int, int64_t a_emax, int64_t a_emin,
                                        int64_t a_mbits, int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max,
-                                       double a_max_normal, bool a_ceil_rule, int64_t int_shift, int64_t code_min,
-                                       int64_t code_max) {
+                                       double a_max_normal, bool a_ceil_rule, bool is_int, int64_t emax, int64_t emin,
+                                       int64_t mbits, int64_t int_shift, int64_t code_min, int64_t code_max,
+                                       double max_normal) {
   const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
                                  a_ceil_rule);
-  return decode_exponents<true>(x, s, nonfinite, block_size, int_shift, code_min, code_max, a);
+  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, false);
+  return decode_exponents<true>(x, s, nonfinite, block_size, p, int_shift, a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
     const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size, bool a_is_int, int64_t a_emax,
     int64_t a_emin, int64_t a_mbits, int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max, double a_max_normal,
-    bool a_ceil_rule, int64_t emax, int64_t int_shift, int64_t code_min, int64_t code_max, double max_normal,
-    at::IntArrayRef offsets) {
+    bool a_ceil_rule, bool is_int, int64_t emax, int64_t emin, int64_t mbits, int64_t int_shift, int64_t code_min,
+    int64_t code_max, double max_normal, at::IntArrayRef offsets) {
   check_input(x_in, block_size);
   const int64_t k = x_in.size(-1);
   check_weights(weights_in, k);
@@ -250,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
   at::Tensor values = at::empty_like(x, at::MemoryFormat::Contiguous);
   const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
                                  a_ceil_rule);
-  const MXParams p = make_params(true, emax, 0, 0, int_shift, code_min, code_max, max_normal, false);
+  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, false);
   const std::vector<int64_t> offs(offsets.begin(), offsets.end());
   const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx_through", [&] {
@@ -265,16 +286,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mfqat, m) {
-  m.def("search_mx(Tensor x, Tensor weights, int block_size, int emax, int int_shift, int code_min, int code_max, "
-        "float max_normal, int[] offsets) -> (Tensor, Tensor)");
-  m.def("decode_mx_exponents(Tensor x, Tensor s, Tensor nonfinite, int block_size, int int_shift, int code_min, "
-        "int code_max) -> Tensor");
+  m.def("search_mx(Tensor x, Tensor weights, int block_size, bool is_int, int emax, int emin, int mbits, "
+        "int int_shift, int code_min, int code_max, float max_normal, int[] offsets) -> (Tensor, Tensor)");
+  m.def("decode_mx_exponents(Tensor x, Tensor s, Tensor nonfinite, int block_size, bool is_int, int emax, int emin, "
+        "int mbits, int int_shift, int code_min, int code_max, float max_normal) -> Tensor");
   m.def("decode_mx_exponents_through(Tensor x, Tensor s, Tensor nonfinite, int block_size, bool a_is_int, int a_emax, "
         "int a_emin, int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, "
-        "bool a_ceil_rule, int int_shift, int code_min, int code_max) -> Tensor");
+        "bool a_ceil_rule, bool is_int, int emax, int emin, int mbits, int int_shift, int code_min, int code_max, "
+        "float max_normal) -> Tensor");
   m.def("search_mx_through(Tensor x, Tensor weights, int block_size, bool a_is_int, int a_emax, int a_emin, "
-        "int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, bool a_ceil_rule, int emax, "
-        "int int_shift, int code_min, int code_max, float max_normal, int[] offsets) -> (Tensor, Tensor, Tensor)");
+        "int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, bool a_ceil_rule, "
+        "bool is_int, int emax, int emin, int mbits, int int_shift, int code_min, int code_max, float max_normal, "
+        "int[] offsets) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mfqat, CPU, m) {

@@ -80,7 +80,7 @@ class Anchor:
         return sd
 
 
-def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer=None,
+def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tokenizer=None,
                 block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
                 step: Optional[int] = None, schedule: Optional[dict] = None,
                 max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
@@ -94,11 +94,14 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: str = "mxint8", tokenizer
     A sharded (FSDP2) model needs ``state_dict``: its full state dict, gathered on every rank by
     :func:`mfqat.sharded.full_state_dict`.
 
+    ``fmt``: the anchor format; default the format a prepared model trained through (its
+    ``anchor_format``, e.g. mxfp8_e4m3 for an MXFP family), else mxint8.
+
     Scale rules: ``scale_rules`` if given, else a prepared model's, else the measured defaults; the
     anchor is quantized with its format's rule and records its family's table, which ``load_anchor``
     slices with (:func:`mfqat.quant.scale_rules.anchor_rules`).
     """
-    f = get_format(fmt)
+    f = get_format(fmt or next((m.anchor_format for _, m in qat_modules(model) if m.anchor_format), "mxint8"))
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
     sd, tied = unique_state_dict(model, state_dict)

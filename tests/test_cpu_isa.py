@@ -70,7 +70,7 @@ def test_through_same_bits_in_both_builds(monkeypatch, anchor, fmt):
         assert torch.equal(m1, m2)
 
 
-@pytest.mark.parametrize("name", ["mxint6", "mxint4", "mxint3"])
+@pytest.mark.parametrize("name", ["mxint6", "mxint4", "mxint3", "mxfp6_e2m3", "mxfp4_e2m1"])
 def test_search_and_decode_same_bits_in_both_builds(monkeypatch, name):
     f = mfqat.get_format(name)
     x = adversarial(seed=7)
@@ -81,7 +81,7 @@ def test_search_and_decode_same_bits_in_both_builds(monkeypatch, name):
         assert torch.equal(s1, s2) and torch.equal(n1, n2), f"{name} search, weighted={w is not None}"
         _, d1, d2 = both_builds(monkeypatch, lambda: cpp.decode_exponents_cpp(x, f, 32, s1, n1))
         assert_bits_equal(d1, d2, f"{name} decode")
-        anchor = mfqat.get_format("mxint8")
+        anchor = mfqat.get_format("mxint8" if f.family == "mxint" else "mxfp8_e4m3")
         _, t1, t2 = both_builds(monkeypatch,
                                 lambda: cpp.decode_exponents_through_cpp(x, anchor, "floor", f, 32, s1, n1))
         assert_bits_equal(t1, t2, f"{name} decode through the anchor")

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from mfqat.formats import get_format
 from mfqat.quant import scale_search
 from mfqat.quant.kernels import cpp, triton_mx, triton_search
-from mfqat.quant.reference import dtype_max_exponent, to_blocks
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.reference import dtype_max_exponent, mx_encode_blocks, to_blocks
 
 from .test_kernels import DTYPES, adversarial, assert_bits_equal
 
@@ -29,13 +30,21 @@ if torch.cuda.is_available() and triton_mx.AVAILABLE:
 needs_cpp = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
 
 
+def oracle_values(x: torch.Tensor, f, bs: int, s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """x encoded with exponents s and decoded by the pure-PyTorch path: MXINT's direct decode, MXFP's
+    codes decoded by MXTensor (what every reader does)."""
+    blocks = to_blocks(x, bs)
+    if f.family == "mxint":
+        return scale_search._mxint_values(blocks, f, s, nonfinite).reshape(x.shape).to(x.dtype)
+    codes, scales = mx_encode_blocks(blocks, f, s, nonfinite)
+    return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, None, "search").dequantize(x.dtype)
+
+
 def oracle(x: torch.Tensor, name: str, bs: int, importance):
     """(exponents, non-finite mask, decoded values) of the pure-PyTorch path."""
     f = get_format(name)
-    blocks = to_blocks(x, bs)
-    s, nonfinite = scale_search.mx_search_exponent(blocks, f, importance, dtype_max_exponent(x.dtype))
-    values = scale_search._mxint_values(blocks, f, s, nonfinite).reshape(x.shape).to(x.dtype)
-    return s, nonfinite, values
+    s, nonfinite = scale_search.mx_search_exponent(to_blocks(x, bs), f, importance, dtype_max_exponent(x.dtype))
+    return s, nonfinite, oracle_values(x, f, bs, s, nonfinite)
 
 
 def kernel(x: torch.Tensor, name: str, bs: int, importance, path=("cpp", "cpu")):
@@ -150,10 +159,10 @@ def test_search_ops_pass_opcheck_and_reject_bad_weights():
     x = torch.randn(4, 64)
     f = get_format("mxint4")
     w = torch.rand(64, dtype=torch.float64)
-    args = (32, f.emax, f.int_shift, f.code_min, f.code_max, float(f.max_normal), [-1, 1])
+    args = (32, *cpp._format_args(f, "floor")[:-1], [-1, 1])
     torch.library.opcheck(torch.ops.mfqat.search_mx.default, (x, w, *args), test_utils=("test_schema", "test_faketensor"))
     s, nf = torch.ops.mfqat.search_mx(x, w, *args)
-    torch.library.opcheck(torch.ops.mfqat.decode_mx_exponents.default, (x, s, nf, 32, f.int_shift, f.code_min, f.code_max),
+    torch.library.opcheck(torch.ops.mfqat.decode_mx_exponents.default, (x, s, nf, *args[:-1]),
                           test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(RuntimeError, match="one per input column"):
         torch.ops.mfqat.search_mx(x, torch.rand(63, dtype=torch.float64), *args)
@@ -168,12 +177,11 @@ def test_search_kernel_takes_non_contiguous_input(path):
 
 
 def reference_through(x: torch.Tensor, anchor: str, name: str, bs: int, exps) -> torch.Tensor:
-    """The oracle composition: the anchor's reference quantize-dequantize, then the MXINT decode."""
+    """The oracle composition: the anchor's reference quantize-dequantize, then the decode."""
     from mfqat.quant.reference import fake_quantize_reference
 
     base, _ = fake_quantize_reference(x, get_format(anchor), bs, "floor")
-    f = get_format(name)
-    return scale_search._mxint_values(to_blocks(base, bs), f, *exps).reshape(x.shape).to(x.dtype)
+    return oracle_values(base, get_format(name), bs, *exps)
 
 
 @needs_cpp
@@ -208,7 +216,7 @@ def test_searched_weight_uses_the_fused_op_with_the_same_bits(monkeypatch):
                       "entry point")
     f, a = get_format("mxint4"), get_format("mxint8")
     torch.library.opcheck(torch.ops.mfqat.decode_mx_exponents_through.default,
-                          (x, *exps, 32, *cpp._format_args(a, "floor"), f.int_shift, f.code_min, f.code_max),
+                          (x, *exps, 32, *cpp._format_args(a, "floor"), *cpp._format_args(f, "floor")[:-1]),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -243,5 +251,5 @@ def test_searched_format_search_entry_point_is_the_same_fused_or_not(monkeypatch
     assert_bits_equal(v1, v2, "search_through_anchor")
     f, a = get_format("mxint4"), get_format("mxint8")
     torch.library.opcheck(torch.ops.mfqat.search_mx_through.default,
-                          (x, imp.double(), 32, *cpp._format_args(a, "floor"), f.emax, f.int_shift, f.code_min,
-                           f.code_max, float(f.max_normal), [-1, 1]), test_utils=("test_schema", "test_faketensor"))
+                          (x, imp.double(), 32, *cpp._format_args(a, "floor"), *cpp._format_args(f, "floor")[:-1],
+                           [-1, 1]), test_utils=("test_schema", "test_faketensor"))

@@ -23,15 +23,19 @@ FORMATS = ["mxint8", "mxint6", "mxint4"]
 SEARCH = {"mxint6": "search", "mxint4": "search", "mxint3": "search"}
 
 
-def trained(steps: int = 3, rules=SEARCH, seed: int = 0):
-    """A tiny Llama after ``steps`` joint steps with the given scale rules, and its batch."""
+MXFP = ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"]
+MXFP_SEARCH = {"mxfp6_e2m3": "search", "mxfp6_e3m2": "search", "mxfp4_e2m1": "search"}
+
+
+def trained(steps: int = 3, rules=SEARCH, seed: int = 0, formats=FORMATS):
+    """A tiny Llama after ``steps`` joint steps of ``formats`` with the given scale rules, and its batch."""
     torch.manual_seed(seed)
     m = tiny_llama()
-    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=rules))
+    mfqat.prepare(m, QATConfig(formats=formats, schedule="joint", scale_rules=rules))
     opt = torch.optim.AdamW(m.parameters(), 1e-3)
     ids = torch.randint(0, m.config.vocab_size, (2, 32))
     for _ in range(steps):
-        joint_backward(m, m, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda l: l.backward())
+        joint_backward(m, m, {"input_ids": ids, "labels": ids}, formats, lambda f: 1.0, lambda l: l.backward())
         opt.step()
         opt.zero_grad()
     return m.eval(), ids
@@ -72,6 +76,30 @@ def test_trained_search_model_equals_its_loaded_anchor_bit_for_bit(model_and_anc
         mfqat.set_format(m, fmt)
         with torch.no_grad():
             assert torch.equal(m(ids).logits, mfqat.load_anchor(path, fmt)(ids).logits), fmt
+
+
+def test_mxfp_search_trained_model_equals_its_loaded_anchor_and_beats_its_rule(tmp_path):
+    """The float family searched inside training (through the MXFP8 anchor): the anchor reproduces every
+    searched format bit for bit, and each searched block's weighted error is at most the default rule's."""
+    m, ids = trained(steps=2, rules=MXFP_SEARCH, formats=MXFP)
+    path = mfqat.save_anchor(m, tmp_path / "a")
+    assert json.loads((path / "mfqat.json").read_text())["scale_rules"]["mxfp4_e2m1"] == "search"
+    changed = 0
+    for fmt in MXFP + ["mxfp6_e3m2"]:
+        mfqat.set_format(m, fmt)
+        with torch.no_grad():
+            assert torch.equal(m(ids).logits, mfqat.load_anchor(path, fmt)(ids).logits), fmt
+    for name, lin in qat_modules(m):
+        imp = lin.importance().double()
+        base = fake_quantize(lin.weight.detach(), "mxfp8_e4m3", 32)
+        for fmt, rule in [("mxfp6_e2m3", "floor"), ("mxfp4_e2m1", "ceil"), ("mxfp4_e2m1", "floor")]:
+            searched = lin.quantized_weight(fmt).detach()
+            default = fake_quantize(base, fmt, 32, rule)
+            assert torch.equal(searched, quantize_search(base, fmt, 32, lin.importance()).dequantize())
+            err = lambda w: ((base - w).double().square() * imp).reshape(-1, 32).sum(-1)  # noqa: E731
+            assert (err(searched) <= err(default)).all(), (name, fmt, rule)
+            changed += int(not torch.equal(searched, default))
+    assert changed > 0
 
 
 def test_search_changes_the_weights_and_never_raises_the_weighted_error(model_and_anchor):
@@ -149,8 +177,11 @@ def test_a_corrupt_stored_importance_is_named(model_and_anchor, tmp_path, bad):
 
 @pytest.mark.parametrize("kwargs, why", [
     ({"scale_rules": {"mxint8": "search"}}, "mxint6.*only"),
-    ({"formats": ["mxfp8_e4m3", "mxfp4_e2m1"], "scale_rules": {"mxfp4_e2m1": "search"}}, "mxint6.*only"),
-    ({"formats": ["mxint4"], "schedule": "fixed", "scale_rules": {"mxint4": "search"}}, "through an mxint8 anchor"),
+    ({"scale_rules": {"mxfp8_e4m3": "search"}}, "mxint6.*only"),
+    ({"formats": ["mxint4"], "schedule": "fixed", "scale_rules": {"mxint4": "search"}}, "through an 8-bit anchor"),
+    ({"scale_rules": {"mxfp4_e2m1": "search"}}, "mxint8 or mxfp8_e4m3"),
+    ({"formats": ["mxfp8_e5m2", "mxfp4_e2m1"], "anchor_format": "mxfp8_e5m2", "scale_rules": {"mxfp4_e2m1": "search"}},
+     "got anchor_format mxfp8_e5m2"),
     ({"scale_rules": {"mxint4": "serach"}}, "unknown scale rule"),
     ({"scale_rules": {"mxint4": "search"}, "mask_saturated": True}, "mask_saturated is not supported"),
 ])

@@ -14,7 +14,7 @@ import math
 from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
 from ..formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
 from ..quant.reference import SCALE_RULES
-from ..quant.scale_rules import SEARCH_RULE, check_scale_rules
+from ..quant.scale_rules import SEARCH_ANCHORS, SEARCH_RULE, check_scale_rules
 from .config_checks import (AFFINE_NAMES, _check_mx_format, _check_mx_formats, _check_observer, _check_qat_formats,
                             _check_regexes, _check_type, _fail, _matches, _patterns)
 from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
@@ -165,10 +165,11 @@ class QATConfig:
         if searched and self.mask_saturated:
             raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} has a plain straight-through "
                              "gradient; mask_saturated is not supported with it (set mask_saturated: false)")
-        if searched and not (self.through_anchor and self.anchor_format == "mxint8"):
-            raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} needs training through an mxint8 "
-                             f"anchor (anchor_format mxint8, through_anchor true); got anchor_format "
-                             f"{self.anchor_format}, through_anchor {self.through_anchor}")
+        if searched and not (self.through_anchor and self.anchor_format in SEARCH_ANCHORS
+                             and all(get_format(f).family == get_format(self.anchor_format).family for f in searched)):
+            raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} needs training through an 8-bit anchor "
+                             f"of their family ({' or '.join(SEARCH_ANCHORS)}, through_anchor true); got "
+                             f"anchor_format {self.anchor_format}, through_anchor {self.through_anchor}")
 
     def group_multiple(self) -> int:
         """What a layer's width must be a multiple of: the MX block size, and the affine group

@@ -29,9 +29,13 @@ DEFAULT_SCALE_RULE: Dict[str, str] = {"mxfp4_e2m1": "ceil"}
 # when lowering an MXINT8 anchor (mxint3: 94 / 136 vs 464 / 692); MXFP formats lost to theirs.
 SCALE_SEARCH_FORMATS = ("mxint6", "mxint5", "mxint4", "mxint3")
 
-# The rule name of that search, allowed in a scale_rules table for SCALE_SEARCH_FORMATS: training through
-# the anchor then searches with the importance it records, and the anchor stores it (docs/numerics.md).
+# The rule name of that search in a scale_rules table: training through the anchor then searches with the
+# importance it records, and the anchor stores it (docs/numerics.md). Allowed for the formats below an
+# 8-bit anchor of either family (trained in, the MXFP formats' search is measured separately from the
+# post-training one above: BENCHMARKS.md "Joint MF-QAT", MXFP family).
 SEARCH_RULE = "search"
+SEARCH_RULE_FORMATS = (*SCALE_SEARCH_FORMATS, "mxint2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1")
+SEARCH_ANCHORS = ("mxint8", "mxfp8_e4m3")  # the anchors a searched format trains through
 
 MX_FORMATS = tuple(name for name, f in FORMATS.items() if f.is_mx)
 
@@ -48,9 +52,9 @@ def check_scale_rules(rules: object, where: str = "scale_rules") -> Dict[str, st
             name = None
         if name not in MX_FORMATS:
             raise ValueError(f"{where}: {fmt!r} is not an MX format; scale rules apply to {list(MX_FORMATS)}")
-        if rule == SEARCH_RULE and name not in SCALE_SEARCH_FORMATS:
-            raise ValueError(f"{where}[{fmt!r}]: the '{SEARCH_RULE}' rule is for {list(SCALE_SEARCH_FORMATS)} only "
-                             "(lowered from an MXINT8 anchor); use floor or ceil")
+        if rule == SEARCH_RULE and name not in SEARCH_RULE_FORMATS:
+            raise ValueError(f"{where}[{fmt!r}]: the '{SEARCH_RULE}' rule is for {list(SEARCH_RULE_FORMATS)} only "
+                             "(lowered from an 8-bit anchor of their family); use floor or ceil")
         if rule not in SCALE_RULES and rule != SEARCH_RULE:
             raise ValueError(f"{where}[{fmt!r}]: unknown scale rule {rule!r}; choose one of "
                              f"{(*SCALE_RULES, SEARCH_RULE)}")

@@ -5,7 +5,7 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 * ``triton`` - fused Triton kernels (CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which the tests use and ``auto`` never picks);
 * ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built
-  (it also has the MXINT scale search, :func:`search_dispatch`, as has Triton: ``triton_search``);
+  (it also has the MX scale search, :func:`search_dispatch`; Triton has it for MXINT: ``triton_search``);
 * ``reference`` - pure PyTorch, every device, every format.
 
 ``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
@@ -141,9 +141,9 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
 
 def search_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, weights: Optional[torch.Tensor],
                     offsets: Tuple[int, ...]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """The MXINT scale search (exponent per block, non-finite mask) with the C++ op (CPU) or the Triton
-    kernel (CUDA); None when only the reference applies (MXFP, ``MFQAT_BACKEND=reference``, a block
-    size or candidate set the kernel lacks, an older build)."""
+    """The MX scale search (exponent per block, non-finite mask) with the C++ op (CPU, MXINT and MXFP) or
+    the Triton kernel (CUDA, MXINT); None when only the reference applies (MXFP on CUDA,
+    ``MFQAT_BACKEND=reference``, a block size or candidate set the kernel lacks, an older build)."""
     backend = _search_backend(x, fmt, block_size, offsets)
     if backend == "cpp":
         return cpp.search_cpp(x, fmt, block_size, weights, offsets)
@@ -154,7 +154,7 @@ def search_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, weight
 
 def decode_exponents_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int,
                               exponents: Tuple[torch.Tensor, torch.Tensor]) -> Optional[torch.Tensor]:
-    """MXINT quantize-dequantize with given exponents by a kernel, or None (as :func:`search_dispatch`)."""
+    """MX quantize-dequantize with given exponents by a kernel, or None (as :func:`search_dispatch`)."""
     backend = _search_backend(x, fmt, block_size, (-1, 1))
     if backend == "cpp":
         return cpp.decode_exponents_cpp(x, fmt, block_size, *exponents)
@@ -185,19 +185,19 @@ def search_through_dispatch(x: torch.Tensor, anchor: ElementFormat, anchor_rule:
 
 def _fused_through_applies(x: torch.Tensor, anchor: ElementFormat, fmt: ElementFormat, block_size: int,
                            offsets: Tuple[int, ...]) -> bool:
-    """Whether the C++ train-through-anchor search ops serve this call (CPU, MXINT target, MX anchor)."""
+    """Whether the C++ train-through-anchor search ops serve this call (CPU, MX anchor and target)."""
     return anchor.is_mx and cpp.SEARCH_THROUGH_AVAILABLE and _search_backend(x, fmt, block_size, offsets) == "cpp"
 
 
 def _search_backend(x: torch.Tensor, fmt: ElementFormat, block_size: int, offsets: Tuple[int, ...]) -> Optional[str]:
     """cpp for CPU tensors, triton for CUDA ones (or CPU ones under the interpreter when forced), else None."""
     name = requested_backend()
-    if fmt.family != "mxint" or name == "reference" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if not fmt.is_mx or name == "reference" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     if name in ("auto", "cpp") and x.device.type == "cpu" and cpp.SEARCH_AVAILABLE:
         return "cpp"
     on_device = x.device.type == "cuda" or name == "triton"
-    if name in ("auto", "triton") and on_device and triton_mx.usable_on(x.device) \
+    if fmt.family == "mxint" and name in ("auto", "triton") and on_device and triton_mx.usable_on(x.device) \
             and triton_search.applies(block_size, offsets):
         return "triton"
     return None

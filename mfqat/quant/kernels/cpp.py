@@ -3,7 +3,7 @@
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
 ``slice_mx`` (mx_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
-``search_mx_through`` / ``decode_mx_exponents_through`` (the MXINT scale search, mx_search.cpp); fake (meta)
+``search_mx_through`` / ``decode_mx_exponents_through`` (the MX scale search, mx_search.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
 never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
 """
@@ -25,8 +25,11 @@ try:  # the extension is optional: a missing compiler at install time leaves the
 
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
     THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build
-    SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx")
-    SEARCH_THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx_through")
+    # the search ops take the target format's full arguments (MXINT and MXFP) since 0.1.0's session 11;
+    # an older build (MXINT-only arguments) leaves them to the reference
+    SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx") and \
+        "mbits" in str(torch.ops.mfqat.search_mx.default._schema)
+    SEARCH_THROUGH_AVAILABLE = SEARCH_AVAILABLE and hasattr(torch.ops.mfqat, "search_mx_through")
 except Exception as exc:  # pragma: no cover - depends on the build
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -119,25 +122,23 @@ def slice_cpp(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst
 
 def search_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, weights: Optional[torch.Tensor],
                offsets: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """MXINT scale search on CPU -> (int32 exponent per block, non-finite mask); ``weights``: float64
+    """MX scale search on CPU -> (int32 exponent per block, non-finite mask); ``weights``: float64
     (K,) importance per input column or None (mfqat.quant.scale_search.mx_search_exponent's result)."""
     w = weights if weights is not None else x.new_empty(0, dtype=torch.float64)
-    return torch.ops.mfqat.search_mx(x, w, block_size, fmt.emax, fmt.int_shift, fmt.code_min, fmt.code_max,
-                                     float(fmt.max_normal), list(offsets))
+    return torch.ops.mfqat.search_mx(x, w, block_size, *_format_args(fmt, "floor")[:-1], list(offsets))
 
 
 def decode_exponents_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, s: torch.Tensor,
                          nonfinite: torch.Tensor) -> torch.Tensor:
-    """``x`` quantized to MXINT ``fmt`` with the given exponents and dequantized, in x's dtype."""
-    return torch.ops.mfqat.decode_mx_exponents(x, s, nonfinite, block_size, fmt.int_shift, fmt.code_min,
-                                               fmt.code_max)
+    """``x`` quantized to ``fmt`` with the given exponents and dequantized, in x's dtype."""
+    return torch.ops.mfqat.decode_mx_exponents(x, s, nonfinite, block_size, *_format_args(fmt, "floor")[:-1])
 
 
 def decode_exponents_through_cpp(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str, fmt: ElementFormat,
                                  block_size: int, s: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
     """:func:`decode_exponents_cpp` of ``x`` quantize-dequantized in ``anchor`` first, in one pass."""
     return torch.ops.mfqat.decode_mx_exponents_through(x, s, nonfinite, block_size, *_format_args(anchor, anchor_rule),
-                                                       fmt.int_shift, fmt.code_min, fmt.code_max)
+                                                       *_format_args(fmt, "floor")[:-1])
 
 
 def search_through_cpp(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str, fmt: ElementFormat, block_size: int,
@@ -146,6 +147,5 @@ def search_through_cpp(x: torch.Tensor, anchor: ElementFormat, anchor_rule: str,
     """:func:`search_cpp` of ``x`` quantize-dequantized in ``anchor``, with the values those exponents
     decode to: (exponents, non-finite mask, values in x's dtype), one pass over ``x``."""
     w = weights if weights is not None else x.new_empty(0, dtype=torch.float64)
-    return torch.ops.mfqat.search_mx_through(x, w, block_size, *_format_args(anchor, anchor_rule), fmt.emax,
-                                             fmt.int_shift, fmt.code_min, fmt.code_max, float(fmt.max_normal),
-                                             list(offsets))
+    return torch.ops.mfqat.search_mx_through(x, w, block_size, *_format_args(anchor, anchor_rule),
+                                             *_format_args(fmt, "floor")[:-1], list(offsets))

@@ -1,0 +1,95 @@
+"""The MX scale search for the float family (MXFP6/MXFP4 searched inside training, through an MXFP8
+anchor): the C++ ops (csrc/mx_search.cpp) are bit-exact with the PyTorch oracle
+(mfqat.quant.scale_search.mx_search_exponent and the MXFP encode + decode) on random, adversarial and
+hypothesis inputs, weighted and not, in float32, bfloat16 and float16; the fused train-through-anchor
+ops equal the composition; the public entry points give the same bits with and without the kernel.
+CUDA keeps the oracle for MXFP (the Triton search kernel is MXINT-only)."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mfqat.formats import get_format
+from mfqat.quant import scale_search
+from mfqat.quant.kernels import cpp, search_dispatch
+
+from .test_kernels import DTYPES, adversarial, assert_bits_equal
+from .test_search_kernel import assert_same, oracle, reference_through
+
+MXFP = ["mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1"]
+pytestmark = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
+
+
+@pytest.mark.parametrize("name", MXFP)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mxfp_search_kernel_matches_oracle_on_adversarial_and_random_input(name, weighted):
+    g = torch.Generator().manual_seed(2)
+    cases = {"adversarial": adversarial(), "random": torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g)}
+    for label, x in cases.items():
+        imp = None
+        if weighted:
+            imp = torch.rand(x.shape[-1], generator=g) ** 4
+            imp[::7] = 0.0
+        for dtype in DTYPES:
+            assert_same(x.to(dtype), name, 32, imp, f"{name} {label} {dtype} weighted={weighted}")
+
+
+def test_mxfp_search_moves_blocks_off_floor_and_past_ceil():
+    """Not a vacuous comparison: the weighted search picks floor-1, floor and floor+1 on random weights."""
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+    f = get_format("mxfp4_e2m1")
+    s, _ = search_dispatch(x, f, 32, torch.rand(512, dtype=torch.float64), scale_search.SEARCH_OFFSETS)
+    floor, _ = scale_search.mx_shared_exponent(x.reshape(64, 16, 32), f, "floor")
+    moved = (s - floor).unique().tolist()
+    assert moved == [-1, 0, 1], moved
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(MXFP), bs=st.sampled_from([1, 2, 3, 5, 8, 24, 32, 33]),
+       rows=st.integers(1, 4), blocks=st.integers(1, 4), log_scale=st.integers(-140, 120),
+       seed=st.integers(0, 2 ** 31 - 1), weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
+def test_mxfp_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
+    x = x * float(2.0 ** max(-149, min(log_scale, 127)))  # tiny, subnormal, huge (inf in float16)
+    if rng.random() < 0.3:  # grid ties and zeros of both signs
+        x = torch.from_numpy(rng.integers(-16, 17, x.shape).astype(np.float32)) * 0.125
+        x[x == 0] = -0.0 if rng.random() < 0.5 else 0.0
+    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
+
+
+@pytest.mark.parametrize("name", MXFP)
+def test_mxfp_fused_anchor_ops_match_the_composition(name):
+    """decode_mx_exponents_through and search_mx_through from an MXFP8 anchor = the anchor's
+    quantize-dequantize, then the search / decode, bit for bit (exponents as searched and one off)."""
+    a, f = get_format("mxfp8_e4m3"), get_format(name)
+    for dtype in DTYPES:
+        x = adversarial(seed=17).to(dtype)
+        x[0, :32] = torch.linspace(-1.0, 1.0, 32) * 448.0  # the anchor's largest codes
+        w = torch.rand(x.shape[-1], dtype=torch.float64)
+        base, _ = cpp.fake_quantize_cpp(x, a, 32)
+        s, nonfinite, values = cpp.search_through_cpp(x, a, "floor", f, 32, w, (-1, 1))
+        s_ref, nf_ref, v_ref = oracle(base, name, 32, w.float())
+        assert torch.equal(nonfinite, nf_ref) and torch.equal(s, s_ref), f"{name} {dtype} search"
+        assert_bits_equal(values, v_ref, f"{name} {dtype} fused search values")
+        for d in (0, -1, 1):
+            exps = ((s + d).clamp(-127, 127).to(torch.int32), nonfinite)
+            fused = cpp.decode_exponents_through_cpp(x, a, "floor", f, 32, *exps)
+            assert_bits_equal(fused, reference_through(x, "mxfp8_e4m3", name, 32, exps), f"{name} {dtype} {d:+d}")
+
+
+def test_mxfp_entry_points_are_the_same_with_and_without_the_kernel(monkeypatch):
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 2, 256)
+    imp = torch.rand(256)
+    results = {}
+    for backend in ("cpp", "reference"):
+        monkeypatch.setenv("MFQAT_BACKEND", backend)
+        exps, values = scale_search.search_through_anchor(x, "mxfp8_e4m3", "floor", "mxfp4_e2m1", 32, imp)
+        decoded = scale_search.dequantize_through_with_exponents(x, "mxfp8_e4m3", "floor", "mxfp4_e2m1", 32, exps)
+        results[backend] = (exps, values, decoded, scale_search.quantize_search(x, "mxfp4_e2m1", 32, imp).dequantize())
+    (e1, v1, d1, q1), (e2, v2, d2, q2) = results["cpp"], results["reference"]
+    assert torch.equal(e1[0], e2[0]) and torch.equal(e1[1], e2[1])
+    for a, b, what in ((v1, v2, "search values"), (d1, d2, "decode"), (v1, d1, "kept exponents"), (q1, q2, "ptq")):
+        assert_bits_equal(a, b, what)
