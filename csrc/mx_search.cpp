@@ -8,12 +8,10 @@
 // for h = n / 2, an odd last element carried), so every block picks the same exponent as the
 // reference, near-ties included. Ties keep the earlier candidate (floor first); non-finite blocks
 // keep floor and are flagged.
-// decode_mx_exponents: the values for given exponents; MXINT (reference: _mxint_values): the code
-// clamp(round_half_even(x * 2^-s * 2^k)) with -0 made +0, times 2^(s - k); MXFP: the element rounding of
-// x * 2^-s times 2^s (what encoding then decoding gives); NaN for flagged blocks.
-// search_mx_through / decode_mx_exponents_through: the same on the anchor's quantize-dequantize of x
-// (train-through-anchor), computed per block in registers: one pass over x instead of two or three.
-#include "mx_common.h"
+// search_mx_through: the same on the anchor's quantize-dequantize of x (train-through-anchor), with the
+// values the exponents found decode to (mx_decode.h), computed per block in registers: one pass over x
+// instead of three. The decode ops for kept exponents are in mx_decode.cpp.
+#include "mx_decode.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -78,68 +76,6 @@ void search_blocks(int64_t begin, int64_t end, const T* x, const double* weights
     nonfinite_out[blk] = sc.nonfinite;
     const double* w = weights ? weights + (blk % blocks_per_row) * bs : nullptr;
     s_out[blk] = sc.nonfinite ? sc.s : best_exponent(buf, w, bs, sc.s, hi, p, offsets, n_offsets, acc);
-  }
-}
-
-// One block's MXINT code for exponent s, decoded (reference: _mxint_values): v is x (or its anchor value).
-inline float decode_value(float v, float to_grid, float scale, const MXParams& p) {
-  float c = round_half_even(v * to_grid * p.step);  // two multiplications, as the reference (2^127 * 2^k overflows)
-  c = c < p.code_min ? p.code_min : c;
-  c = c > p.code_max ? p.code_max : c;
-  return (c + 0.0f) * scale;
-}
-
-// A finite block v (x or its anchor values) encoded with exponent s and decoded into o: MXINT by
-// decode_value (scale 2^(s - k)), MXFP as the element rounding of v * 2^-s times 2^s (int_shift is 0).
-template <typename T>
-inline void decode_block(const float* v, int64_t bs, int32_t s, int32_t int_shift, const MXParams& p, T* o) {
-  const float to_grid = exp2i(-s), scale = exp2i(s - int_shift);
-  if (p.is_int) {
-    for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(decode_value(v[i], to_grid, scale, p));
-  } else {
-    for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(round_fp_element(v[i] * to_grid, p) * scale);
-  }
-}
-
-// One block of x quantize-dequantized in the anchor format `a`, as fake_quant_mx stores it in T (exact
-// in T, see mx_cpu.cpp's through_blocks; rounding to T only makes that independent of the argument);
-// NaN for a non-finite block.
-template <typename T>
-inline void anchor_block(const T* in, int64_t bs, const MXParams& a, float* mid) {
-  const BlockScale sa = block_exponent(in, bs, a, mid);
-  const float a_to = exp2i(-sa.s), a_from = exp2i(sa.s);
-  if (sa.nonfinite) {
-    for (int64_t i = 0; i < bs; ++i) mid[i] = std::nanf("");
-  } else if (a.is_int) {
-    for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_int_element(mid[i] * a_to, a) * a_from);
-  } else {
-    for (int64_t i = 0; i < bs; ++i) mid[i] = load_stored<T>(round_fp_element(mid[i] * a_to, a) * a_from);
-  }
-}
-
-// Through = true: x is first quantize-dequantized in the anchor format `a` (the searched formats are
-// searched on the anchor's values), as fake_quant_mx then decode_mx_exponents would, in one pass. The
-// anchor's value is rounded to T as the two-pass composition stores it (it is exact in T, see
-// mx_cpu.cpp's through_blocks; the rounding only makes that independent of the argument).
-template <typename T, bool Through>
-void decode_blocks(int64_t begin, int64_t end, const T* __restrict__ x, const int32_t* s_in, const bool* nonfinite,
-                   T* __restrict__ out,
-                   int64_t bs, MXParams p, int32_t int_shift, MXParams a) {
-  const float nan = std::nanf("");
-  float mid[256];
-  for (int64_t blk = begin; blk < end; ++blk) {
-    const T* in = x + blk * bs;
-    T* o = out + blk * bs;
-    if (nonfinite[blk]) {
-      for (int64_t i = 0; i < bs; ++i) o[i] = store<T>(nan);
-      continue;
-    }
-    if constexpr (Through) {
-      anchor_block(in, bs, a, mid);
-    } else {
-      for (int64_t i = 0; i < bs; ++i) mid[i] = load(in, i);
-    }
-    decode_block(mid, bs, s_in[blk], int_shift, p, o);
   }
 }
 
@@ -210,53 +146,6 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
   return {s, nonfinite};
 }
 
-void check_exponents(const at::Tensor& s, const at::Tensor& nonfinite, int64_t n_blocks) {
-  TORCH_CHECK(s.device().is_cpu() && nonfinite.device().is_cpu(),
-              "mfqat decode_mx_exponents: exponents and mask must be CPU tensors");
-  TORCH_CHECK(s.scalar_type() == at::kInt && s.numel() == n_blocks && nonfinite.scalar_type() == at::kBool &&
-                  nonfinite.numel() == n_blocks,
-              "mfqat decode_mx_exponents: expected int32 exponents and a bool mask with ", n_blocks, " entries");
-}
-
-template <bool Through>
-at::Tensor decode_exponents(const at::Tensor& x_in, const at::Tensor& s_in, const at::Tensor& nonfinite_in,
-                            int64_t block_size, const MXParams& p, int64_t int_shift, const MXParams& a) {
-  check_input(x_in, block_size);
-  const int64_t n_blocks = x_in.numel() / block_size;
-  check_exponents(s_in, nonfinite_in, n_blocks);
-  at::Tensor x = x_in.contiguous();
-  at::Tensor s = s_in.contiguous();
-  at::Tensor nonfinite = nonfinite_in.contiguous();
-  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_decode_mx_exponents", [&] {
-    parallel_blocks<decode_blocks<scalar_t, Through>>(n_blocks, x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(),
-                                                      nonfinite.const_data_ptr<bool>(), out.data_ptr<scalar_t>(),
-                                                      block_size, p, static_cast<int32_t>(int_shift), a);
-  });
-  return out;
-}
-
-at::Tensor decode_mx_exponents(const at::Tensor& x, const at::Tensor& s, const at::Tensor& nonfinite,
-                               int64_t block_size, bool is_int, int64_t emax, int64_t emin, int64_t mbits,
-                               int64_t int_shift, int64_t code_min, int64_t code_max, double max_normal) {
-  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, false);
-  const MXParams unused = make_params(true, 0, 0, 0, 0, 0, 0, 0.0, false);
-  return decode_exponents<false>(x, s, nonfinite, block_size, p, int_shift, unused);
-}
-
-// decode_mx_exponents(fake_quant_mx(x, <anchor>), s, nonfinite, ...) bit for bit, in one pass.
-at::Tensor decode_mx_exponents_through(const at::Tensor& x, const at::Tensor& s, const at::Tensor& nonfinite,
-                                       int64_t block_size, bool a_is_int, int64_t a_emax, int64_t a_emin,
-                                       int64_t a_mbits, int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max,
-                                       double a_max_normal, bool a_ceil_rule, bool is_int, int64_t emax, int64_t emin,
-                                       int64_t mbits, int64_t int_shift, int64_t code_min, int64_t code_max,
-                                       double max_normal) {
-  const MXParams a = make_params(a_is_int, a_emax, a_emin, a_mbits, a_int_shift, a_code_min, a_code_max, a_max_normal,
-                                 a_ceil_rule);
-  const MXParams p = make_params(is_int, emax, emin, mbits, int_shift, code_min, code_max, max_normal, false);
-  return decode_exponents<true>(x, s, nonfinite, block_size, p, int_shift, a);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
     const at::Tensor& x_in, const at::Tensor& weights_in, int64_t block_size, bool a_is_int, int64_t a_emax,
     int64_t a_emin, int64_t a_mbits, int64_t a_int_shift, int64_t a_code_min, int64_t a_code_max, double a_max_normal,
@@ -288,12 +177,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
 TORCH_LIBRARY_FRAGMENT(mfqat, m) {
   m.def("search_mx(Tensor x, Tensor weights, int block_size, bool is_int, int emax, int emin, int mbits, "
         "int int_shift, int code_min, int code_max, float max_normal, int[] offsets) -> (Tensor, Tensor)");
-  m.def("decode_mx_exponents(Tensor x, Tensor s, Tensor nonfinite, int block_size, bool is_int, int emax, int emin, "
-        "int mbits, int int_shift, int code_min, int code_max, float max_normal) -> Tensor");
-  m.def("decode_mx_exponents_through(Tensor x, Tensor s, Tensor nonfinite, int block_size, bool a_is_int, int a_emax, "
-        "int a_emin, int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, "
-        "bool a_ceil_rule, bool is_int, int emax, int emin, int mbits, int int_shift, int code_min, int code_max, "
-        "float max_normal) -> Tensor");
   m.def("search_mx_through(Tensor x, Tensor weights, int block_size, bool a_is_int, int a_emax, int a_emin, "
         "int a_mbits, int a_int_shift, int a_code_min, int a_code_max, float a_max_normal, bool a_ceil_rule, "
         "bool is_int, int emax, int emin, int mbits, int int_shift, int code_min, int code_max, float max_normal, "
@@ -302,8 +185,6 @@ TORCH_LIBRARY_FRAGMENT(mfqat, m) {
 
 TORCH_LIBRARY_IMPL(mfqat, CPU, m) {
   m.impl("search_mx", &search_mx);
-  m.impl("decode_mx_exponents", &decode_mx_exponents);
-  m.impl("decode_mx_exponents_through", &decode_mx_exponents_through);
   m.impl("search_mx_through", &search_mx_through);
 }
 

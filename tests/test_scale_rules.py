@@ -256,8 +256,9 @@ def test_search_in_chunks_and_its_decoded_values_are_one_pass(name, seed, shift,
 
 
 def test_a_single_format_model_is_evaluated_with_the_rule_it_trained_with():
-    """ptq_state quantizes with the given rule: a dedicated mxfp4 QAT model (default rule ceil) is
-    evaluated on the ceil weights its forward used, not on floor's (bench_joint's baseline)."""
+    """ptq_state quantizes with the format's measured rule by default: a dedicated mxfp4 QAT model
+    (default rule ceil) is evaluated on the ceil weights its forward used (bench_joint's baseline,
+    `mfqat train`'s eval of a plain fine-tune, `mfqat eval`'s PTQ rows), and floor only when asked."""
     from mfqat.eval.elastic import ptq_state
     from mfqat.qat.prepare import qat_modules
 
@@ -266,7 +267,8 @@ def test_a_single_format_model_is_evaluated_with_the_rule_it_trained_with():
     mfqat.set_format(model, "mxfp4_e2m1")
     name, lin = next(qat_modules(model))
     rule = DEFAULT_SCALE_RULE["mxfp4_e2m1"]
-    state = ptq_state(model, "mxfp4_e2m1", scale_rule=rule)
-    key = next(k for k in state if k.startswith(name) and k.endswith("weight"))
-    assert torch.equal(state[key], lin.quantized_weight())
-    assert not torch.equal(ptq_state(model, "mxfp4_e2m1")[key], lin.quantized_weight())
+    assert rule == "ceil"
+    for state in (ptq_state(model, "mxfp4_e2m1", scale_rule=rule), ptq_state(model, "mxfp4_e2m1")):
+        key = next(k for k in state if k.startswith(name) and k.endswith("weight"))
+        assert torch.equal(state[key], lin.quantized_weight())
+    assert not torch.equal(ptq_state(model, "mxfp4_e2m1", scale_rule="floor")[key], lin.quantized_weight())

@@ -9,15 +9,20 @@ from torch import nn
 from ..anchor import Anchor, default_targets
 from ..formats import get_format, known_formats
 from ..quant.api import quantize
+from ..quant.scale_rules import DEFAULT_SCALE_RULE
 from .perplexity import perplexity
 
 
 def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optional[List[str]] = None,
-              scale_rule: str = "floor") -> Dict[str, torch.Tensor]:
-    """Direct (post-training) quantization of the model's target weights to ``fmt`` (``scale_rule``:
-    the MX scale rule, e.g. the one a single-format QAT model trained with)."""
+              scale_rule: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Direct (post-training) quantization of the model's target weights to ``fmt``. ``scale_rule``:
+    the MX scale rule; default the format's measured rule (:data:`mfqat.quant.scale_rules.
+    DEFAULT_SCALE_RULE`: ceil for mxfp4, floor elsewhere), which a single-format QAT model of ``fmt``
+    also trains with and an anchor slices with."""
     sd = model.state_dict()
     names = targets or default_targets(model, block_size)
+    if scale_rule is None:
+        scale_rule = DEFAULT_SCALE_RULE.get(get_format(fmt).name, "floor") if get_format(fmt).is_mx else "floor"
     return {k: quantize(sd[k].float(), fmt, block_size, scale_rule).dequantize(sd[k].dtype) for k in names}
 
 
