@@ -13,8 +13,9 @@ ratio to it is what fake-quant adds). ``--two-pass`` also times
 the joint step with the fused train-through-anchor op switched off (two quantize-dequantize passes
 per weight for each format below the anchor, as before the fused op). ``--memory`` runs each
 configuration in its own process and reports its peak resident set after 3 steps. ``--search`` also
-times the joint step with the ``search`` scale rule for its mxint6..mxint3 formats
-(mfqat/configs/mxint_joint_search.yaml: the per-block exponent search inside training).
+times the joint step with the ``search`` scale rule for its formats below the anchor
+(mfqat/configs/mxint_joint_search.yaml, mxfp_joint_search.yaml: the per-block exponent search inside
+training); ``--joint mxfp8_e4m3,mxfp6_e2m3,mxfp4_e2m1 --format mxfp4_e2m1`` times the float family.
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
 configuration is reported, so slow drifts of the machine hit every configuration alike. Also prints
@@ -161,10 +162,10 @@ def main() -> None:
         if a.two_pass:
             runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
         if a.search:
-            from mfqat.quant.scale_rules import SCALE_SEARCH_FORMATS
+            from mfqat.quant.scale_rules import SEARCH_RULE_FORMATS
 
             searched = copy.deepcopy(model)
-            rules = {f: "search" for f in formats if f in SCALE_SEARCH_FORMATS}
+            rules = {f: "search" for f in formats if f in SEARCH_RULE_FORMATS}
             mfqat.prepare(searched, mfqat.QATConfig(formats=formats, schedule="joint", scale_rules=rules))
             runs[f"joint x{len(formats)} [search]"] = (make_joint_step(searched, batch, formats), "auto", True)
     fused_built = cpp.THROUGH_AVAILABLE

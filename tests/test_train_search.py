@@ -190,7 +190,9 @@ def test_search_rule_misuse_is_refused(kwargs, why):
         QATConfig(**{"formats": FORMATS, "schedule": "joint", **kwargs})
 
 
-def test_export_mlx_writes_the_trained_search_blocks(tmp_path):
+@pytest.mark.parametrize("formats, rules, fmt", [(FORMATS, SEARCH, "mxint4"), (MXFP, MXFP_SEARCH, "mxfp4_e2m1")],
+                         ids=["mxint4", "mxfp4"])
+def test_export_mlx_writes_the_trained_search_blocks(tmp_path, formats, rules, fmt):
     """The MLX model of a search-trained anchor holds the blocks the model trained on (no calibration)."""
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
@@ -204,11 +206,11 @@ def test_export_mlx_writes_the_trained_search_blocks(tmp_path):
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     m = tiny_llama(vocab_size=len(tok))
-    mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
+    mfqat.prepare(m, QATConfig(formats=formats, schedule="joint", scale_rules=rules))
     ids = torch.randint(0, len(tok), (2, 32))
-    joint_backward(m, m, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda l: l.backward())
+    joint_backward(m, m, {"input_ids": ids, "labels": ids}, formats, lambda f: 1.0, lambda l: l.backward())
     path = mfqat.save_anchor(m.eval(), tmp_path / "a", tokenizer=tok)
-    rep = to_mlx(path, tmp_path / "m", recipe="uniform:mxint4")
+    rep = to_mlx(path, tmp_path / "m", recipe=f"uniform:{fmt}")
     assert rep["verify"]["weights_bit_exact"]
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     weights = {}
@@ -216,7 +218,7 @@ def test_export_mlx_writes_the_trained_search_blocks(tmp_path):
         weights.update(mx.load(str(f)))
     for name, lin in qat_modules(m):
         got = mlx_dequantized(tmp_path / "m", name, weights, cfg["quantization"])
-        assert np.array_equal(got, lin.quantized_weight("mxint4").detach().numpy()), name
+        assert np.array_equal(got, lin.quantized_weight(fmt).detach().numpy()), name
 
 
 def test_mlx_training_refuses_the_search_rule():
