@@ -3,7 +3,8 @@ anchor): the C++ ops (csrc/mx_search.cpp) are bit-exact with the PyTorch oracle
 (mfqat.quant.scale_search.mx_search_exponent and the MXFP encode + decode) on random, adversarial and
 hypothesis inputs, weighted and not, in float32, bfloat16 and float16; the fused train-through-anchor
 ops equal the composition; the public entry points give the same bits with and without the kernel.
-CUDA keeps the oracle for MXFP (the Triton search kernel is MXINT-only)."""
+The Triton kernels are checked the same way (under TRITON_INTERPRET=1 here, compiled on CUDA by
+scripts/gpu_check.sh)."""
 import numpy as np
 import pytest
 import torch
@@ -15,15 +16,16 @@ from mfqat.quant import scale_search
 from mfqat.quant.kernels import cpp, search_dispatch
 
 from .test_kernels import DTYPES, adversarial, assert_bits_equal
-from .test_search_kernel import assert_same, oracle, reference_through
+from .test_search_kernel import PATHS, assert_same, oracle, reference_through
 
 MXFP = ["mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1"]
-pytestmark = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
+needs_cpp = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
 
 
+@pytest.mark.parametrize("path", PATHS, ids="-".join)
 @pytest.mark.parametrize("name", MXFP)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_mxfp_search_kernel_matches_oracle_on_adversarial_and_random_input(name, weighted):
+def test_mxfp_search_kernel_matches_oracle_on_adversarial_and_random_input(path, name, weighted):
     g = torch.Generator().manual_seed(2)
     cases = {"adversarial": adversarial(), "random": torch.randn(48, 256, generator=g) * torch.rand(48, 1, generator=g)}
     for label, x in cases.items():
@@ -32,9 +34,10 @@ def test_mxfp_search_kernel_matches_oracle_on_adversarial_and_random_input(name,
             imp = torch.rand(x.shape[-1], generator=g) ** 4
             imp[::7] = 0.0
         for dtype in DTYPES:
-            assert_same(x.to(dtype), name, 32, imp, f"{name} {label} {dtype} weighted={weighted}")
+            assert_same(x.to(dtype), name, 32, imp, f"{name} {label} {dtype} weighted={weighted}", path)
 
 
+@needs_cpp
 def test_mxfp_search_moves_blocks_off_floor_and_past_ceil():
     """Not a vacuous comparison: the weighted search picks floor-1, floor and floor+1 on random weights."""
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
@@ -45,6 +48,7 @@ def test_mxfp_search_moves_blocks_off_floor_and_past_ceil():
     assert moved == [-1, 0, 1], moved
 
 
+@needs_cpp
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(MXFP), bs=st.sampled_from([1, 2, 3, 5, 8, 24, 32, 33]),
        rows=st.integers(1, 4), blocks=st.integers(1, 4), log_scale=st.integers(-140, 120),
@@ -60,6 +64,7 @@ def test_mxfp_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_
     assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
 
 
+@needs_cpp
 @pytest.mark.parametrize("name", MXFP)
 def test_mxfp_fused_anchor_ops_match_the_composition(name):
     """decode_mx_exponents_through and search_mx_through from an MXFP8 anchor = the anchor's
@@ -80,6 +85,21 @@ def test_mxfp_fused_anchor_ops_match_the_composition(name):
             assert_bits_equal(fused, reference_through(x, "mxfp8_e4m3", name, 32, exps), f"{name} {dtype} {d:+d}")
 
 
+@pytest.mark.skipif(not any(p[0] == "triton" for p in PATHS), reason="Triton not usable here")
+@settings(max_examples=25, deadline=None)
+@given(name=st.sampled_from(MXFP), bs=st.sampled_from([8, 16, 32, 64, 256]), rows=st.integers(1, 3),
+       blocks=st.integers(1, 3), log_scale=st.integers(-140, 120), seed=st.integers(0, 2 ** 31 - 1),
+       weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
+def test_mxfp_triton_search_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
+    x = x * float(2.0 ** max(-149, min(log_scale, 127)))
+    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    path = next(p for p in PATHS if p[0] == "triton")
+    assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}", path)
+
+
+@needs_cpp
 def test_mxfp_entry_points_are_the_same_with_and_without_the_kernel(monkeypatch):
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(6)) * torch.logspace(-3, 2, 256)
     imp = torch.rand(256)

@@ -5,7 +5,7 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 * ``triton`` - fused Triton kernels (CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which the tests use and ``auto`` never picks);
 * ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built
-  (it also has the MX scale search, :func:`search_dispatch`; Triton has it for MXINT: ``triton_search``);
+  (it also has the MX scale search, :func:`search_dispatch`, as has Triton: ``triton_search``);
 * ``reference`` - pure PyTorch, every device, every format.
 
 ``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
@@ -141,9 +141,9 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
 
 def search_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, weights: Optional[torch.Tensor],
                     offsets: Tuple[int, ...]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """The MX scale search (exponent per block, non-finite mask) with the C++ op (CPU, MXINT and MXFP) or
-    the Triton kernel (CUDA, MXINT); None when only the reference applies (MXFP on CUDA,
-    ``MFQAT_BACKEND=reference``, a block size or candidate set the kernel lacks, an older build)."""
+    """The MX scale search (exponent per block, non-finite mask) with the C++ op (CPU) or the Triton
+    kernel (CUDA), MXINT and MXFP; None when only the reference applies (``MFQAT_BACKEND=reference``,
+    a block size or candidate set the kernel lacks, an older build)."""
     backend = _search_backend(x, fmt, block_size, offsets)
     if backend == "cpp":
         return cpp.search_cpp(x, fmt, block_size, weights, offsets)
@@ -197,7 +197,7 @@ def _search_backend(x: torch.Tensor, fmt: ElementFormat, block_size: int, offset
     if name in ("auto", "cpp") and x.device.type == "cpu" and cpp.SEARCH_AVAILABLE:
         return "cpp"
     on_device = x.device.type == "cuda" or name == "triton"
-    if fmt.family == "mxint" and name in ("auto", "triton") and on_device and triton_mx.usable_on(x.device) \
+    if name in ("auto", "triton") and on_device and triton_mx.usable_on(x.device) \
             and triton_search.applies(block_size, offsets):
         return "triton"
     return None
