@@ -24,8 +24,9 @@ done
 echo "== fused train-through-anchor kernel (triton on cuda, bit-exact with two passes) =="
 "$PY" -m pytest -q -p no:cacheprovider tests/test_through_kernel.py 2>&1 | tee "$LOG/tests_through.txt" | tail -3
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-echo "== MXINT scale search kernel (triton on cuda, bit-exact with the oracle) =="
-"$PY" -m pytest -q -p no:cacheprovider tests/test_search_kernel.py -k "cuda or triton_search" 2>&1 | tee "$LOG/tests_search.txt" | tail -3
+echo "== MX scale search kernels, MXINT and MXFP (triton on cuda, bit-exact with the oracle) =="
+"$PY" -m pytest -q -p no:cacheprovider tests/test_search_kernel.py tests/test_search_kernel_mxfp.py \
+  -k "cuda or triton_search" 2>&1 | tee "$LOG/tests_search.txt" | tail -3
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== bitsandbytes QLoRA on CUDA (NF4 base, paged 8-bit AdamW, a tiny Llama) =="
 "$PY" -m pytest -q -p no:cacheprovider tests/test_qlora.py tests/test_eval_bnb.py 2>&1 | tee "$LOG/tests_qlora.txt" | tail -3
