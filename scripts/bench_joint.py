@@ -64,6 +64,8 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
                                                     "--steps", str(max(steps // k, 1))]
         out[f"joint-{fam}-search-low2x-distill"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
                                                     "--loss-weights", f"{low}=2", "--distill-weight", "0.5"]
+        out[f"joint-{fam}-search-distill"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
+                                              "--distill-weight", "0.5"]
     if fam == "mxfp":  # the same search for the float family (mfqat/configs/mxfp_joint_search.yaml)
         out[f"joint-{fam}-search"] = ["--qat-config", "mxfp_joint_search", "--steps", str(steps)]
         out[f"joint-{fam}-search-nodistill"] = ["--qat-config", "mxfp_joint_search", "--steps", str(steps),
