@@ -1,4 +1,4 @@
-// Shared helpers of the mfqat CPU ops (mx_cpu.cpp, mx_search.cpp): bit-level float helpers, the MX
+// Shared helpers of the mfqat CPU ops (mx_cpu.cpp, mx_slice.cpp, mx_search.cpp, mx_decode.cpp): bit-level float helpers, the MX
 // format parameters, the shared exponent of a block and the element roundings. Bit-exact with
 // mfqat/quant/reference.py; see mx_cpu.cpp's top comment for how.
 #pragma once

@@ -7,28 +7,33 @@ the mean squared input activation of the Linear on calibration text (mfqat.impor
 with the model in the anchor's own format (mfqat.quant.scale_search). Every block stays a legal
 MX block, and in weighted squared error it is never worse than floor.
 
-It is applied only to :data:`mfqat.quant.scale_rules.SCALE_SEARCH_FORMATS` (mxint6..mxint3),
-where it beat the default rule on two held-out texts (BENCHMARKS.md "Scale rules"); the anchor's
-own format, and MXFP formats, keep their rule. Used by ``load_anchor(..., calib=...)``,
+It is applied to :data:`mfqat.quant.scale_rules.SCALE_SEARCH_FORMATS` (mxint6..mxint3), where it
+beat the default rule on two held-out texts (BENCHMARKS.md "Scale rules"), and to any format whose
+rule the anchor records as ``search`` (trained in, e.g. mxfp4 of an ``mxfp_joint_search`` anchor:
+the calibration's importance then replaces the stored one); the anchor's own format, and the other
+MXFP formats, keep their rule. Used by ``load_anchor(..., calib=...)``,
 ``mfqat eval / convert / export-mlx --scale-search`` and the demo.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .anchor import Anchor, anchor_model
 from .formats import FORMATS, canonical_name
 from .importance import importance_matrix
-from .quant.scale_rules import SCALE_SEARCH_FORMATS
+from .quant.scale_rules import SCALE_SEARCH_FORMATS, SEARCH_RULE
 
 
-def searchable_formats(anchor_fmt: str) -> List[str]:
-    """The formats below ``anchor_fmt`` of its family that the search serves better than their rule."""
+def searchable_formats(anchor_fmt: str, recorded: Optional[Mapping[str, str]] = None) -> List[str]:
+    """The formats below ``anchor_fmt`` of its family that the search serves better than their rule,
+    and those whose rule in ``recorded`` (an anchor's ``scale_rules``) is the trained-in search."""
     a = FORMATS[anchor_fmt]
-    return [n for n in SCALE_SEARCH_FORMATS if FORMATS[n].family == a.family and FORMATS[n].bits < a.bits]
+    trained = [n for n, r in (recorded or {}).items() if r == SEARCH_RULE and n != anchor_fmt]
+    return [n for n in FORMATS if (n in SCALE_SEARCH_FORMATS or n in trained)
+            and FORMATS[n].family == a.family and FORMATS[n].bits < a.bits]
 
 
 def mark_scale_search(anchor: Anchor, importance: Dict[str, torch.Tensor], formats: Sequence[str]) -> int:
@@ -56,7 +61,7 @@ def search_scales(anchor: Anchor, calib: torch.Tensor, formats: Union[None, str,
     report entry: the statistic, calibration tokens, formats searched, tensors marked.
     """
     check_calib(calib, anchor)
-    can = searchable_formats(anchor.format)
+    can = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
     asked = None if formats is None else [canonical_name(f) for f in ([formats] if isinstance(formats, str) else formats)]
     wanted = can if asked is None else [n for n in can if n in asked]
     skipped = [] if asked is None else [n for n in asked if n not in can]

@@ -36,13 +36,14 @@ def need_path(path: Optional[str], flag: str, what: str = "file or folder") -> N
 
 
 def need_searched_format(fmt: Optional[str]) -> None:
-    """``convert --scale-search`` needs a ``--to`` that the search serves (mxint6..mxint3)."""
+    """``convert --scale-search`` needs a ``--to`` that the search can serve (mxint6..mxint3, and the
+    MXFP formats an anchor trained with the search rule: mfqat.anchor_search.searchable_formats)."""
     from .formats import canonical_name
-    from .quant.scale_rules import SCALE_SEARCH_FORMATS  # loads torch: only with --scale-search
+    from .quant.scale_rules import SEARCH_RULE_FORMATS  # loads torch: only with --scale-search
 
-    if not fmt or canonical_name(fmt) not in SCALE_SEARCH_FORMATS:
+    if not fmt or canonical_name(fmt) not in SEARCH_RULE_FORMATS:
         raise UsageError(f"--scale-search: --to {fmt or '(the anchor format)'} is not searched; the search serves "
-                         f"{', '.join(SCALE_SEARCH_FORMATS)} (other formats keep their scale rule)")
+                         f"{', '.join(SEARCH_RULE_FORMATS)} (other formats keep their scale rule)")
 
 
 def need_calib_text(a) -> None:

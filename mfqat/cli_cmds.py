@@ -134,10 +134,11 @@ def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> No
     from .anchor_search import search_scales, searchable_formats
     from .formats import canonical_name
 
-    served = [f for f in formats if canonical_name(f) in searchable_formats(anchor.format)]
+    can = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
+    served = [f for f in formats if canonical_name(f) in can]
     if not served:
         print(f"scale search: none of {', '.join(formats)} is searched from a {anchor.format} anchor "
-              f"(it serves {', '.join(searchable_formats(anchor.format)) or 'no format of this family'})")
+              f"(it serves {', '.join(can) or 'no format of this family'})")
         return
     rep = search_scales(anchor, calibration_ids(tok, calib_text), served)
     print(f"scale search: {', '.join(rep['formats'])} lowered with the output-aware per-block exponent "

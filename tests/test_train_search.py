@@ -102,6 +102,24 @@ def test_mxfp_search_trained_model_equals_its_loaded_anchor_and_beats_its_rule(t
     assert changed > 0
 
 
+def test_calibrating_an_mxfp_searched_anchor_replaces_its_importance(tmp_path):
+    """load_anchor(calib=) on an anchor trained with the MXFP search recalibrates those formats (not
+    the untrained-search MXFP formats' rule), and the weights follow the new importance."""
+    from mfqat.anchor_search import search_scales
+
+    m, ids = trained(steps=1, rules={"mxfp4_e2m1": "search"}, formats=MXFP)
+    path = mfqat.save_anchor(m, tmp_path / "a")
+    stored = read_anchor(path)
+    before = {k: q.dequantize() for k, q in stored.in_format("mxfp4_e2m1").items()}
+    anchor = read_anchor(path)
+    rep = search_scales(anchor, torch.randint(0, m.config.vocab_size, (2, 16)), ["mxfp4_e2m1"])
+    assert rep["formats"] == ["mxfp4_e2m1"] and rep["tensors"] > 0
+    with pytest.warns(UserWarning, match="not used for mxfp6_e2m3"):
+        assert search_scales(read_anchor(path), ids, ["mxfp6_e2m3"])["formats"] == []
+    after = {k: q.dequantize() for k, q in anchor.in_format("mxfp4_e2m1").items()}
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_search_changes_the_weights_and_never_raises_the_weighted_error(model_and_anchor):
     m, _, _ = model_and_anchor
     changed = 0

@@ -50,10 +50,11 @@ def to_torch_model(model: nn.Module, source_dir: Union[str, Path]):
     return tmodel
 
 
-def save_anchor(model: nn.Module, path: Union[str, Path], fmt: str = "mxint8",
+def save_anchor(model: nn.Module, path: Union[str, Path], fmt: Optional[str] = None,
                 source_dir: Union[str, Path, None] = None, tokenizer=None, block_size: int = 32,
                 step: Optional[int] = None, schedule: Optional[dict] = None, overwrite: bool = False) -> Path:
-    """Save an MLX model (prepared or plain) as an anchor in ``fmt``.
+    """Save an MLX model (prepared or plain) as an anchor in ``fmt`` (default: the format a prepared
+    model trains through, else mxint8).
 
     ``source_dir`` is the directory the model was loaded from (its config.json names the
     architecture). The MF-QAT layers' master weights are quantized; a plain model gets the
@@ -70,5 +71,6 @@ def save_anchor(model: nn.Module, path: Union[str, Path], fmt: str = "mxint8",
 
         tok = AutoTokenizer.from_pretrained(str(source_dir))
     rules = next((dict(m.scale_rules) for _, m in qat_layers(model) if m.scale_rules), None)
+    fmt = fmt or next((m.anchor_format for _, m in qat_layers(model) if m.anchor_format), "mxint8")
     return torch_save_anchor(tmodel, path, fmt, hf_tokenizer(tok) if tok is not None else None, block_size=block_size,
                              targets=targets, step=step, schedule=schedule, overwrite=overwrite, scale_rules=rules)

@@ -75,7 +75,7 @@ class QATConfig:
             to every format.
         scale_rules: {format: floor | ceil | search} overriding the rule per format (both roundings
             of train-through-anchor follow it; the anchor records it and Slice-and-Scale on load uses
-            it). ``search`` (mxint6..mxint2 through an MXINT8 anchor, mxfp6/mxfp4 through an
+            it). ``search`` (mxint6..mxint3 through an MXINT8 anchor, mxfp6/mxfp4 through an
             MXFP8 E4M3 anchor): each block's exponent
             e_b = argmin_{e in s0-1, s0, s0+1} sum_j I_j (A_j - qdq_e(A)_j)^2 over the anchor's
             values A, with I_j = mean x_j^2, the Linear's squared input per column averaged over

@@ -34,7 +34,7 @@ SCALE_SEARCH_FORMATS = ("mxint6", "mxint5", "mxint4", "mxint3")
 # 8-bit anchor of either family (trained in, the MXFP formats' search is measured separately from the
 # post-training one above: BENCHMARKS.md "Joint MF-QAT", MXFP family).
 SEARCH_RULE = "search"
-SEARCH_RULE_FORMATS = (*SCALE_SEARCH_FORMATS, "mxint2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1")
+SEARCH_RULE_FORMATS = (*SCALE_SEARCH_FORMATS, "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1")
 SEARCH_ANCHORS = ("mxint8", "mxfp8_e4m3")  # the anchors a searched format trains through
 
 MX_FORMATS = tuple(name for name, f in FORMATS.items() if f.is_mx)

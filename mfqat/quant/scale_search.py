@@ -16,9 +16,9 @@ squared error of the layer's output contribution under uncorrelated inputs: the 
 :func:`quantize_search`; training (MFQATLinear, where a QATConfig's ``scale_rules`` names ``search``
 for a format) uses :func:`search_exponents`, :func:`dequantize_with_exponents` and
 :func:`straight_through` on the anchor's values (docs/numerics.md, "Scale rules"). Those three
-entry points run MXINT through a kernel bit-exact with the oracle (tests/test_search_kernel.py): the
-C++ ops (``csrc/mx_search.cpp``) on CPU, Triton (``kernels/triton_search.py``) on CUDA; MXFP uses
-the oracle.
+entry points run MXINT and MXFP through a kernel bit-exact with the oracle (tests/test_search_kernel.py,
+tests/test_search_kernel_mxfp.py): the C++ ops (``csrc/mx_search.cpp``, ``csrc/mx_decode.cpp``) on
+CPU, Triton (``kernels/triton_search.py``) on CUDA.
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def quantize_search(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] 
 def search_exponents(x: torch.Tensor, fmt: FormatLike, block_size: int,
                      importance: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(shared exponent per block, non-finite mask) that :func:`quantize_search` picks for ``x``
-    (the C++ op for MXINT on CPU, else :func:`mx_search_exponent`)."""
+    (the C++ op on CPU, the Triton kernel on CUDA, else :func:`mx_search_exponent`)."""
     f = get_format(fmt)
     if x.dim() and x.shape[-1] % block_size == 0:
         weights = block_weights(importance, x.shape[-1], block_size, x.device)

@@ -3,7 +3,8 @@
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
 ``slice_mx`` (mx_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
-``search_mx_through`` / ``decode_mx_exponents_through`` (the MX scale search, mx_search.cpp); fake (meta)
+``search_mx_through`` / ``decode_mx_exponents_through`` (the MX scale search, mx_search.cpp and
+mx_decode.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
 never fails: :data:`AVAILABLE` says whether the extension loaded, :data:`LOAD_ERROR` why not.
 """
