@@ -100,14 +100,21 @@ def test_search_kernel_changes_exponents_where_the_oracle_does(path):
        rows=st.integers(1, 4), blocks=st.integers(1, 4), log_scale=st.integers(-140, 120),
        seed=st.integers(0, 2 ** 31 - 1), weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
 def test_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
+    x, imp = property_case(seed, rows, blocks, bs, log_scale, weighted)
+    assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
+
+
+def property_case(seed: int, rows: int, blocks: int, bs: int, log_scale: int, weighted: bool, ties: bool = True):
+    """(x, importance or None) of a hypothesis example: normal values scaled by 2^log_scale (tiny,
+    subnormal, huge: inf in float16), or with ``ties`` sometimes grid ties and zeros of both signs."""
     rng = np.random.default_rng(seed)
     x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
-    x = x * float(2.0 ** max(-149, min(log_scale, 127)))  # tiny, subnormal, huge (inf in float16)
-    if rng.random() < 0.3:  # grid ties and zeros of both signs
+    x = x * float(2.0 ** max(-149, min(log_scale, 127)))
+    if ties and rng.random() < 0.3:
         x = torch.from_numpy(rng.integers(-16, 17, x.shape).astype(np.float32)) * 0.125
         x[x == 0] = -0.0 if rng.random() < 0.5 else 0.0
     imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
-    assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
+    return x, imp
 
 
 @pytest.mark.skipif(not any(p[0] == "triton" for p in PATHS), reason="Triton not usable here")
@@ -116,10 +123,7 @@ def test_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_scale
        blocks=st.integers(1, 3), log_scale=st.integers(-140, 120), seed=st.integers(0, 2 ** 31 - 1),
        weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
 def test_triton_search_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
-    rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
-    x = x * float(2.0 ** max(-149, min(log_scale, 127)))
-    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    x, imp = property_case(seed, rows, blocks, bs, log_scale, weighted, ties=False)
     path = next(p for p in PATHS if p[0] == "triton")
     assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}", path)
 

@@ -5,7 +5,6 @@ hypothesis inputs, weighted and not, in float32, bfloat16 and float16; the fused
 ops equal the composition; the public entry points give the same bits with and without the kernel.
 The Triton kernels are checked the same way (under TRITON_INTERPRET=1 here, compiled on CUDA by
 scripts/gpu_check.sh)."""
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +15,7 @@ from mfqat.quant import scale_search
 from mfqat.quant.kernels import cpp, search_dispatch
 
 from .test_kernels import DTYPES, adversarial, assert_bits_equal
-from .test_search_kernel import PATHS, assert_same, oracle, reference_through
+from .test_search_kernel import PATHS, assert_same, oracle, property_case, reference_through
 
 MXFP = ["mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1"]
 needs_cpp = pytest.mark.skipif(not cpp.SEARCH_AVAILABLE, reason="C++ extension (search ops) not built")
@@ -54,13 +53,7 @@ def test_mxfp_search_moves_blocks_both_ways_off_floor():
        rows=st.integers(1, 4), blocks=st.integers(1, 4), log_scale=st.integers(-140, 120),
        seed=st.integers(0, 2 ** 31 - 1), weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
 def test_mxfp_search_kernel_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
-    rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
-    x = x * float(2.0 ** max(-149, min(log_scale, 127)))  # tiny, subnormal, huge (inf in float16)
-    if rng.random() < 0.3:  # grid ties and zeros of both signs
-        x = torch.from_numpy(rng.integers(-16, 17, x.shape).astype(np.float32)) * 0.125
-        x[x == 0] = -0.0 if rng.random() < 0.5 else 0.0
-    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    x, imp = property_case(seed, rows, blocks, bs, log_scale, weighted)
     assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}")
 
 
@@ -91,10 +84,7 @@ def test_mxfp_fused_anchor_ops_match_the_composition(name):
        blocks=st.integers(1, 3), log_scale=st.integers(-140, 120), seed=st.integers(0, 2 ** 31 - 1),
        weighted=st.booleans(), dtype=st.sampled_from(DTYPES))
 def test_mxfp_triton_search_matches_oracle_property(name, bs, rows, blocks, log_scale, seed, weighted, dtype):
-    rng = np.random.default_rng(seed)
-    x = torch.from_numpy(rng.standard_normal((rows, blocks * bs)).astype(np.float32))
-    x = x * float(2.0 ** max(-149, min(log_scale, 127)))
-    imp = torch.from_numpy(rng.random(blocks * bs).astype(np.float32)) if weighted else None
+    x, imp = property_case(seed, rows, blocks, bs, log_scale, weighted)
     path = next(p for p in PATHS if p[0] == "triton")
     assert_same(x.to(dtype), name, bs, imp, f"{name} bs={bs} {dtype}", path)
 
