@@ -71,7 +71,7 @@ def assert_same(x: torch.Tensor, name: str, bs: int, importance, what: str, path
 
 
 @pytest.mark.parametrize("path", PATHS, ids="-".join)
-@pytest.mark.parametrize("name", MXINT)
+@pytest.mark.parametrize("name", MXINT + ["mxfp6_e2m3", "mxfp6_e3m2", "mxfp4_e2m1"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_search_kernel_matches_oracle_on_adversarial_and_random_input(path, name, weighted):
     g = torch.Generator().manual_seed(1)
