@@ -58,6 +58,17 @@ void parallel_blocks(int64_t n_blocks, Args... args) {
   });
 }
 
+// parallel_blocks of Blocks32 when the block size is 32 (the default: a block's loops then have a
+// constant trip count and unroll), else of BlocksAny (any size). Both do the same operations.
+template <auto Blocks32, auto BlocksAny, typename... Args>
+void parallel_sized_blocks(int64_t block_size, int64_t n_blocks, Args... args) {
+  if (block_size == 32) {
+    parallel_blocks<Blocks32>(n_blocks, args...);
+  } else {
+    parallel_blocks<BlocksAny>(n_blocks, args...);
+  }
+}
+
 constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
 
 inline uint32_t float_bits(float v) {

@@ -17,8 +17,9 @@
 namespace mfqat {
 namespace {
 
-template <typename T>
-void fake_quant_blocks(int64_t begin, int64_t end, const T* x, T* out, bool* mask, int64_t bs, MXParams p) {
+template <typename T, int64_t BS>
+void fake_quant_blocks(int64_t begin, int64_t end, const T* x, T* out, bool* mask, int64_t bs_arg, MXParams p) {
+  const int64_t bs = BS ? BS : bs_arg;  // a constant where BS is given: a block's loops unroll
   const float nan = std::nanf("");
   float buf[256];
   for (int64_t blk = begin; blk < end; ++blk) {
@@ -51,8 +52,10 @@ void fake_quant_blocks(int64_t begin, int64_t end, const T* x, T* out, bool* mas
 // a quantum no finer than the input's where it rounds, and a saturated maximum that the input's own
 // grid cannot exceed; tests/test_through_kernel.py checks it for every value of float16/bfloat16).
 // The mask is the union of both stages' saturation masks (the straight-through gradient passes both).
-template <typename T>
-void through_blocks(int64_t begin, int64_t end, const T* x, T* out, bool* mask, int64_t bs, MXParams a, MXParams f) {
+template <typename T, int64_t BS>
+void through_blocks(int64_t begin, int64_t end, const T* x, T* out, bool* mask, int64_t bs_arg, MXParams a,
+                    MXParams f) {
+  const int64_t bs = BS ? BS : bs_arg;
   const float nan = std::nanf("");
   float buf[256];
   float mid[256];
@@ -136,8 +139,8 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_mx(const at::Tensor& x_in, int64_t
   const int64_t n_blocks = x.numel() / block_size;
   bool* m = need_mask ? mask.data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_fake_quant_mx", [&] {
-    parallel_blocks<fake_quant_blocks<scalar_t>>(n_blocks, x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m,
-                                                 block_size, p);
+    parallel_sized_blocks<fake_quant_blocks<scalar_t, 32>, fake_quant_blocks<scalar_t, 0>>(
+        block_size, n_blocks, x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, block_size, p);
   });
   return {out, mask};
 }
@@ -157,8 +160,8 @@ std::tuple<at::Tensor, at::Tensor> fake_quant_mx_through(
   const int64_t n_blocks = x.numel() / block_size;
   bool* m = need_mask ? mask.data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_fake_quant_mx_through", [&] {
-    parallel_blocks<through_blocks<scalar_t>>(n_blocks, x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m,
-                                              block_size, a, f);
+    parallel_sized_blocks<through_blocks<scalar_t, 32>, through_blocks<scalar_t, 0>>(
+        block_size, n_blocks, x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), m, block_size, a, f);
   });
   return {out, mask};
 }

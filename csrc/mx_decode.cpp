@@ -17,10 +17,10 @@ namespace {
 // searched on the anchor's values), as fake_quant_mx then decode_mx_exponents would, in one pass. The
 // anchor's value is rounded to T as the two-pass composition stores it (it is exact in T, see
 // mx_cpu.cpp's through_blocks; the rounding only makes that independent of the argument).
-template <typename T, bool Through>
+template <typename T, bool Through, int64_t BS>
 void decode_blocks(int64_t begin, int64_t end, const T* __restrict__ x, const int32_t* s_in, const bool* nonfinite,
-                   T* __restrict__ out,
-                   int64_t bs, MXParams p, int32_t int_shift, MXParams a) {
+                   T* __restrict__ out, int64_t bs_arg, MXParams p, int32_t int_shift, MXParams a) {
+  const int64_t bs = BS ? BS : bs_arg;  // a constant where BS is given: a block's loops unroll
   const float nan = std::nanf("");
   float mid[256];
   for (int64_t blk = begin; blk < end; ++blk) {
@@ -58,9 +58,9 @@ at::Tensor decode_exponents(const at::Tensor& x_in, const at::Tensor& s_in, cons
   at::Tensor nonfinite = nonfinite_in.contiguous();
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_decode_mx_exponents", [&] {
-    parallel_blocks<decode_blocks<scalar_t, Through>>(n_blocks, x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(),
-                                                      nonfinite.const_data_ptr<bool>(), out.data_ptr<scalar_t>(),
-                                                      block_size, p, static_cast<int32_t>(int_shift), a);
+    parallel_sized_blocks<decode_blocks<scalar_t, Through, 32>, decode_blocks<scalar_t, Through, 0>>(
+        block_size, n_blocks, x.const_data_ptr<scalar_t>(), s.const_data_ptr<int32_t>(), nonfinite.const_data_ptr<bool>(),
+        out.data_ptr<scalar_t>(), block_size, p, static_cast<int32_t>(int_shift), a);
   });
   return out;
 }

@@ -16,10 +16,36 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <vector>
 
 namespace mfqat {
 namespace {
+
+#if defined(__GNUC__)
+typedef double f64x4 __attribute__((vector_size(32)));
+
+// The pairwise sum below for 32 terms, in registers: the same additions in the same order (pairs
+// (i, i + 16), then (i, i + 8), ...). The loop's in-memory version stalls on store forwarding.
+inline double pairwise_sum32(const double* t) {
+  f64x4 v[8];
+  std::memcpy(v, t, sizeof(v));
+  for (int k = 0; k < 4; ++k) v[k] += v[k + 4];
+  v[0] += v[2];
+  v[1] += v[3];
+  v[0] += v[1];
+  return (v[0][0] + v[0][2]) + (v[0][1] + v[0][3]);
+}
+#else
+inline double pairwise_sum32(const double* t) {
+  double a[32];
+  std::memcpy(a, t, sizeof(a));
+  for (int h = 16; h >= 1; h /= 2) {
+    for (int i = 0; i < h; ++i) a[i] += a[i + h];
+  }
+  return a[0];
+}
+#endif
 
 // err(s) of one finite float32 block (w: its float64 column weights, or nullptr).
 inline double block_error(const float* v, const double* w, int64_t bs, int32_t s, const MXParams& p, double* acc) {
@@ -38,6 +64,7 @@ inline double block_error(const float* v, const double* w, int64_t bs, int32_t s
   if (w) {
     for (int64_t i = 0; i < bs; ++i) acc[i] *= w[i];
   }
+  if (bs == 32) return pairwise_sum32(acc);
   int64_t n = bs;
   while (n > 1) {
     const int64_t h = n / 2;
@@ -65,9 +92,10 @@ inline int32_t best_exponent(const float* v, const double* w, int64_t bs, int32_
   return best;
 }
 
-template <typename T>
+template <typename T, int64_t BS>
 void search_blocks(int64_t begin, int64_t end, const T* x, const double* weights, int32_t* s_out, bool* nonfinite_out,
-                   int64_t bs, int64_t blocks_per_row, MXParams p, const int64_t* offsets, int64_t n_offsets) {
+                   int64_t bs_arg, int64_t blocks_per_row, MXParams p, const int64_t* offsets, int64_t n_offsets) {
+  const int64_t bs = BS ? BS : bs_arg;  // a constant where BS is given: the block loops unroll
   const int32_t hi = std::min<int32_t>(127, max_exponent<T>() - p.emax);
   float buf[256];
   double acc[256];
@@ -81,10 +109,11 @@ void search_blocks(int64_t begin, int64_t end, const T* x, const double* weights
 
 // search_mx of the anchor's values (fake_quant_mx(x, <anchor>)) and their decode with the exponents
 // found (decode_mx_exponents), in one pass over x: a searched format's weight at the step's search.
-template <typename T>
+template <typename T, int64_t BS>
 void search_through_blocks(int64_t begin, int64_t end, const T* x, const double* weights, int32_t* s_out,
-                           bool* nonfinite_out, T* values, int64_t bs, int64_t blocks_per_row, MXParams p,
+                           bool* nonfinite_out, T* values, int64_t bs_arg, int64_t blocks_per_row, MXParams p,
                            MXParams a, int32_t int_shift, const int64_t* offsets, int64_t n_offsets) {
+  const int64_t bs = BS ? BS : bs_arg;
   const int32_t hi = std::min<int32_t>(127, max_exponent<T>() - p.emax);
   const float nan = std::nanf("");
   float mid[256];
@@ -139,9 +168,9 @@ std::tuple<at::Tensor, at::Tensor> search_mx(const at::Tensor& x_in, const at::T
   const std::vector<int64_t> offs(offsets.begin(), offsets.end());
   const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx", [&] {
-    parallel_blocks<search_blocks<scalar_t>>(x.numel() / block_size, x.const_data_ptr<scalar_t>(), w,
-                                             s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(), block_size,
-                                             k / block_size, p, offs.data(), static_cast<int64_t>(offs.size()));
+    parallel_sized_blocks<search_blocks<scalar_t, 32>, search_blocks<scalar_t, 0>>(
+        block_size, x.numel() / block_size, x.const_data_ptr<scalar_t>(), w, s.data_ptr<int32_t>(),
+        nonfinite.data_ptr<bool>(), block_size, k / block_size, p, offs.data(), static_cast<int64_t>(offs.size()));
   });
   return {s, nonfinite};
 }
@@ -164,8 +193,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> search_mx_through(
   const std::vector<int64_t> offs(offsets.begin(), offsets.end());
   const double* w = weights.numel() ? weights.const_data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mfqat_search_mx_through", [&] {
-    parallel_blocks<search_through_blocks<scalar_t>>(
-        x.numel() / block_size, x.const_data_ptr<scalar_t>(), w, s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(),
+    parallel_sized_blocks<search_through_blocks<scalar_t, 32>, search_through_blocks<scalar_t, 0>>(
+        block_size, x.numel() / block_size, x.const_data_ptr<scalar_t>(), w, s.data_ptr<int32_t>(), nonfinite.data_ptr<bool>(),
         values.data_ptr<scalar_t>(), block_size, k / block_size, p, a, static_cast<int32_t>(int_shift), offs.data(),
         static_cast<int64_t>(offs.size()));
   });

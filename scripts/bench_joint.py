@@ -66,6 +66,9 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
                                                     "--loss-weights", f"{low}=2", "--distill-weight", "0.5"]
         out[f"joint-{fam}-search-distill"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
                                               "--distill-weight", "0.5"]
+        # Matryoshka's (2, 2, 1): the 8- and 6-bit losses weigh twice the 4-bit one
+        out[f"joint-{fam}-search-hi2x"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
+                                           "--loss-weights", "mxint8=2,mxint6=2"]
     if fam == "mxfp":  # the same search for the float family (mfqat/configs/mxfp_joint_search.yaml)
         out[f"joint-{fam}-search"] = ["--qat-config", "mxfp_joint_search", "--steps", str(steps)]
         out[f"joint-{fam}-search-nodistill"] = ["--qat-config", "mxfp_joint_search", "--steps", str(steps),

@@ -14,6 +14,7 @@ import mfqat
 from mfqat import QATConfig
 from mfqat.anchor import AnchorError, read_anchor
 from mfqat.data import tiny_llama
+from mfqat.qat.input_squares import column_square_sums
 from mfqat.qat.joint import joint_backward
 from mfqat.qat.prepare import qat_modules
 from mfqat.quant.api import fake_quantize, fake_quantize_through
@@ -51,18 +52,35 @@ def test_importance_is_the_mean_squared_input_of_anchor_format_training_forwards
     torch.manual_seed(1)
     m = tiny_llama()
     mfqat.prepare(m, QATConfig(formats=FORMATS, schedule="joint", scale_rules=SEARCH))
-    name, lin = next(qat_modules(m))
-    seen = []
-    lin.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+    seen = {}
+    for name, lin in qat_modules(m):  # every Linear, the q/k/v and gate/up siblings sharing an input too
+        seen[name] = []
+        lin.register_forward_pre_hook(lambda mod, args, out=seen[name]:
+                                      out.append(args[0].detach().reshape(-1, args[0].shape[-1]).clone()))
     ids = torch.randint(0, m.config.vocab_size, (2, 16))
     for fmt in ["mxint8", "mxint4", "mxint8"]:  # only the anchor format's forwards count
         mfqat.set_format(m, fmt)
         m(ids)
     m.eval()
     m(ids)  # nor do eval forwards
-    rows = torch.cat([seen[0], seen[2]]).double()
-    torch.testing.assert_close(lin.importance(), rows.square().mean(0).float(), rtol=1e-6, atol=0)
-    assert lin.importance_tokens == rows.shape[0] and lin.pending_tokens == 0
+    for name, lin in qat_modules(m):
+        rows = torch.cat([seen[name][0], seen[name][2]]).double()
+        torch.testing.assert_close(lin.importance(), rows.square().mean(0).float(), rtol=1e-6, atol=0)
+        assert lin.importance_tokens == rows.shape[0] and lin.pending_tokens == 0
+
+
+def test_an_input_summed_once_is_reused_only_while_it_is_the_same_unmodified_tensor():
+    x = torch.randn(3, 5, 64)
+    first = column_square_sums(x)
+    assert column_square_sums(x) is first  # a sibling projection reading the same input
+    assert torch.equal(first, x.double().square().sum((0, 1)))
+    x.mul_(2)  # modified in place: summed again
+    assert torch.equal(column_square_sums(x), x.double().square().sum((0, 1)))
+    y = x.clone()  # equal values, another tensor
+    assert column_square_sums(y) is not column_square_sums(x)
+    z = torch.randn(3, 5, 64, dtype=torch.float64)
+    before = z.clone()
+    assert torch.equal(column_square_sums(z), before.square().sum((0, 1))) and torch.equal(z, before)  # not squared in place
 
 
 def test_trained_search_model_equals_its_loaded_anchor_bit_for_bit(model_and_anchor):

@@ -17,6 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import SEARCH_RULE, rule_of
+from .input_squares import column_square_sums
 from ..quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
                                   search_through_anchor, straight_through)
 
@@ -121,16 +122,15 @@ class MFQATMixin:
     def _record_importance(self, x: torch.Tensor) -> None:
         """Add a training forward's inputs (anchor format only) to the pending importance records."""
         with torch.no_grad():
-            rows = x.detach().reshape(-1, x.shape[-1])
-            sq = rows.to(torch.float64).square().sum(0)
+            sq = column_square_sums(x)
             if not bool(torch.isfinite(sq).all()):  # e.g. an fp16 overflow: it would poison the statistic
                 warnings.warn("MF-QAT: a training forward's input has non-finite values; it is left out of "
                               "the search rule's importance statistic")
                 return
             if self.pending_sum is None:
                 self._pending_since = _OPTIMIZER_STEPS[0]
-            self.pending_sum = sq if self.pending_sum is None else self.pending_sum.to(sq.device) + sq
-            self.pending_tokens += rows.shape[0]
+            self.pending_sum = sq.clone() if self.pending_sum is None else self.pending_sum.to(sq.device) + sq
+            self.pending_tokens += x.numel() // x.shape[-1]
 
     def fold_importance(self, total: Optional[Tuple[torch.Tensor, int]] = None) -> None:
         """Move the pending records into the statistic the search uses. ``total``: the pending
