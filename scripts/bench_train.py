@@ -5,6 +5,7 @@
                                   [--backends reference,auto] [--joint mxint8,mxint6,mxint4]
                                   [--two-pass] [--search]
     python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
+    python scripts/bench_train.py --components # where the joint search step's quantizer time goes
 
 The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
 forward+backward passes plus one optimizer step ("per-format overhead") and against one plain step
@@ -12,7 +13,9 @@ of K accumulated passes ("plain xK accumulated": the same structure without fake
 ratio to it is what fake-quant adds). ``--two-pass`` also times
 the joint step with the fused train-through-anchor op switched off (two quantize-dequantize passes
 per weight for each format below the anchor, as before the fused op). ``--memory`` runs each
-configuration in its own process and reports its peak resident set after 3 steps. ``--search`` also
+configuration in its own process and reports its peak resident set after 3 steps. ``--components`` times 3 joint steps with the ``search`` rule and prints the seconds a step spends in
+each quantizer function (importance record, search, decode of the kept exponents, fake-quant): the
+parts the search adds, robust to the noise that swings whole-step ratios here. ``--search`` also
 times the joint step with the ``search`` scale rule for its formats below the anchor
 (mfqat/configs/mxint_joint_search.yaml, mxfp_joint_search.yaml: the per-block exponent search inside
 training); ``--joint mxfp8_e4m3,mxfp6_e2m3,mxfp4_e2m1 --format mxfp4_e2m1`` times the float family.
@@ -109,6 +112,47 @@ def memory_report(a) -> None:
               f"{(peak - loaded) / base:.2f}x plain's)")
 
 
+def component_report(a) -> None:
+    """Seconds per joint ``search`` step in each quantizer function MFQATLinear calls (3 timed steps
+    after one warm-up), and the whole step."""
+    import mfqat.qat.modules as modules
+    from mfqat.quant.scale_rules import SEARCH_RULE_FORMATS
+
+    spent: Dict[str, float] = {}
+    calls: Dict[str, int] = {}
+
+    def timed(owner, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+                calls[name] = calls.get(name, 0) + 1
+        setattr(owner, name, wrapper)
+
+    timed(modules.MFQATLinear, "_record_importance")
+    for name in ("search_through_anchor", "dequantize_through_with_exponents", "fake_quantize", "fake_quantize_through"):
+        timed(modules, name)
+    model, tok = load_model()
+    model.train()
+    batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size)
+    formats = a.joint.split(",")
+    rules = {f: "search" for f in formats if f in SEARCH_RULE_FORMATS}
+    mfqat.prepare(model, mfqat.QATConfig(formats=formats, schedule="joint", scale_rules=rules))
+    step = make_joint_step(model, batch, formats)
+    step()
+    spent.clear()
+    calls.clear()
+    walls = [step()[0] for _ in range(3)]
+    print(f"joint {'+'.join(formats)}, search on {'+'.join(rules)}: step {statistics.median(walls):.3f} s "
+          f"(median of 3)")
+    for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<36} {sec / 3:.3f} s/step  ({calls[name] // 3} calls)")
+
+
 def report(samples: Dict[str, List[float]], formats: List[str], unit: str) -> None:
     """Median per configuration, its ratio to plain, and for the joint step the ratio per format
     and to the plain step of as many accumulated passes."""
@@ -137,12 +181,15 @@ def main() -> None:
     p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
     p.add_argument("--search", action="store_true", help="also time the joint step with the search scale rule")
     p.add_argument("--memory", action="store_true", help="peak RSS per configuration (separate processes)")
+    p.add_argument("--components", action="store_true", help="seconds a joint search step spends per quantizer function")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.memory_child:
         return memory_child(a.memory_child, a)
     if a.memory:
         return memory_report(a)
+    if a.components:
+        return component_report(a)
     model, tok = load_model()
     model.train()
     batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size)
