@@ -81,6 +81,10 @@ def test_an_input_summed_once_is_reused_only_while_it_is_the_same_unmodified_ten
     z = torch.randn(3, 5, 64, dtype=torch.float64)
     before = z.clone()
     assert torch.equal(column_square_sums(z), before.square().sum((0, 1))) and torch.equal(z, before)  # not squared in place
+    with torch.inference_mode():  # a training-mode forward under inference_mode: no version counter to key on
+        t = torch.randn(4, 64)
+        assert torch.equal(column_square_sums(t), t.double().square().sum(0))
+        assert column_square_sums(t) is not column_square_sums(t)
 
 
 def test_trained_search_model_equals_its_loaded_anchor_bit_for_bit(model_and_anchor):

@@ -19,11 +19,12 @@ _LAST: List[Optional[Tuple[weakref.ref, int, torch.Tensor]]] = [None]
 def column_square_sums(x: torch.Tensor) -> torch.Tensor:
     """sum over rows of x.double()^2 per column of ``x`` (last axis), float64. Reused for the same
     tensor object while it is alive and not modified in place (its version counter unchanged)."""
+    shareable = not x.is_inference()  # an inference-mode tensor has no version counter: never reused
     last = _LAST[0]
-    if last is not None and last[0]() is x and x._version == last[1]:
+    if shareable and last is not None and last[0]() is x and x._version == last[1]:
         return last[2]
     with torch.no_grad():
         rows = x.detach().reshape(-1, x.shape[-1])
         sums = rows.to(torch.float64, copy=True).square_().sum(0)
-    _LAST[0] = (weakref.ref(x), x._version, sums)
+    _LAST[0] = (weakref.ref(x), x._version, sums) if shareable else None
     return sums
