@@ -13,8 +13,9 @@ of K accumulated passes ("plain xK accumulated": the same structure without fake
 ratio to it is what fake-quant adds). ``--two-pass`` also times
 the joint step with the fused train-through-anchor op switched off (two quantize-dequantize passes
 per weight for each format below the anchor, as before the fused op). ``--memory`` runs each
-configuration in its own process and reports its peak resident set after 3 steps. ``--components`` times 3 joint steps with the ``search`` rule and prints the seconds a step spends in
-each quantizer function (importance record, search, decode of the kept exponents, fake-quant): the
+configuration in its own process and reports its peak resident set after 3 steps. ``--components``
+times 3 joint steps with the ``search`` rule and prints the seconds a step spends in each quantizer
+function (importance record, search, decode of the kept exponents, fake-quant): the
 parts the search adds, robust to the noise that swings whole-step ratios here. ``--search`` also
 times the joint step with the ``search`` scale rule for its formats below the anchor
 (mfqat/configs/mxint_joint_search.yaml, mxfp_joint_search.yaml: the per-block exponent search inside
@@ -134,7 +135,8 @@ def component_report(a) -> None:
         setattr(owner, name, wrapper)
 
     timed(modules.MFQATLinear, "_record_importance")
-    for name in ("search_through_anchor", "dequantize_through_with_exponents", "fake_quantize", "fake_quantize_through"):
+    for name in ("search_through_anchor", "dequantize_through_with_exponents", "fake_quantize",
+                 "fake_quantize_through"):
         timed(modules, name)
     model, tok = load_model()
     model.train()
@@ -181,7 +183,8 @@ def main() -> None:
     p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
     p.add_argument("--search", action="store_true", help="also time the joint step with the search scale rule")
     p.add_argument("--memory", action="store_true", help="peak RSS per configuration (separate processes)")
-    p.add_argument("--components", action="store_true", help="seconds a joint search step spends per quantizer function")
+    p.add_argument("--components", action="store_true",
+                   help="seconds a joint search step spends per quantizer function")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.memory_child:

@@ -1,9 +1,9 @@
 """The MX scale search for the float family (MXFP6/MXFP4 searched inside training, through an MXFP8
 anchor): the C++ ops (csrc/mx_search.cpp) are bit-exact with the PyTorch oracle
 (mfqat.quant.scale_search.mx_search_exponent and the MXFP encode + decode) on random, adversarial and
-hypothesis inputs (the adversarial and random cases in test_search_kernel.py), weighted and not, in float32, bfloat16 and float16; the fused train-through-anchor
-ops equal the composition; the public entry points give the same bits with and without the kernel.
-The Triton kernels are checked the same way (under TRITON_INTERPRET=1 here, compiled on CUDA by
+hypothesis inputs (the adversarial and random cases in test_search_kernel.py), weighted and not, in
+float32, bfloat16 and float16; the fused train-through-anchor ops equal the composition; the public
+entry points give the same bits with and without the kernel. The Triton kernels are checked the same way (under TRITON_INTERPRET=1 here, compiled on CUDA by
 scripts/gpu_check.sh)."""
 import pytest
 import torch

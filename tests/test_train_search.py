@@ -80,7 +80,8 @@ def test_an_input_summed_once_is_reused_only_while_it_is_the_same_unmodified_ten
     assert column_square_sums(y) is not column_square_sums(x)
     z = torch.randn(3, 5, 64, dtype=torch.float64)
     before = z.clone()
-    assert torch.equal(column_square_sums(z), before.square().sum((0, 1))) and torch.equal(z, before)  # not squared in place
+    assert torch.equal(column_square_sums(z), before.square().sum((0, 1)))
+    assert torch.equal(z, before)  # not squared in place
     with torch.inference_mode():  # a training-mode forward under inference_mode: no version counter to key on
         t = torch.randn(4, 64)
         assert torch.equal(column_square_sums(t), t.double().square().sum(0))

@@ -17,9 +17,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
 from ..quant.api import fake_quantize, fake_quantize_through
 from ..quant.scale_rules import SEARCH_RULE, rule_of
-from .input_squares import column_square_sums
 from ..quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
                                   search_through_anchor, straight_through)
+from .input_squares import column_square_sums
 
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
