@@ -69,6 +69,9 @@ def recipes(fam: str, steps: int) -> Dict[str, List[str]]:
         # Matryoshka's (2, 2, 1): the 8- and 6-bit losses weigh twice the 4-bit one
         out[f"joint-{fam}-search-hi2x"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
                                            "--loss-weights", "mxint8=2,mxint6=2"]
+        # no 4-bit term: what serving mxint4 from the same weights costs at 8/6 bits
+        out[f"joint-{fam}-search-86"] = ["--qat-config", "mxint_joint_search", "--steps", str(steps),
+                                         "--formats", "mxint8,mxint6"]
     if fam == "mxfp":  # the same search for the float family (mfqat/configs/mxfp_joint_search.yaml)
         out[f"joint-{fam}-search"] = ["--qat-config", "mxfp_joint_search", "--steps", str(steps)]
         out[f"joint-{fam}-search-nodistill"] = ["--qat-config", "mxfp_joint_search", "--steps", str(steps),

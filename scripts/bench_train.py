@@ -22,7 +22,9 @@ times the joint step with the ``search`` scale rule for its formats below the an
 training); ``--joint mxfp8_e4m3,mxfp6_e2m3,mxfp4_e2m1 --format mxfp4_e2m1`` times the float family.
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
-configuration is reported, so slow drifts of the machine hit every configuration alike. Also prints
+configuration is reported, so slow drifts of the machine hit every configuration alike. The joint
+steps also get a paired ratio: the median over rounds of joint / plain xK accumulated, timed back to
+back in the same round, which cancels drifts slower than a round. Also prints
 the time of fake-quantizing every targeted weight once (the part MF-QAT adds to a step).
 """
 from __future__ import annotations
@@ -169,6 +171,8 @@ def report(samples: Dict[str, List[float]], formats: List[str], unit: str) -> No
             line += f" | per format {med / (k * plain):.3f}x"
             if accum:
                 line += f" | to plain x{k} accumulated {med / accum:.3f}x"
+                paired = [t / b for t, b in zip(ts, samples[acc_name])]  # same round, back to back
+                line += f" (paired median {statistics.median(paired):.3f}x)"
         print(line)
 
 

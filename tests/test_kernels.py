@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import mfqat
 from mfqat.quant import kernels
-from mfqat.quant.kernels import cpp, triton_mx
+from mfqat.quant.kernels import cpp, triton_mx, triton_slice
 from mfqat.quant.reference import fake_quantize_reference, mx_quantize_blocks, to_blocks
 
 from .conftest import MX_FORMATS
@@ -220,7 +220,7 @@ SLICES = [("mxint8", f"mxint{k}") for k in range(2, 8)] + [
 def run_slice(backend: str, codes, scales, src, dst, bs):
     if backend == "cpp":
         return cpp.slice_cpp(codes, scales, src, dst, bs)
-    return triton_mx.slice_triton(codes, scales, src, dst, bs)
+    return triton_slice.slice_triton(codes, scales, src, dst, bs)
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)

@@ -12,8 +12,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..formats import NF4_CODEBOOK, ElementFormat
-from .reference_bnb import int8_absmax_dequantize_blocks, int8_absmax_quantize_blocks, nf4_double_quant_absmax
+from ..formats import ElementFormat
+from .reference_bnb import (int8_absmax_dequantize_blocks, int8_absmax_quantize_blocks, nf4_dequantize_blocks,
+                            nf4_double_quant_absmax, nf4_quantize_blocks)
 
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -180,33 +181,6 @@ def mx_fake_quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule
     out = q * exp2i(s).unsqueeze(-1)
     out = torch.where(nonfinite.unsqueeze(-1), torch.full_like(out, float("nan")), out)
     return out, saturated & ~nonfinite.unsqueeze(-1)
-
-
-# ----------------------------------------------------------------------------- NF4
-
-
-def _nf4_table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
-
-
-def nf4_quantize_blocks(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """NF4 (QLoRA): absmax per block, nearest code-book entry (bitsandbytes' decision tree).
-
-    Returns (codes uint8 in [0, 15], absmax float32). Ties go to the lower entry, as in
-    bitsandbytes' threshold comparisons.
-    """
-    absmax = blocks.abs().amax(dim=-1)
-    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    y = blocks * inv.unsqueeze(-1)
-    table = _nf4_table(blocks.device)
-    mids = (table[1:] + table[:-1]) / 2
-    codes = torch.bucketize(y, mids, right=False)
-    return codes.to(torch.uint8), absmax
-
-
-def nf4_dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    """NF4 codes and absmax -> float32 blocks."""
-    return _nf4_table(codes.device)[codes.long()] * absmax.unsqueeze(-1)
 
 
 # ----------------------------------------------------------------------------- affine

@@ -1,4 +1,7 @@
-"""Pure-PyTorch reference for the bitsandbytes baselines: INT8 absmax and NF4 double quantization.
+"""Pure-PyTorch reference for the bitsandbytes baselines: NF4, INT8 absmax and NF4 double quantization.
+
+* ``nf4`` (QLoRA): per block, absmax and the nearest entry of the NF4 code book (ties to the lower
+  entry, as bitsandbytes' threshold comparisons decide).
 
 * ``int8_absmax`` (LLM.int8's vector-wise rule): per block, codes = round(x * (127 / absmax))
   (half to even) in [-127, 127]; values = codes * absmax * (1/127), multiplied in that order as
@@ -23,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from ..formats import DQ_GROUP
+from ..formats import DQ_GROUP, NF4_CODEBOOK
 
 INT8_QMAX = 127.0
 INT8_INV_QMAX = 7.874015718698502e-3  # 1/127 as bitsandbytes multiplies by it (not a division)
@@ -98,3 +101,30 @@ def double_dequantize_absmax(codes: torch.Tensor, group_max: torch.Tensor, offse
 def nf4_double_quant_absmax(absmax: torch.Tensor) -> torch.Tensor:
     """The absmax NF4 decoding sees under double quantization (quantize, then decode)."""
     return double_dequantize_absmax(*double_quantize_absmax(absmax))
+
+
+# ----------------------------------------------------------------------------- NF4
+
+
+def _nf4_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(NF4_CODEBOOK, dtype=torch.float32, device=device)
+
+
+def nf4_quantize_blocks(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """NF4 (QLoRA): absmax per block, nearest code-book entry (bitsandbytes' decision tree).
+
+    Returns (codes uint8 in [0, 15], absmax float32). Ties go to the lower entry, as in
+    bitsandbytes' threshold comparisons.
+    """
+    absmax = blocks.abs().amax(dim=-1)
+    inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    y = blocks * inv.unsqueeze(-1)
+    table = _nf4_table(blocks.device)
+    mids = (table[1:] + table[:-1]) / 2
+    codes = torch.bucketize(y, mids, right=False)
+    return codes.to(torch.uint8), absmax
+
+
+def nf4_dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """NF4 codes and absmax -> float32 blocks."""
+    return _nf4_table(codes.device)[codes.long()] * absmax.unsqueeze(-1)

@@ -21,7 +21,7 @@ import torch
 
 from ...formats import ElementFormat
 from ..reference import fake_quantize_reference, quantize_reference
-from . import cpp, triton_mx, triton_search
+from . import cpp, triton_mx, triton_search, triton_slice
 
 BACKENDS = ("reference", "cpp", "triton")
 
@@ -133,7 +133,7 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
     if name == "cpp" and cpp.AVAILABLE and device.type == "cpu":
         return cpp.slice_cpp(codes, scales, src, dst, block_size)
     if name == "triton" and triton_mx.usable_on(device):
-        return triton_mx.slice_triton(codes, scales, src, dst, block_size)
+        return triton_slice.slice_triton(codes, scales, src, dst, block_size)
     if requested_backend() != "auto":
         raise RuntimeError(f"MFQAT_BACKEND={name} cannot slice tensors on {device}")
     return None
