@@ -79,7 +79,7 @@ MUTATIONS: List[Mutation] = [
     Mutation("sensitivity-never-lowers-the-tensor", "mfqat/export/sensitivity.py",
              "        param.data.copy_(probe_w.to(param.dtype))\n", "",
              ("tests/test_sensitivity.py",)),
-    Mutation("nf4-ties-to-upper-entry", "mfqat/quant/reference.py",
+    Mutation("nf4-ties-to-upper-entry", "mfqat/quant/reference_bnb.py",
              "codes = torch.bucketize(y, mids, right=False)", "codes = torch.bucketize(y, mids, right=True)",
              ("tests/test_reference.py::test_nf4_exact_ties_go_to_the_lower_entry",
               "tests/test_crosscheck.py::test_bitsandbytes_nf4_exact_ties")),
