@@ -27,8 +27,10 @@ def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optiona
 
 
 def anchor_state(anchor: Anchor, fmt: Optional[str], dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-    """The anchor's quantized weights in ``fmt`` (Slice-and-Scale), dequantized."""
-    return {k: q.dequantize(dtype) for k, q in anchor.in_format(fmt).items()}
+    """The anchor's whole state in ``fmt``: its quantized weights by Slice-and-Scale, dequantized, and
+    its plain tensors (embeddings, norms: trained along with the rest), so a model of the same
+    architecture with it loaded computes what ``load_anchor(anchor, fmt)`` does."""
+    return anchor.state_dict(fmt, dtype)
 
 
 def evaluate_formats(model: nn.Module, states: Dict[str, Dict[str, torch.Tensor]], blocks: torch.Tensor,

@@ -1,0 +1,34 @@
+"""Elastic evaluation of an anchor in a base model: what the benchmarks and the demo measure must be
+what ``load_anchor`` serves, including the tensors that are not quantized."""
+import copy
+
+import pytest
+import torch
+
+import mfqat
+from mfqat.anchor import read_anchor
+from mfqat.data import tiny_llama
+from mfqat.eval.elastic import anchor_state, evaluate_formats
+from mfqat.eval.perplexity import perplexity
+from mfqat.qat import QATConfig
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_anchor_in_the_base_model_scores_as_load_anchor(tmp_path, tie):
+    base = tiny_llama(tie=tie)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    trained = copy.deepcopy(base)
+    mfqat.prepare(trained, QATConfig(formats=["mxint8", "mxint4"]))
+    torch.manual_seed(1)
+    with torch.no_grad():  # fine-tuning moves every parameter: embeddings and norms too
+        for p in trained.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = mfqat.save_anchor(trained, tmp_path / "a", "mxint8")
+    anchor = read_anchor(path)
+    blocks = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(2))
+    rows = evaluate_formats(base, {f: anchor_state(anchor, f) for f in ("mxint8", "mxint4")}, blocks)
+    for row in rows:
+        served = perplexity(mfqat.load_anchor(path, row["format"]), blocks)
+        assert row["perplexity"] == pytest.approx(served, rel=1e-6), row["format"]
+    after = base.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the base model was not restored"
