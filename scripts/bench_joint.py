@@ -128,9 +128,11 @@ def main() -> None:
     for f in fam["eval"]:
         for name, (extra, rule) in dedicated_runs(f, a.steps).items():
             s = run(out, name, common + extra)
-            master, _ = load_model(s["master"])  # evaluated with the rule it trained with
-            res = cached(name if rule == "floor" else f"{name}@{rule}",
-                         lambda: evaluate(master, held, {f: ptq_state(master, f, scale_rule=rule)}))
+
+            def evaluate_dedicated():  # its master, read with the rule it trained with
+                master, _ = load_model(s["master"])
+                return evaluate(master, held, {f: ptq_state(master, f, scale_rule=rule)})
+            res = cached(name if rule == "floor" else f"{name}@{rule}", evaluate_dedicated)
             for t in held:
                 dedicated[t][f] = res[t][f]
     joint: Dict[str, Dict[str, Dict[str, float]]] = {}
