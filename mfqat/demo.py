@@ -70,7 +70,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
                 "train_seconds": s["train_seconds"]}
     trained = _stage(out_dir, "train", force, train)
     anchor = read_anchor(trained["anchor"])
-    mfqat_rows = _stage(out_dir, "elastic", force, lambda: {"rows": evaluate_formats(
+    mfqat_rows = _stage(out_dir, "elastic_whole", force, lambda: {"rows": evaluate_formats(
         model, {f: anchor_state(anchor, f) for f in ELASTIC}, held)})
 
     def searched():
@@ -79,7 +79,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
         plan = read_anchor(trained["anchor"])  # calibrated on the training split, never the held-out text
         search_scales(plan, calibration_blocks(tok, n_blocks=8, seq_len=seq_len), SEARCHED)
         return {"rows": evaluate_formats(model, {f: anchor_state(plan, f) for f in SEARCHED}, held)}
-    search_ppl = {r["format"]: r["perplexity"] for r in _stage(out_dir, "elastic_search", force, searched)["rows"]}
+    search_ppl = {r["format"]: r["perplexity"] for r in _stage(out_dir, "elastic_search_whole", force, searched)["rows"]}
 
     exports = {}
     if not skip_mlx:

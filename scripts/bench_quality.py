@@ -76,7 +76,7 @@ def main() -> None:
     model, tok = load_model(None)
     _, held_text = split_text(load_text(None))
     held = token_blocks(tok, held_text, a.seq_len, max_blocks=a.eval_blocks)
-    cache = out / "elastic.json"
+    cache = out / "elastic-whole.json"  # elastic.json: anchors scored without their embeddings and norms
     if cache.is_file():
         ev = json.loads(cache.read_text())
     else:

@@ -23,8 +23,9 @@ training); ``--joint mxfp8_e4m3,mxfp6_e2m3,mxfp4_e2m1 --format mxfp4_e2m1`` time
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
 configuration is reported, so slow drifts of the machine hit every configuration alike. The joint
-steps also get a paired ratio: the median over rounds of joint / plain xK accumulated, timed back to
-back in the same round, which cancels drifts slower than a round. Also prints
+steps also get a paired ratio: the median over rounds of joint / plain xK accumulated, both timed in
+the same round (``[auto]`` right after it, the others a step or two later), which cancels drifts
+slower than a round. Also prints
 the time of fake-quantizing every targeted weight once (the part MF-QAT adds to a step).
 """
 from __future__ import annotations
@@ -171,7 +172,7 @@ def report(samples: Dict[str, List[float]], formats: List[str], unit: str) -> No
             line += f" | per format {med / (k * plain):.3f}x"
             if accum:
                 line += f" | to plain x{k} accumulated {med / accum:.3f}x"
-                paired = [t / b for t, b in zip(ts, samples[acc_name])]  # same round, back to back
+                paired = [t / b for t, b in zip(ts, samples[acc_name])]  # timed in the same round
                 line += f" (paired median {statistics.median(paired):.3f}x)"
         print(line)
 

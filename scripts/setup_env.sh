@@ -16,12 +16,12 @@ STAMP="$VENV/.mfqat-installed"
 WANT="$( (cat "$ROOT/setup.py" "$ROOT"/csrc/*.cpp "$ROOT"/csrc/*.h 2>/dev/null || true) | sha256sum | cut -c1-16)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[mfqat] installing dependencies (first run takes a minute or two)"
-  # The environment takes about 2.6 GB (torch 0.8, triton 1.0). Say so up front when the disk is
-  # short, so a failed install is not a mystery; pip keeps no cache copy of what it installs.
-  FREE_MB="$(df -Pm "$VENV" | awk 'NR==2 {print $4}')"
-  if [ "${FREE_MB:-0}" -lt 3500 ]; then
-    echo "[mfqat] warning: only ${FREE_MB} MB free where $VENV lives; the install needs about" \
-         "3 GB. Free some space (or set MFQAT_VENV to a roomier disk) if it fails." >&2
+  # The environment takes about 2.6 GB (torch 0.8, triton 1.0) plus room to unpack. Say so up front
+  # when the disk is short, so a failed install is not a mystery; pip keeps no cache copy.
+  FREE_MB="$(df -Pm "$VENV" 2>/dev/null | awk 'NR==2 {print $4}' || true)"
+  if [ -n "$FREE_MB" ] && [ "$FREE_MB" -lt 3500 ]; then
+    echo "[mfqat] warning: only ${FREE_MB} MB free where $VENV lives; the environment takes about" \
+         "2.6 GB plus room to unpack. Free some space (or set MFQAT_VENV to a roomier disk) if it fails." >&2
   fi
   PIP=(python -m pip install -q --no-cache-dir)
   "${PIP[@]}" --upgrade pip setuptools wheel

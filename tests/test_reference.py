@@ -298,7 +298,7 @@ def nf4_tie_blocks():
 
 
 def test_nf4_exact_ties_go_to_the_lower_entry():
-    """The documented rule (reference.nf4_quantize_blocks): a value exactly on a threshold gets the
+    """The documented rule (reference_bnb.nf4_quantize_blocks): a value exactly on a threshold gets the
     lower code-book entry; just above it, the upper one."""
     w, mids, perm = nf4_tie_blocks()
     q = mfqat.quantize(w, "nf4", 64)
