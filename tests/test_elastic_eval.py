@@ -32,3 +32,14 @@ def test_anchor_in_the_base_model_scores_as_load_anchor(tmp_path, tie):
         assert row["perplexity"] == pytest.approx(served, rel=1e-6), row["format"]
     after = base.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "the base model was not restored"
+
+
+def test_a_state_from_another_architecture_is_refused_and_the_model_kept():
+    base = tiny_llama()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    state = {k: torch.zeros_like(v) for k, v in base.state_dict().items()}
+    state["model.layers.7.mlp.up_proj.weight"] = torch.zeros(128, 64)  # a layer this model lacks
+    with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight"):
+        evaluate_formats(base, {"mxint8": state}, torch.randint(0, 256, (2, 8)))
+    after = base.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the model was left half-loaded"

@@ -40,7 +40,11 @@ def evaluate_formats(model: nn.Module, states: Dict[str, Dict[str, torch.Tensor]
                 if any(k in s for s in states.values())}
     rows = []
     for fmt, state in states.items():
-        model.load_state_dict(state, strict=False)
+        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            model.load_state_dict(original, strict=False)
+            raise ValueError(f"{fmt}: {len(unexpected)} tensors do not belong to this model (e.g. {unexpected[0]}); "
+                             "evaluate an anchor in a model of the architecture it was saved from")
         bpw = (16.0 if fmt == "fp" else get_format(fmt).bits_per_weight(block_size) if fmt in known_formats()
                else float("nan"))
         rows.append({"format": fmt, "bits/weight": bpw, "perplexity": perplexity(model, blocks, batch_size, desc=f"ppl {fmt}")})
