@@ -35,16 +35,18 @@ def anchor_state(anchor: Anchor, fmt: Optional[str], dtype: torch.dtype = torch.
 
 def evaluate_formats(model: nn.Module, states: Dict[str, Dict[str, torch.Tensor]], blocks: torch.Tensor,
                      block_size: int = 32, batch_size: int = 4) -> List[dict]:
-    """Perplexity of ``model`` with each partial state dict loaded; rows with bits/weight."""
-    original = {k: v.clone() for k, v in model.state_dict().items()
-                if any(k in s for s in states.values())}
+    """Perplexity of ``model`` with each partial state dict loaded; rows with bits/weight. Refuses,
+    before loading anything, a state with tensors the model lacks."""
+    own = model.state_dict()
+    for fmt, state in states.items():
+        foreign = [k for k in state if k not in own]
+        if foreign:
+            raise ValueError(f"{fmt}: {len(foreign)} tensors do not belong to this model (e.g. {foreign[0]}); "
+                             "evaluate an anchor in a model of the architecture it was saved from")
+    original = {k: v.clone() for k, v in own.items() if any(k in s for s in states.values())}
     rows = []
     for fmt, state in states.items():
-        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
-        if unexpected:
-            model.load_state_dict(original, strict=False)
-            raise ValueError(f"{fmt}: {len(unexpected)} tensors do not belong to this model (e.g. {unexpected[0]}); "
-                             "evaluate an anchor in a model of the architecture it was saved from")
+        model.load_state_dict(state, strict=False)
         bpw = (16.0 if fmt == "fp" else get_format(fmt).bits_per_weight(block_size) if fmt in known_formats()
                else float("nan"))
         rows.append({"format": fmt, "bits/weight": bpw, "perplexity": perplexity(model, blocks, batch_size, desc=f"ppl {fmt}")})
