@@ -1,4 +1,4 @@
-// mfqat CPU kernel for Slice-and-Scale of MX codes (reference: mfqat/slice.py), as the torch custom op
+// mfqat CPU kernel for Slice-and-Scale of MX codes (reference: mfqat/quant/slice.py), as the torch custom op
 // slice_mx: MXINT codes by a rounded right shift (scale unchanged); MXFP codes decoded, re-blocked to
 // the lower format's exponent and re-encoded. Bit-exact with the reference (tests/test_kernels.py).
 #include "mx_common.h"
@@ -22,7 +22,7 @@ inline float fp_value(uint8_t code, int32_t ebits, int32_t mbits, int32_t bias, 
   return sign ? -v : v;
 }
 
-// Slice-and-Scale of one tensor (reference: mfqat/slice.py), codes (n_blocks * bs) + E8M0 scales.
+// Slice-and-Scale of one tensor (reference: mfqat/quant/slice.py), codes (n_blocks * bs) + E8M0 scales.
 void slice_kernel(const uint8_t* codes, const uint8_t* scales, uint8_t* out_codes, uint8_t* out_scales,
                   int64_t n_blocks, int64_t bs, bool is_int, int32_t shift, const MXParams& src,
                   int32_t src_ebits, int32_t src_bias, const MXParams& dst, int32_t dst_ebits, int32_t dst_bias) {

@@ -11,14 +11,15 @@ __version__ = "0.1.0"
 _PUBLIC = {
     ".formats": ["ALIASES", "FORMATS", "ElementFormat", "get_format", "known_formats"],
     ".quant": ["MXTensor", "dequantize", "fake_quantize", "fake_quantize_through", "quantize"],
-    ".slice": ["slice_and_scale"],
+    ".quant.slice": ["slice_and_scale"],
     ".quant.scale_search": ["quantize_search"],
     ".quant.scale_rules": ["DEFAULT_SCALE_RULE"],
     ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare", "clip_rates", "sync_importance"],
-    ".anchor": ["load_anchor", "read_anchor", "save_anchor"],
+    ".anchor.checkpoint": ["read_anchor", "save_anchor"],
+    ".anchor.load": ["load_anchor"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
-    ".mxqlora": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
-    ".mxqlora_mlx": ["peft_to_mlx"],
+    ".qlora.model": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
+    ".qlora.mlx_adapter": ["peft_to_mlx"],
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 

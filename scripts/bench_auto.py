@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 import mfqat
-from mfqat.anchor import read_anchor
-from mfqat.data import load_text, split_text, token_blocks
+from mfqat.anchor.checkpoint import read_anchor
+from mfqat.data.sources import load_text, split_text, token_blocks
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.export.mlx_export import reference_state

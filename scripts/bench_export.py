@@ -23,8 +23,8 @@ import mlx.core as mx
 import torch
 
 import mfqat
-from mfqat.anchor import read_anchor
-from mfqat.data import load_text, split_text, token_blocks
+from mfqat.anchor.checkpoint import read_anchor
+from mfqat.data.sources import load_text, split_text, token_blocks
 from mfqat.eval.perplexity import perplexity as torch_ppl
 from mfqat.eval.report import format_table
 from mfqat.export import to_mlx

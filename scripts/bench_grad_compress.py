@@ -47,7 +47,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mfqat.data import pydoc_text, split_text, tiny_llama
+    from mfqat.data.sources import pydoc_text, split_text, tiny_llama
     from mfqat.integrations.grad_compress import register
 
     train_text, held_text = split_text(pydoc_text())

@@ -25,8 +25,8 @@ from typing import Dict, List, Tuple
 import torch
 
 import mfqat
-from mfqat.anchor import read_anchor
-from mfqat.data import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.anchor.checkpoint import read_anchor
+from mfqat.data.sources import licence_text, load_model, load_text, split_text, token_blocks
 from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import mfqat
-from mfqat.data import load_text, split_text, token_blocks
+from mfqat.data.sources import load_text, split_text, token_blocks
 from mfqat.eval.report import format_table
 from mfqat.mlx.models import hf_tokenizer, load_for_training, smollm2_mlx_dir
 from mfqat.mlx.qat import prepare as mlx_prepare

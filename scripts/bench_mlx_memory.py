@@ -34,7 +34,7 @@ def one(args: argparse.Namespace, checkpoint: bool) -> dict:
     if args.tiny:  # a tiny 8-block Llama: activations, not weights, dominate the memory
         import tempfile
 
-        from mfqat.data import tiny_llama, tiny_tokenizer
+        from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
         src, tok = tempfile.mkdtemp(), tiny_tokenizer()
         tiny_llama(vocab_size=len(tok), hidden=128, layers=8, heads=4, intermediate=512).save_pretrained(src)

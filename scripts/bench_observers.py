@@ -13,7 +13,7 @@ import time
 import torch
 
 import mfqat
-from mfqat.data import load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import load_model, load_text, split_text, token_blocks
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.qat import mean_clip_rate

@@ -25,7 +25,7 @@ from typing import Dict, List
 import mlx.core as mx
 import torch
 
-from mfqat.data import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import licence_text, load_model, load_text, split_text, token_blocks
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.export import to_mlx
 from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert as convert_with_mlx_lm, stored_bits as stored_bpw

@@ -37,7 +37,7 @@ def main() -> None:
     out = Path(a.out).absolute()
     anchor = out / "anchor_mxint8"
     if not (anchor / "mfqat.json").is_file():
-        subprocess.run([sys.executable, "-c", "import mfqat, sys; from mfqat.data import load_model; "
+        subprocess.run([sys.executable, "-c", "import mfqat, sys; from mfqat.data.sources import load_model; "
                         "m, t = load_model(); mfqat.save_anchor(m, sys.argv[1], 'mxint8', tokenizer=t, overwrite=True)",
                         str(anchor)], check=True, cwd=ROOT)
     common = ["--steps", str(a.steps), "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),

@@ -22,9 +22,9 @@ import json
 from pathlib import Path
 
 import mfqat
-from mfqat.anchor import read_anchor
+from mfqat.anchor.checkpoint import read_anchor
 from mfqat.formats import canonical_name
-from mfqat.data import load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import load_model, load_text, split_text, token_blocks
 from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.integrations.train_loop import main as train_main

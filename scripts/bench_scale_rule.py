@@ -5,9 +5,9 @@ Every decoder-block Linear weight (what ``mfqat.prepare`` targets) is quantized 
 rest stays full precision. Rules: ``floor`` (OCP), ``ceil``, ``mse`` (per block the exponent among
 floor-1, floor, floor+1 with the lowest squared error) and ``output`` (the same, each input column's
 error weighted by its mean squared input activation on calibration text: the AWQ importance,
-mfqat.importance.importance_matrix). Paths: ``direct`` quantizes the fp weights; ``slice`` quantizes
+mfqat.anchor.importance.importance_matrix). Paths: ``direct`` quantizes the fp weights; ``slice`` quantizes
 them to the family's anchor (mxint8 / mxfp8_e4m3, floor) and lowers the anchor with the rule
-(mfqat.slice.slice_and_scale with a scale_rule; its search compares against the anchor's values). Held-out texts no
+(mfqat.quant.slice.slice_and_scale with a scale_rule; its search compares against the anchor's values). Held-out texts no
 calibration uses: the pydoc held-out split and numpy's licence. Writes a JSON cache (resumable), a
 Markdown table and a PNG.
 
@@ -22,15 +22,15 @@ from typing import Dict, List
 
 import torch
 
-from mfqat.data import calibration_blocks, licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import calibration_blocks, licence_text, load_model, load_text, split_text, token_blocks
 from mfqat.formats import get_format
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
-from mfqat.importance import importance_matrix
+from mfqat.anchor.importance import importance_matrix
 from mfqat.progress import progress
 from mfqat.quant.api import quantize
 from mfqat.quant.scale_search import quantize_search
-from mfqat.slice import slice_and_scale
+from mfqat.quant.slice import slice_and_scale
 
 FORMATS = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"]
 RULES = ["floor", "ceil", "mse", "output"]

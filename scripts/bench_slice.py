@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import mfqat
-from mfqat.anchor import default_targets
-from mfqat.data import load_model, load_text, split_text, token_blocks
+from mfqat.anchor.tensors import default_targets
+from mfqat.data.sources import load_model, load_text, split_text, token_blocks
 from mfqat.eval.elastic import evaluate_formats
 from mfqat.eval.report import format_table
-from mfqat.slice import slice_and_scale
+from mfqat.quant.slice import slice_and_scale
 
 
 def convert_seconds(anchor, fmt: str, backend: str):

@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 import mfqat
-from mfqat.data import load_model, pydoc_text, token_blocks
+from mfqat.data.sources import load_model, pydoc_text, token_blocks
 from mfqat.qat.prepare import qat_modules
 from mfqat.quant.kernels import cpp
 

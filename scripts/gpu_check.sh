@@ -31,7 +31,7 @@ echo "== MX scale search kernels, MXINT and MXFP (triton on cuda, bit-exact with
 echo "== bitsandbytes QLoRA on CUDA (NF4 base, paged 8-bit AdamW, a tiny Llama) =="
 "$PY" -m pytest -q -p no:cacheprovider tests/test_qlora.py tests/test_eval_bnb.py 2>&1 | tee "$LOG/tests_qlora.txt" | tail -3
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-"$PY" -c "import sys; from mfqat.data import tiny_llama, tiny_tokenizer; t = tiny_tokenizer(); \
+"$PY" -c "import sys; from mfqat.data.sources import tiny_llama, tiny_tokenizer; t = tiny_tokenizer(); \
 tiny_llama(vocab_size=len(t), tie=True).save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" "$LOG/tiny"
 "$PY" -m mfqat.cli train --model "$LOG/tiny" --no-qat --base nf4 --lora-rank 8 --optim paged_adamw8bit --steps 2 \
   --seq-len 32 --batch-size 2 --eval-blocks 2 --out "$LOG/qlora_run" 2>&1 | tail -4 | tee "$LOG/qlora_run.txt"

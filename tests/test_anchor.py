@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.anchor import AnchorError, read_anchor
-from mfqat.data import tiny_llama
+from mfqat.anchor.checkpoint import AnchorError, read_anchor
+from mfqat.data.sources import tiny_llama
 from mfqat.qat import QATConfig
 
 

@@ -4,8 +4,8 @@ import torch
 
 import mfqat
 from mfqat.cli import main
-from mfqat.data import calibration_blocks, tiny_llama, tiny_tokenizer
-from mfqat.importance import importance_matrix
+from mfqat.data.sources import calibration_blocks, tiny_llama, tiny_tokenizer
+from mfqat.anchor.importance import importance_matrix
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 import mfqat
 from mfqat.cli import main
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -99,7 +99,7 @@ def test_anchor_config_is_marked_and_carries_a_model_card(anchors):
 
 
 def test_load_model_loads_an_anchor_as_an_anchor_and_refuses_missing_weights(anchors, tmp_path):
-    from mfqat.data import load_model
+    from mfqat.data.sources import load_model
 
     anchor, bare, _ = anchors
     model, tok = load_model(str(anchor))
@@ -120,7 +120,7 @@ def test_load_model_loads_an_anchor_as_an_anchor_and_refuses_missing_weights(anc
 
 
 def test_jsonl_datasets(tmp_path):
-    from mfqat.datasets import training_texts
+    from mfqat.data.jsonl import training_texts
 
     tok = tiny_tokenizer()
     tok.chat_template = CHAT
@@ -190,7 +190,7 @@ def test_export_mlx_with_tokenizer_flag_and_model_card(anchors, tmp_path, capsys
     assert (out / "tokenizer.json").is_file() and "library_name: mlx" in (out / "README.md").read_text()
     main(["verify", str(out)])
     from mfqat.export import to_mlx
-    from mfqat.manifest import AnchorError
+    from mfqat.storage.manifest import AnchorError
     with pytest.raises(AnchorError, match="tokenizer"):
         to_mlx(bare, tmp_path / "y", recipe="uniform:mxint4", verify=False)
     assert not (tmp_path / "y").exists()

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from mfqat.cli import main as cli
-from mfqat.data import tiny_llama, tiny_tokenizer
-from mfqat.demo import run_demo
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.cli.demo import run_demo
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Derived affine formats (mfqat.derive, issue 17 item 3): MLX's own affine layout re-quantized from an
+"""Derived affine formats (mfqat.quant.derive, issue 17 item 3): MLX's own affine layout re-quantized from an
 MXINT8 anchor. MF-QAT trains through the derivation, the anchor reproduces it bit for bit, and the
 MLX export stores mx.quantize's codes of the anchor's values at mlx_lm's cost (4.5 bits at g64)."""
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama, tiny_tokenizer
-from mfqat.derive import derive_affine
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.quant.derive import derive_affine
 from mfqat.export import to_mlx
 from mfqat.export.mlx_export import load_weights
 from mfqat.qat.config import QATConfig

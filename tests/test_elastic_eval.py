@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.anchor import read_anchor
-from mfqat.data import tiny_llama
+from mfqat.anchor.checkpoint import read_anchor
+from mfqat.data.sources import tiny_llama
 from mfqat.eval.elastic import anchor_state, evaluate_formats
 from mfqat.eval.perplexity import perplexity
 from mfqat.qat import QATConfig

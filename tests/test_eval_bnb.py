@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mfqat.cli import main
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
 pytest.importorskip("bitsandbytes")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 from mfqat.export import to_mlx
 
 from .test_export_exact import assert_same_greedy_generation, check_weights_independently, pytorch_reference
@@ -112,7 +112,7 @@ def test_allocate_gives_bits_to_sensitive_tensors_within_budget():
 
 
 def test_auto_recipe_meets_budget_and_writes_sensitivities(anchors, tmp_path):
-    from mfqat.data import pydoc_text
+    from mfqat.data.sources import pydoc_text
 
     rep = to_mlx(anchors["int"], tmp_path / "m", recipe="auto:4.75", calib_text=pydoc_text()[:20000])
     assert check_weights_independently(anchors["int"], tmp_path / "m", rep) == 15
@@ -150,7 +150,7 @@ def test_bfloat16_scales_and_sharding(anchors, tmp_path):
 
 def test_awq_keeps_the_fp_model_and_exports(tmp_path):
     """AWQ scaling leaves the full-precision function unchanged, then exports through the PTQ path."""
-    from mfqat.data import calibration_blocks
+    from mfqat.data.sources import calibration_blocks
     from mfqat.export.awq import apply_awq
 
     tok = tiny_tokenizer()

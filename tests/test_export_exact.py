@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import pydoc_text, tiny_tokenizer
+from mfqat.data.sources import pydoc_text, tiny_tokenizer
 from mfqat.export import to_mlx
 
 mx = pytest.importorskip("mlx.core")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import calibration_blocks, tiny_llama, tiny_tokenizer
+from mfqat.data.sources import calibration_blocks, tiny_llama, tiny_tokenizer
 from mfqat.export import to_mlx
-from mfqat.importance import importance_matrix
+from mfqat.anchor.importance import importance_matrix
 from mfqat.formats import get_format
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE, SCALE_SEARCH_FORMATS
 

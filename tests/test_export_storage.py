@@ -8,7 +8,7 @@ import torch
 
 import mfqat
 from mfqat.formats import get_format
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 from mfqat.export import to_mlx
 
 mx = pytest.importorskip("mlx.core")

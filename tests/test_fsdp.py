@@ -26,8 +26,8 @@ def _worker(rank: int, port: int, out: str, tie: bool) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mfqat.data import tiny_llama
-    from mfqat.sharded import full_state_dict, is_sharded
+    from mfqat.data.sources import tiny_llama
+    from mfqat.storage.sharded import full_state_dict, is_sharded
 
     report = {}
     for mode in ("ddp", "fsdp"):
@@ -79,7 +79,7 @@ def test_fsdp_anchor_equals_ddp_anchor(tmp_path, tie):
         assert torch.equal(a.quantized[k].scales, b.quantized[k].scales), k
     for k in a.plain:
         assert torch.equal(a.plain[k], b.plain[k]), k
-    from mfqat.data import tiny_llama
+    from mfqat.data.sources import tiny_llama
     init = tiny_llama(vocab_size=320, tie=tie).state_dict()["model.embed_tokens.weight"]
     assert not torch.equal(b.plain["model.embed_tokens.weight"], init)  # the sharded steps trained it
 

@@ -50,7 +50,7 @@ def _worker(rank: int, port: int, out: str, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from mfqat.data import tiny_llama
+    from mfqat.data.sources import tiny_llama
 
     results = {}
     for mode in ("fp32", "mxfp8", "mxint4", "mxint4_noef"):
@@ -121,7 +121,7 @@ def test_train_two_ranks_with_compressed_gradients(tmp_path):
     import subprocess
     import sys
 
-    from mfqat.data import tiny_llama
+    from mfqat.data.sources import tiny_llama
 
     root = Path(__file__).resolve().parents[1]
     dump, out = tmp_path / "w", tmp_path / "run"
@@ -163,7 +163,7 @@ def test_an_overflowing_step_does_not_poison_the_residual():
     """A step with inf gradients (fp16 loss scaling skips it) must not leave NaN residuals behind."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mfqat.data import tiny_llama
+    from mfqat.data.sources import tiny_llama
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
     ddp = state = None

@@ -8,7 +8,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 import mfqat
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 from mfqat.integrations.hf import MFQATCallback, MFQATTrainer
 from mfqat.qat import QATConfig
 

@@ -7,9 +7,9 @@ import torch
 from gguf import GGUFWriter
 
 from mfqat.cli import main
-from mfqat.data import calibration_blocks, tiny_llama, tiny_tokenizer
+from mfqat.data.sources import calibration_blocks, tiny_llama, tiny_tokenizer
 from mfqat.export.awq import apply_awq, awq_pairs
-from mfqat.importance import activation_sums, importance_matrix
+from mfqat.anchor.importance import activation_sums, importance_matrix
 from mfqat.export.imatrix import imatrix_for_model, read_imatrix
 
 # HF module -> the GGUF name convert_hf_to_gguf.py gives it (written out by hand: checks gguf-py's map)

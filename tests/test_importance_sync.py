@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.qat.joint import joint_backward
 from mfqat.qat.prepare import qat_modules
 

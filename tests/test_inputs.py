@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.qat import QATConfig
 from mfqat.quant.kernels import cpp
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.qat import QATConfig
 from mfqat.qat.joint import joint_backward, token_kl
 from mfqat.qat.schedules import JointSchedule
@@ -120,7 +120,7 @@ def test_train_cli_joint_with_accumulation_and_cosine(tmp_path):
               "--out", str(tmp_path / "run")])
     assert s["formats"] == ["mxint8+mxint4"] * 3
     assert s["peak_memory_mib"] > 0
-    meta = mfqat.anchor.read_meta(tmp_path / "run" / "anchor")
+    meta = mfqat.anchor.checkpoint.read_meta(tmp_path / "run" / "anchor")
     assert meta["anchor_format"] == "mxint8" and meta["step"] == 3
 
 

@@ -226,7 +226,7 @@ def run_slice(backend: str, codes, scales, src, dst, bs):
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 @pytest.mark.parametrize("src,dst", SLICES)
 def test_slice_and_scale_bit_exact(backend, device, src, dst):
-    from mfqat.slice import slice_reference
+    from mfqat.quant.slice import slice_reference
 
     x = adversarial(seed=7)
     for bs in (32, 8):

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mfqat
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 from mfqat.quant.reference import fake_quantize_reference
 
 from .conftest import MX_FORMATS
@@ -297,7 +297,7 @@ def test_serve_answers_openai_completions(tiny_export):
 
 
 def test_missing_mlx_message(monkeypatch):
-    from mfqat import cli
+    from mfqat.cli import app as cli
 
     monkeypatch.setitem(sys.modules, "mlx_lm", None)
     with pytest.raises(SystemExit, match="pip install 'mfqat\\[mlx\\]'"):

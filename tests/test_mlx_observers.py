@@ -99,7 +99,7 @@ def test_mlx_training_steps_fill_the_window_and_report_clip_rates():
 
 
 def test_mlx_train_cli_reports_the_clip_rate(tmp_path):
-    from mfqat.data import tiny_llama, tiny_tokenizer
+    from mfqat.data.sources import tiny_llama, tiny_tokenizer
     from mfqat.mlx.train import main as mlx_train
     tok = tiny_tokenizer()
     tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(tmp_path / "tiny", safe_serialization=True)

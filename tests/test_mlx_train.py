@@ -9,7 +9,7 @@ mx = pytest.importorskip("mlx.core")
 from mlx.utils import tree_flatten  # noqa: E402
 
 import mfqat  # noqa: E402
-from mfqat.data import tiny_llama, tiny_tokenizer  # noqa: E402
+from mfqat.data.sources import tiny_llama, tiny_tokenizer  # noqa: E402
 from mfqat.mlx import runtime  # noqa: E402
 from mfqat.mlx.models import load_for_training  # noqa: E402
 from mfqat.mlx.train import main as mlx_train, train_steps  # noqa: E402

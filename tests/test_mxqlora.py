@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama, tiny_tokenizer
-from mfqat.mxqlora import (MXFrozenLinear, load_with_adapter, lora_parameters, mx_qlora_model,
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.qlora.model import (MXFrozenLinear, load_with_adapter, lora_parameters, mx_qlora_model,
                            save_mx_adapter, set_base_format)
 
 pytest.importorskip("peft")
@@ -110,7 +110,7 @@ def test_building_never_allocates_a_float_copy_of_a_target_weight(anchor):
 
 
 def test_gradient_checkpointing_gives_the_same_adapter_gradients(anchor, monkeypatch):
-    from mfqat.mxqlora_train import enable_checkpointing
+    from mfqat.qlora.train import enable_checkpointing
 
     calls = []
     weight_in = MXFrozenLinear.weight_in

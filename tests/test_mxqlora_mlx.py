@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mfqat
-from mfqat.data import tiny_llama, tiny_tokenizer
-from mfqat.mxqlora import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
-from mfqat.mxqlora_mlx import peft_to_mlx
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
+from mfqat.qlora.mlx_adapter import peft_to_mlx
 
 pytest.importorskip("peft")
 mx = pytest.importorskip("mlx.core")

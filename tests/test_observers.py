@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.qat import WindowMinMaxObserver, joint_backward
 from mfqat.qat.observers import int8_channel_fake_quant
 

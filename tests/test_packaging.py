@@ -32,7 +32,7 @@ def test_unknown_recipe_lists_the_shipped_ones(tmp_path):
 
 
 def test_bench_without_scripts_says_why(monkeypatch):
-    from mfqat import cli
+    from mfqat.cli import app as cli
 
     real = Path.is_file
     monkeypatch.setattr(Path, "is_file", lambda p: False if p.name == "bench_quant.py" else real(p))
@@ -59,4 +59,4 @@ def test_wheel_ships_the_yaml_recipes(tmp_path):
     want = {f"mfqat/configs/{n}.yaml" for n in shipped_configs()}
     want |= {f"mfqat/configs/accelerate/{p.name}" for p in (CONFIGS_DIR / "accelerate").glob("*.yaml")}
     assert len(want) >= 11 and want <= names, sorted(want - names)
-    assert "mfqat/cli.py" in names and not any(n.endswith(".so") for n in names)
+    assert "mfqat/cli/app.py" in names and not any(n.endswith(".so") for n in names)

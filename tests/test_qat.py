@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.qat import (MFQATLinear, ProgressiveSchedule, QATConfig, make_schedule, qat_modules)
 
 from .conftest import MX_FORMATS

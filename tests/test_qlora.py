@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.integrations.train_loop import main as train_main
 
 pytest.importorskip("peft")

@@ -5,7 +5,7 @@ import pytest
 
 import mfqat
 from mfqat.cli import main as cli_main
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import mfqat
-from mfqat.anchor import AnchorError, read_anchor
+from mfqat.anchor.checkpoint import AnchorError, read_anchor
 from mfqat.cli import main as cli_main
-from mfqat.data import tiny_llama, tiny_tokenizer
-from mfqat.manifest import canonical_digest, seal
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.storage.manifest import canonical_digest, seal
 
 
 @pytest.fixture(scope="module")

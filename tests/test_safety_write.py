@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.anchor import AnchorError, read_anchor
+from mfqat.anchor.checkpoint import AnchorError, read_anchor
 from mfqat.cli import main as cli_main
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,8 +116,8 @@ KILL_LOOP = r"""
 import json, os, random, signal, sys, time, torch
 torch.set_num_threads(1)
 import mfqat
-from mfqat.anchor import AnchorError, read_anchor
-from mfqat.data import tiny_llama
+from mfqat.anchor.checkpoint import AnchorError, read_anchor
+from mfqat.data.sources import tiny_llama
 dest, trials = sys.argv[1], int(sys.argv[2])
 parent = os.path.dirname(dest)
 model = tiny_llama()
@@ -199,7 +199,7 @@ def test_concurrent_reader_and_writer(tmp_path):
 
 
 def test_second_writer_gets_a_clear_error(model, tmp_path):
-    from mfqat.io import WriterBusyError, atomic_directory
+    from mfqat.storage.io import WriterBusyError, atomic_directory
 
     dest = tmp_path / "a"
     with atomic_directory(dest, kind="anchor"):

@@ -5,13 +5,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.formats import get_format
 from mfqat.qat import QATConfig
 from mfqat.quant.reference import mx_codes_to_values, mx_dequantize_blocks, mx_encode_blocks, mx_shared_exponent, to_blocks
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE, anchor_scale_rules, resolve_scale_rules
 from mfqat.quant.scale_search import mx_search_exponent, quantize_search
-from mfqat.slice import slice_and_scale
+from mfqat.quant.slice import slice_and_scale
 
 from .conftest import MX_FORMATS
 
@@ -130,7 +130,7 @@ def test_non_floor_rules_train_what_load_anchor_gives(formats, rules, tmp_path):
         for p in model.parameters():
             p.mul_(1 + torch.rand_like(p) * 3)
     anchor = mfqat.save_anchor(model, tmp_path / "a", cfg.anchor_format)
-    meta = mfqat.anchor.read_meta(anchor)
+    meta = mfqat.anchor.checkpoint.read_meta(anchor)
     assert {get_format(k).name: v for k, v in rules.items()}.items() <= meta["scale_rules"].items()
     assert meta["scale_rule"] == meta["scale_rules"][cfg.anchor_format]
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -181,7 +181,7 @@ def test_mlx_trained_anchor_records_and_slices_with_the_rules(tmp_path):
     pytest.importorskip("mlx_lm")
     import numpy as np
 
-    from mfqat.data import tiny_tokenizer
+    from mfqat.data.sources import tiny_tokenizer
     from mfqat.mlx.anchor import save_anchor as mlx_save_anchor
     from mfqat.mlx.models import load_for_training
     from mfqat.mlx.qat import prepare as mlx_prepare, qat_layers, set_format as mlx_set_format
@@ -193,7 +193,7 @@ def test_mlx_trained_anchor_records_and_slices_with_the_rules(tmp_path):
     model, _, src_dir = load_for_training(str(src))
     mlx_prepare(model, QATConfig(formats=["mxint3", "mxint8"], scale_rules={"mxint3": "ceil"}))
     mlx_save_anchor(model, tmp_path / "a", "mxint8", source_dir=src_dir)
-    assert mfqat.anchor.read_meta(tmp_path / "a")["scale_rules"]["mxint3"] == "ceil"
+    assert mfqat.anchor.checkpoint.read_meta(tmp_path / "a")["scale_rules"]["mxint3"] == "ceil"
     mlx_set_format(model, "mxint3")
     name = "model.layers.1.mlp.down_proj"
     got = np.array(dict(qat_layers(model))[name].quantized_weight())
@@ -205,7 +205,7 @@ def test_anchor_without_recorded_rules_slices_with_floor(tmp_path):
     """An anchor from before per-format rules (no ``scale_rules`` in mfqat.json) lowers with floor."""
     import json
 
-    from mfqat.manifest import seal
+    from mfqat.storage.manifest import seal
 
     model = tiny_llama(seed=2)
     with torch.no_grad():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.export.sensitivity import ladder, measure
 
 

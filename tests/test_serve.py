@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from mfqat.data import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")

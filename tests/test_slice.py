@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import mfqat
 from mfqat.formats import get_format
-from mfqat.slice import double_rounding_fraction, slice_and_scale
+from mfqat.quant.slice import double_rounding_fraction, slice_and_scale
 
 MXINT = [f"mxint{k}" for k in range(8, 1, -1)]
 MXFP_PAIRS = [("mxfp8_e4m3", "mxfp6_e2m3"), ("mxfp8_e4m3", "mxfp6_e3m2"), ("mxfp8_e4m3", "mxfp4_e2m1"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import load_model, load_text, split_text, token_blocks
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data import tiny_llama
+from mfqat.data.sources import tiny_llama
 from mfqat.integrations.hf import MFQATCallback
 from mfqat.integrations.train_loop import main as train_main
 from mfqat.qat import QATConfig
@@ -153,7 +153,7 @@ def test_hf_callback_eval_losses_are_the_formats_losses(tmp_path):
 
 
 def test_distillation_loss_and_training(tmp_path):
-    from mfqat.data import tiny_llama
+    from mfqat.data.sources import tiny_llama
     from mfqat.integrations.train_loop import distillation_loss
 
     model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))

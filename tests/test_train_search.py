@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 import mfqat
 from mfqat import QATConfig
-from mfqat.anchor import AnchorError, read_anchor
-from mfqat.data import tiny_llama
+from mfqat.anchor.checkpoint import AnchorError, read_anchor
+from mfqat.data.sources import tiny_llama
 from mfqat.qat.input_squares import column_square_sums
 from mfqat.qat.joint import joint_backward
 from mfqat.qat.prepare import qat_modules
@@ -128,7 +128,7 @@ def test_mxfp_search_trained_model_equals_its_loaded_anchor_and_beats_its_rule(t
 def test_calibrating_an_mxfp_searched_anchor_replaces_its_importance(tmp_path):
     """load_anchor(calib=) on an anchor trained with the MXFP search recalibrates those formats (not
     the untrained-search MXFP formats' rule), and the weights follow the new importance."""
-    from mfqat.anchor_search import search_scales
+    from mfqat.anchor.search import search_scales
 
     m, ids = trained(steps=1, rules={"mxfp4_e2m1": "search"}, formats=MXFP)
     path = mfqat.save_anchor(m, tmp_path / "a")
@@ -239,7 +239,7 @@ def test_export_mlx_writes_the_trained_search_blocks(tmp_path, formats, rules, f
     import mlx.core as mx
     import numpy as np
 
-    from mfqat.data import tiny_tokenizer
+    from mfqat.data.sources import tiny_tokenizer
     from mfqat.export import to_mlx
 
     from .test_export_exact import mlx_dequantized

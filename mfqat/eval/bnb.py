@@ -17,8 +17,8 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-from ..formats import get_format
-from .perplexity import perplexity
+from mfqat.formats import get_format
+from mfqat.eval.perplexity import perplexity
 
 BNB_BASES = ("nf4", "int8")
 

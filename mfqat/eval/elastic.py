@@ -6,11 +6,12 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from ..anchor import Anchor, default_targets
-from ..formats import get_format, known_formats
-from ..quant.api import quantize
-from ..quant.scale_rules import DEFAULT_SCALE_RULE
-from .perplexity import perplexity
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.tensors import default_targets
+from mfqat.formats import get_format, known_formats
+from mfqat.quant.api import quantize
+from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE
+from mfqat.eval.perplexity import perplexity
 
 
 def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optional[List[str]] = None,

@@ -15,7 +15,7 @@ from typing import Dict
 
 import torch
 
-from .perplexity import perplexity
+from mfqat.eval.perplexity import perplexity
 
 
 def stored_bits(folder: Path, n_params: int) -> float:

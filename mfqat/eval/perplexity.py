@@ -7,7 +7,7 @@ from typing import Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from ..progress import progress as progress_bar
+from mfqat.progress import progress as progress_bar
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def perplexity(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, desc
 def elastic_perplexity(model: nn.Module, formats: Iterable[Optional[str]], blocks: torch.Tensor,
                        batch_size: int = 4, progress: bool = True) -> Dict[str, float]:
     """Perplexity of a prepared model at each format (None = full precision)."""
-    from ..qat.prepare import set_format
+    from mfqat.qat.prepare import set_format
 
     out: Dict[str, float] = {}
     for fmt in formats:

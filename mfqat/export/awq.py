@@ -11,7 +11,7 @@ the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max 
 producer's output channels divided by ``s``, so the full-precision model computes the same function
 (up to float rounding; tested) while the salient input channels get more of the quantization grid.
 ``importance`` is the mean squared activation per input channel on calibration text (the
-"imatrix": mfqat.importance, or read from a llama.cpp imatrix GGUF: mfqat.export.imatrix).
+"imatrix": mfqat.anchor.importance, or read from a llama.cpp imatrix GGUF: mfqat.export.imatrix).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..importance import activation_sums, importance_matrix  # noqa: F401 (re-exported)
+from mfqat.anchor.importance import activation_sums, importance_matrix  # noqa: F401 (re-exported)
 
 GROUPS: List[Tuple[str, List[str]]] = [
     ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),

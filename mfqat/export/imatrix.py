@@ -5,7 +5,7 @@ llama.cpp's GGUF imatrix layout (tools/imatrix, ``general.type = "imatrix"``): f
 ``<name>`` (a GGUF tensor name such as ``blk.3.ffn_down.weight``) two float32 tensors,
 ``<name>.in_sum2`` (ne = [in_features, n_mat]: the sum over tokens of the squared input activation)
 and ``<name>.counts`` (ne = [1, n_mat]: how many tokens were summed). ``in_sum2 / counts`` is the mean
-squared input activation per input channel, which is what :func:`mfqat.importance.importance_matrix`
+squared input activation per input channel, which is what :func:`mfqat.anchor.importance.importance_matrix`
 measures. Expert stacks (n_mat > 1) are pooled (sums over sums / counts over counts); AWQ only
 rescales dense layers. GGUF names are mapped to the model's module names with gguf-py's
 :func:`gguf.get_tensor_name_map` for the model's architecture. The legacy ``.dat`` format is refused.

@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 import torch
 
-from ..anchor import Anchor, AnchorError, read_anchor, save_anchor
-from ..shard_files import MAX_SHARD_BYTES
-from ..derive import DERIVED_GROUP_SIZE, is_derived
-from ..formats import get_format
-from ..io import atomic_directory, write_json
-from ..model_card import write_model_card
-from ..manifest import seal
-from ..quant.mxtensor import MXTensor
-from ..quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from .recipes import AFFINE_BITS, Plan, build_plan, ptq_anchor_format
-from .mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
-from .storage import anchor_parameters, resolve_scale_dtype, stored_size
-from .verify import LOGIT_RTOL, reference_state, verify_export  # noqa: F401 (public here since 0.1)
+from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
+from mfqat.storage.shard_files import MAX_SHARD_BYTES
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
+from mfqat.formats import get_format
+from mfqat.storage.io import atomic_directory, write_json
+from mfqat.storage.model_card import write_model_card
+from mfqat.storage.manifest import seal
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
+from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, ptq_anchor_format
+from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
+from mfqat.export.storage import anchor_parameters, resolve_scale_dtype, stored_size
+from mfqat.export.verify import LOGIT_RTOL, reference_state, verify_export  # noqa: F401 (public here since 0.1)
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
     import mlx.core as mx
@@ -62,14 +62,14 @@ def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
     """Lay one MX tensor out as MLX stores it (see module table)."""
     f = q.fmt
     rows = q.shape[:-1]
-    if f.family == "affine":  # derived: MLX's own codes, scales and biases (mfqat.derive)
-        from ..quant.packing import pack_codes
+    if f.family == "affine":  # derived: MLX's own codes, scales and biases (mfqat.quant.derive)
+        from mfqat.quant.packing import pack_codes
         words = pack_codes(q.codes.to(torch.int32), AFFINE_BITS[f.bits]).numpy().view(np.uint32)
         return MLXTensor(words, q.scales.numpy(), q.biases.numpy(), "affine", AFFINE_BITS[f.bits], True)
     if f.family == "mxint":
         bits = AFFINE_BITS[f.bits]
         qu = q.codes.to(torch.int32) + 2 ** (bits - 1)
-        from ..quant.packing import pack_codes
+        from mfqat.quant.packing import pack_codes
         words = pack_codes(qu, bits).numpy().view(np.uint32)
         s = q.scales.to(torch.int32) - E8M0_BIAS
         scale = exp2i((s - f.int_shift).clamp(-149, 127))  # the format's element scale 2^-(k-2)
@@ -164,7 +164,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
         if scale_search:
-            from .scale_search import apply_scale_search
+            from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
         source_cfg = Path(source) / "config.json"
@@ -194,13 +194,13 @@ def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report
                 fmt: str = "mxint8", imatrix_path: Optional[str] = None) -> Path:
     """Quantize a plain HF model (AWQ first when asked, from ``imatrix_path`` if given) to an anchor in
     ``fmt`` at ``dest``."""
-    from ..data import calibration_blocks, load_model
+    from mfqat.data.sources import calibration_blocks, load_model
 
     model, tok = load_model(str(source))
     if awq:
-        from .awq import apply_awq, awq_pairs
+        from mfqat.export.awq import apply_awq, awq_pairs
         if imatrix_path is not None:
-            from .imatrix import imatrix_for_model
+            from mfqat.export.imatrix import imatrix_for_model
             imatrix = imatrix_for_model(model, imatrix_path, [c[0] for _, c in awq_pairs(model)])
             report["awq"] = apply_awq(model, None, imatrix=imatrix)
             report["imatrix"] = str(imatrix_path)

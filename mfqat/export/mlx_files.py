@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
-from ..shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
+from mfqat.storage.shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
 
 if TYPE_CHECKING:
     import mlx.core as mx

@@ -2,7 +2,7 @@
 
 Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"), or for the
 derived affine formats (``uniform:affine4``, ``seed:affine``, ``auto:BPW:affine``) re-quantized from the anchor's values
-in MLX's own layout, groups of ``Plan.derived_group`` (mfqat.derive); 2-D
+in MLX's own layout, groups of ``Plan.derived_group`` (mfqat.quant.derive); 2-D
 weights the anchor keeps in full precision (embeddings, an untied lm_head) are quantized
 directly when the plan names a format for them (origin "ptq"), else kept in bfloat16.
 """
@@ -14,12 +14,12 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from ..anchor import Anchor
-from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
-from ..formats import canonical_name, get_format
-from ..quant.mxtensor import MXTensor
-from .sensitivity import auto_plan_formats, in_format, ladder
-from .storage import check_mlx_group_size
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
+from mfqat.formats import canonical_name, get_format
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.export.sensitivity import auto_plan_formats, in_format, ladder
+from mfqat.export.storage import check_mlx_group_size
 
 FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
@@ -177,7 +177,7 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
     if want == "affine":
-        family = "affine"  # derived from the anchor (mfqat.derive), not sliced
+        family = "affine"  # derived from the anchor (mfqat.quant.derive), not sliced
     elif want is not None and want != family:
         raise ValueError(f"recipe '{recipe}' asks for the {want} family but the anchor is {anchor.format} "
                          f"({family}): Slice-and-Scale stays inside one MX family")

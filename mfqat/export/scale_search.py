@@ -1,6 +1,6 @@
 """``export-mlx --scale-search``: output-aware per-block scale choice when an anchor is lowered.
 
-Tokenizes the calibration text and marks the anchor (mfqat.anchor_search: the importance of every
+Tokenizes the calibration text and marks the anchor (mfqat.anchor.search: the importance of every
 quantized Linear's input channels, then per block the exponent among floor-1, floor, floor+1 with
 the lowest importance-weighted squared error, for mxint6..mxint3 only). Every consumer of the plan
 (the writer, the PyTorch reference, the verification, auto:BPW's sensitivities) lowers through
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..anchor import Anchor
-from ..anchor_search import search_scales
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.search import search_scales
 
 
 def apply_scale_search(anchor: Anchor, tokenizer_dir: Path, calib_text: Optional[str] = None,
@@ -21,7 +21,7 @@ def apply_scale_search(anchor: Anchor, tokenizer_dir: Path, calib_text: Optional
     """Attach importance and the ``search`` rule to every anchor tensor (in place); returns a report entry."""
     from transformers import AutoTokenizer
 
-    from ..data import calibration_blocks
+    from mfqat.data.sources import calibration_blocks
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     return search_scales(anchor, calibration_blocks(tok, calib_text, n_blocks=n_blocks, seq_len=seq_len))

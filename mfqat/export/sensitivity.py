@@ -9,7 +9,7 @@ output change grows with the weight perturbation's energy), so the cost is one p
 instead of one per (tensor, level).
 
 The ``affine`` family (``auto:BPW:affine``) plans MLX's affine widths derived from the anchor
-(mfqat.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine2..8
+(mfqat.quant.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine2..8
 and their cost includes the bfloat16 scale and bias of every group (4.5 bits/weight for affine4 at
 group 64), so a budget means the same bytes as an ``mlx_lm.convert`` file of that size.
 
@@ -24,14 +24,15 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..anchor import Anchor, load_anchor
-from ..derive import DERIVED_GROUP_SIZE, derive_affine, is_derived
-from ..formats import canonical_name, get_format
-from ..quant.scale_rules import DEFAULT_SCALE_RULE
-from ..progress import progress
-from ..quant.api import quantize
-from ..quant.mxtensor import MXTensor
-from ..slice import slice_and_scale
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.load import load_anchor
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive_affine, is_derived
+from mfqat.formats import canonical_name, get_format
+from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE
+from mfqat.progress import progress
+from mfqat.quant.api import quantize
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.slice import slice_and_scale
 
 LADDERS = {
     "mxint": ["mxint2", "mxint3", "mxint4", "mxint5", "mxint6", "mxint8"],
@@ -100,7 +101,7 @@ def calibration_blocks(anchor: Anchor, calib_text: Optional[str], n_blocks: int 
     """Calibration token blocks with the anchor's tokenizer (default text: the pydoc training split)."""
     from transformers import AutoTokenizer
 
-    from ..data import calibration_blocks as blocks_of
+    from mfqat.data.sources import calibration_blocks as blocks_of
 
     return blocks_of(AutoTokenizer.from_pretrained(str(anchor.path)), calib_text, n_blocks, seq_len)
 

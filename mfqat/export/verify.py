@@ -7,9 +7,9 @@ from typing import Dict
 import numpy as np
 import torch
 
-from ..anchor import Anchor
-from .mlx_files import load_weights
-from .recipes import Plan, mlx_storage
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.export.mlx_files import load_weights
+from mfqat.export.recipes import Plan, mlx_storage
 
 # The exported logits must match PyTorch's (float32, same weights) within LOGIT_RTOL[check] x
 # max(1, max |PyTorch logit|) on the check prompt. The weights are checked bit-exact first, so this

@@ -18,9 +18,9 @@ from typing import Iterator, Optional
 
 from torch import nn
 
-from ..qat.config import QATConfig
-from ..qat.prepare import prepare
-from ..sharded import full_state_dict
+from mfqat.qat.config import QATConfig
+from mfqat.qat.prepare import prepare
+from mfqat.storage.sharded import full_state_dict
 
 
 def requested() -> bool:

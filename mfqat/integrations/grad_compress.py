@@ -21,9 +21,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..formats import get_format
-from ..quant.api import quantize
-from ..quant.mxtensor import MXTensor
+from mfqat.formats import get_format
+from mfqat.quant.api import quantize
+from mfqat.quant.mxtensor import MXTensor
 
 GRAD_COMPRESS_CHOICES = ("none", "mxfp8", "mxfp8_e5m2", "mxint8", "mxfp6", "mxint6", "mxint4", "mxfp4")
 

@@ -10,13 +10,13 @@ from typing import List, Optional
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..anchor import save_anchor
-from ..formats import canonical_name, get_format
-from ..qat import importance_state
-from ..qat.joint import normalized_weights, token_kl
-from ..qat.prepare import MFQATController, set_format
-from .lora import merged_copy
-from .hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
+from mfqat.anchor.checkpoint import save_anchor
+from mfqat.formats import canonical_name, get_format
+from mfqat.qat import importance_state
+from mfqat.qat.joint import normalized_weights, token_kl
+from mfqat.qat.prepare import MFQATController, set_format
+from mfqat.integrations.lora import merged_copy
+from mfqat.integrations.hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
 
 
 def find_controller(model) -> MFQATController:

@@ -1,7 +1,7 @@
 """``AutoModelForCausalLM.from_pretrained(ANCHOR)`` for mfqat anchors (transformers' HfQuantizer API).
 
 An anchor's config.json carries ``quantization_config: {"quant_method": "mfqat", ...}``
-(mfqat.anchor_config). Once this module is imported (``mfqat.register_hf_quantizer()``, or any
+(mfqat.anchor.config). Once this module is imported (``mfqat.register_hf_quantizer()``, or any
 import of :mod:`mfqat.integrations.hf`), transformers hands such checkpoints to
 :class:`MFQATHfQuantizer`, which reads the anchor with :func:`mfqat.read_anchor` (hashes, shapes)
 and loads its weights dequantized in the anchor's own format: the model is a plain one, equal to
@@ -19,7 +19,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..anchor_config import QUANT_METHOD
+from mfqat.anchor.config import QUANT_METHOD
 
 
 class MFQATQuantizationConfig(QuantizationConfigMixin):
@@ -52,7 +52,7 @@ class MFQATHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        from ..anchor import read_anchor
+        from mfqat.anchor.checkpoint import read_anchor
 
         model._keys_to_ignore_on_load_unexpected, model._keys_to_ignore_on_load_missing = self._ignored
         anchor = read_anchor(self.folder)

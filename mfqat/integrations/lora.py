@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..formats import get_format
-from ..io import atomic_directory
+from mfqat.formats import get_format
+from mfqat.storage.io import atomic_directory
 
-from .train_args import BASES, LORA_TARGETS as DEFAULT_TARGETS  # noqa: E402,F401 (the flags live with the parser)
+from mfqat.integrations.train_args import BASES, LORA_TARGETS as DEFAULT_TARGETS  # noqa: E402,F401 (the flags live with the parser)
 
 
 def check_lora_args(args, qat: bool) -> None:

@@ -18,25 +18,25 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ..progress import progress, quiet_dependency_logs
-from ..anchor import save_anchor
-from ..data import load_model, tiny_llama
-from ..eval.elastic import evaluate_formats, ptq_state
-from ..eval.perplexity import perplexity
-from ..eval.report import format_table, plot_curve
-from ..formats import get_format
-from ..qat.joint import joint_backward, token_kl, weighted_loss
-from ..qat.observers import mean_clip_rate
-from .lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
-from .optim import make_optimizer
-from .train_args import build_parser
-from .train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
+from mfqat.progress import progress, quiet_dependency_logs
+from mfqat.anchor.checkpoint import save_anchor
+from mfqat.data.sources import load_model, tiny_llama
+from mfqat.eval.elastic import evaluate_formats, ptq_state
+from mfqat.eval.perplexity import perplexity
+from mfqat.eval.report import format_table, plot_curve
+from mfqat.formats import get_format
+from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
+from mfqat.qat.observers import mean_clip_rate
+from mfqat.integrations.lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
+from mfqat.integrations.optim import make_optimizer
+from mfqat.integrations.train_args import build_parser
+from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
-from . import fsdp, grad_compress
-from ..sharded import full_state_dict, is_sharded
-from ..qat import importance_state
-from ..qat.importance_state import ImportanceStatistic, uses_search
-from ..qat.prepare import prepare, set_format
+from mfqat.integrations import fsdp, grad_compress
+from mfqat.storage.sharded import full_state_dict, is_sharded
+from mfqat.qat import importance_state
+from mfqat.qat.importance_state import ImportanceStatistic, uses_search
+from mfqat.qat.prepare import prepare, set_format
 
 
 def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: int, alpha: float) -> torch.Tensor:

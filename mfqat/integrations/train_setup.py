@@ -9,11 +9,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..data import token_blocks
-from ..datasets import training_texts
-from ..formats import canonical_name, get_format
-from ..io import atomic_directory
-from ..qat.config import QATConfig
+from mfqat.data.sources import token_blocks
+from mfqat.data.jsonl import training_texts
+from mfqat.formats import canonical_name, get_format
+from mfqat.storage.io import atomic_directory
+from mfqat.qat.config import QATConfig
 
 
 # The recipe a run without --qat-config and without --formats trains (BENCHMARKS.md "Joint MF-QAT").

@@ -13,9 +13,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("mfqat.mlx needs MLX: pip install 'mfqat[mlx]' (installs mlx[cpu] on Linux, mlx on macOS) "
                       "and mlx-lm") from exc
 
-from .anchor import save_anchor  # noqa: E402
-from .qat import MFQATLinear, prepare, set_format, unprepare  # noqa: E402
-from .quant import dequantize, fake_quantize, qdq, quantize  # noqa: E402
+from mfqat.mlx.anchor import save_anchor  # noqa: E402
+from mfqat.mlx.qat import MFQATLinear, prepare, set_format, unprepare  # noqa: E402
+from mfqat.mlx.quant import dequantize, fake_quantize, qdq, quantize  # noqa: E402
 
 __all__ = ["MFQATLinear", "prepare", "set_format", "unprepare", "quantize", "dequantize", "fake_quantize", "qdq",
            "save_anchor"]

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from mlx.utils import tree_flatten
 
-from ..anchor import save_anchor as torch_save_anchor
-from .models import hf_tokenizer
-from .qat import qat_layers
+from mfqat.anchor.checkpoint import save_anchor as torch_save_anchor
+from mfqat.mlx.models import hf_tokenizer
+from mfqat.mlx.qat import qat_layers
 
 QUANT_KEYS = ("quantization", "quantization_config")
 

@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..export.mlx_export import mlx_model_config
-from ..io import atomic_directory, write_json
+from mfqat.export.mlx_export import mlx_model_config
+from mfqat.storage.io import atomic_directory, write_json
 
 
 def hf_tokenizer(tokenizer):
@@ -28,7 +28,7 @@ def smollm2_mlx_dir(cache: Optional[str] = None) -> Path:
     path = Path(cache or Path.home() / ".cache" / "mfqat" / "smollm2-135m-hf")
     if (path / "config.json").is_file():
         return path
-    from ..data import load_model
+    from mfqat.data.sources import load_model
 
     from safetensors.torch import save_file
 

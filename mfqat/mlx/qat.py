@@ -13,13 +13,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from ..derive import DERIVED_GROUP_SIZE, is_derived
-from ..formats import canonical_name
-from ..qat.config import QATConfig
-from ..qat.schedules import Schedule
-from ..quant.scale_rules import SEARCH_RULE, resolve_scale_rules, rule_of
-from .observers import WindowMinMaxObserver
-from .quant import fake_quantize
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
+from mfqat.formats import canonical_name
+from mfqat.qat.config import QATConfig
+from mfqat.qat.schedules import Schedule
+from mfqat.quant.scale_rules import SEARCH_RULE, resolve_scale_rules, rule_of
+from mfqat.mlx.observers import WindowMinMaxObserver
+from mfqat.mlx.quant import fake_quantize
 
 
 class MFQATLinear(nn.Module):
@@ -74,7 +74,7 @@ class MFQATLinear(nn.Module):
 
     def _qdq(self, w: mx.array, fmt: str, scale_rule: str) -> mx.array:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
-        stores it (bfloat16 scale and bias per ``affine_group_size``, as mfqat.derive)."""
+        stores it (bfloat16 scale and bias per ``affine_group_size``, as mfqat.quant.derive)."""
         if is_derived(fmt):
             return fake_quantize(w.astype(mx.bfloat16), fmt, self.affine_group_size).astype(w.dtype)
         return fake_quantize(w, fmt, self.block_size, scale_rule)

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..formats import NF4_CODEBOOK, ElementFormat, FormatLike, get_format
+from mfqat.formats import NF4_CODEBOOK, ElementFormat, FormatLike, get_format
 
 E8M0_NAN = 255
 AFFINE_EPS = 1e-7  # MLX's floor on the affine scale

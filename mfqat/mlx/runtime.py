@@ -18,7 +18,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..io import atomic_directory
+from mfqat.storage.io import atomic_directory
 
 GIB = 1024 ** 3
 

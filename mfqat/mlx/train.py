@@ -21,17 +21,17 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from ..data import token_blocks
-from ..datasets import training_texts
-from ..eval.report import format_table, plot_curve
-from ..derive import is_derived
-from ..formats import canonical_name, get_format
-from ..progress import progress, quiet_dependency_logs
-from ..qat.config import QATConfig
-from .models import hf_tokenizer, load_for_training
-from . import runtime
-from .observers import clip_rates
-from .qat import prepare, set_format
+from mfqat.data.sources import token_blocks
+from mfqat.data.jsonl import training_texts
+from mfqat.eval.report import format_table, plot_curve
+from mfqat.quant.derive import is_derived
+from mfqat.formats import canonical_name, get_format
+from mfqat.progress import progress, quiet_dependency_logs
+from mfqat.qat.config import QATConfig
+from mfqat.mlx.models import hf_tokenizer, load_for_training
+from mfqat.mlx import runtime
+from mfqat.mlx.observers import clip_rates
+from mfqat.mlx.qat import prepare, set_format
 
 
 def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
@@ -202,7 +202,7 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--cache-limit", type=float, default=None, metavar="GIB", help="mx.set_cache_limit (0: no cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default)")
-    p.add_argument("--data", default=None, help="mlx-lm's data layout: a folder with train.jsonl [+ valid.jsonl] ('text', chat 'messages' or 'prompt'/'completion' records; see mfqat.datasets)")
+    p.add_argument("--data", default=None, help="mlx-lm's data layout: a folder with train.jsonl [+ valid.jsonl] ('text', chat 'messages' or 'prompt'/'completion' records; see mfqat.data.jsonl)")
     p.add_argument("--eval-formats", default=None,
                    help="comma list evaluated at the end (default: the formats the recipe trains)")
     p.add_argument("--eval-blocks", type=int, default=16)
@@ -278,7 +278,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         save_adapters(model, out / "adapters", a.lora_rank, lora_scale, lora_layers, lora_keys)
         summary["adapters"] = str(out / "adapters")
     elif cfg is not None:
-        from .anchor import save_anchor
+        from mfqat.mlx.anchor import save_anchor
 
         save_anchor(model, out / "anchor", a.anchor_format or cfg.anchor_format or "mxint8", source_dir=src,
                     step=a.steps, schedule=cfg.to_dict(), overwrite=True)

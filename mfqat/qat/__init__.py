@@ -1,11 +1,11 @@
 """MF-QAT: modules, prepare(), format schedules."""
-from .config import QATConfig
-from .importance_state import forget_searched_exponents, sync_importance
-from .joint import joint_backward
-from .modules import MFQATEmbedding, MFQATLinear
-from .observers import WindowMinMaxObserver, clip_rates, mean_clip_rate
-from .prepare import MFQATController, prepare, qat_modules, set_format, unprepare
-from .schedules import (CyclicSchedule, FixedSchedule, JointSchedule, ProgressiveSchedule, RandomSchedule,
+from mfqat.qat.config import QATConfig
+from mfqat.qat.importance_state import forget_searched_exponents, sync_importance
+from mfqat.qat.joint import joint_backward
+from mfqat.qat.modules import MFQATEmbedding, MFQATLinear
+from mfqat.qat.observers import WindowMinMaxObserver, clip_rates, mean_clip_rate
+from mfqat.qat.prepare import MFQATController, prepare, qat_modules, set_format, unprepare
+from mfqat.qat.schedules import (CyclicSchedule, FixedSchedule, JointSchedule, ProgressiveSchedule, RandomSchedule,
                         Schedule, make_schedule)
 
 __all__ = ["QATConfig", "MFQATLinear", "MFQATEmbedding", "MFQATController", "prepare", "unprepare",

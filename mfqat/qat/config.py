@@ -11,13 +11,13 @@ import yaml
 
 import math
 
-from ..derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
-from ..formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
-from ..quant.reference import SCALE_RULES
-from ..quant.scale_rules import SEARCH_ANCHORS, SEARCH_RULE, check_scale_rules
-from .config_checks import (AFFINE_NAMES, _check_mx_format, _check_mx_formats, _check_observer, _check_qat_formats,
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
+from mfqat.formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
+from mfqat.quant.reference import SCALE_RULES
+from mfqat.quant.scale_rules import SEARCH_ANCHORS, SEARCH_RULE, check_scale_rules
+from mfqat.qat.config_checks import (AFFINE_NAMES, _check_mx_format, _check_mx_formats, _check_observer, _check_qat_formats,
                             _check_regexes, _check_type, _fail, _matches, _patterns)
-from .schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
+from mfqat.qat.schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
 DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"  # the YAML recipes shipped in the package
@@ -100,7 +100,7 @@ class QATConfig:
         anchor_warmup_steps: the first N optimizer steps train the anchor format only.
         affine_group_size: group of the derived affine formats (``affine2``..``affine8`` in
             ``formats``): MLX's own layout, a bfloat16 scale and bias per group, derived from the
-            anchor as W_k = dequantize(mx.quantize(bf16(qdq_anchor(W)), group, k)) (mfqat.derive);
+            anchor as W_k = dequantize(mx.quantize(bf16(qdq_anchor(W)), group, k)) (mfqat.quant.derive);
             64 is mlx_lm.convert's default (4.5 bits/weight at k = 4).
     """
 

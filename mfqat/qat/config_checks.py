@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Any, List, NoReturn, Tuple, Union
 
-from ..formats import get_format
+from mfqat.formats import get_format
 
 
 def _fail(field_name: str, message: str) -> NoReturn:
@@ -51,7 +51,7 @@ AFFINE_NAMES = tuple(f"affine{k}" for k in range(2, 9))  # the derived formats a
 
 
 def _check_qat_formats(field_name: str, value: Any, block_size: int) -> None:
-    """Like _check_mx_formats, but the derived affine formats (affine2..8, mfqat.derive) may join."""
+    """Like _check_mx_formats, but the derived affine formats (affine2..8, mfqat.quant.derive) may join."""
     if isinstance(value, (list, tuple)) and value:
         value = [f for f in value if not (isinstance(f, str) and f.lower() in AFFINE_NAMES)]
         if not value:

@@ -22,9 +22,9 @@ from typing import Dict, Union
 import torch
 from torch import nn
 
-from ..io import write_torch
-from .modules import several_processes
-from .prepare import qat_modules
+from mfqat.storage.io import write_torch
+from mfqat.qat.modules import several_processes
+from mfqat.qat.prepare import qat_modules
 
 
 class ImportanceStatistic:

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
-from ..quant.api import fake_quantize, fake_quantize_through
-from ..quant.scale_rules import SEARCH_RULE, rule_of
-from ..quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
+from mfqat.quant.api import fake_quantize, fake_quantize_through
+from mfqat.quant.scale_rules import SEARCH_RULE, rule_of
+from mfqat.quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
                                   search_through_anchor, straight_through)
-from .input_squares import column_square_sums
+from mfqat.qat.input_squares import column_square_sums
 
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
@@ -53,7 +53,7 @@ class MFQATMixin:
     scale_rule: str
     mask_saturated: bool
     anchor_format: Optional[str]
-    affine_group_size: int = DERIVED_GROUP_SIZE  # group of the derived affine formats (mfqat.derive)
+    affine_group_size: int = DERIVED_GROUP_SIZE  # group of the derived affine formats (mfqat.quant.derive)
     scale_rules: Optional[Dict[str, str]] = None  # {format: rule}, set by prepare (mfqat.quant.scale_rules)
     importance_sum: Optional[torch.Tensor] = None  # float64 (in_features,): folded sum of squared inputs
     importance_tokens: int = 0  # how many input rows importance_sum holds
@@ -176,7 +176,7 @@ class MFQATMixin:
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
-        stores it (bfloat16 scale and bias per ``affine_group_size``, mfqat.derive)."""
+        stores it (bfloat16 scale and bias per ``affine_group_size``, mfqat.quant.derive)."""
         if is_derived(fmt):
             return fake_derive_affine(w, fmt, self.affine_group_size)
         return fake_quantize(w, fmt, self.block_size, scale_rule, self.mask_saturated)

@@ -25,7 +25,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from .config_checks import OBSERVERS
+from mfqat.qat.config_checks import OBSERVERS
 QMAX = 127.0
 
 

@@ -7,12 +7,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from torch import nn
 
-from ..formats import canonical_name
-from ..quant.scale_rules import resolve_scale_rules
-from .config import QATConfig
-from .modules import MFQATEmbedding, MFQATLinear, MFQATMixin
-from .observers import make_observer
-from .schedules import Schedule
+from mfqat.formats import canonical_name
+from mfqat.quant.scale_rules import resolve_scale_rules
+from mfqat.qat.config import QATConfig
+from mfqat.qat.modules import MFQATEmbedding, MFQATLinear, MFQATMixin
+from mfqat.qat.observers import make_observer
+from mfqat.qat.schedules import Schedule
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import List, Optional, Sequence
 
-from ..formats import canonical_name, get_format
+from mfqat.formats import canonical_name, get_format
 
 SCHEDULES = ("joint", "progressive", "cyclic", "random", "fixed")
 

@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from ..formats import ElementFormat, FormatLike, get_format
-from .mxtensor import MXTensor
-from .reference import SCALE_RULES, quantize_blocks, to_blocks
+from mfqat.formats import ElementFormat, FormatLike, get_format
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.reference import SCALE_RULES, quantize_blocks, to_blocks
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -52,7 +52,7 @@ def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
     """
     f, bs = validate(x, fmt, block_size, scale_rule)
     if f.is_mx:
-        from .kernels import mx_quantize_dispatch
+        from mfqat.quant.kernels import mx_quantize_dispatch
 
         codes, scales = mx_quantize_dispatch(x.detach(), f, bs, scale_rule)
         return MXTensor(codes, scales, f, bs, x.dtype, None, scale_rule)
@@ -72,7 +72,7 @@ class _FakeQuantSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, anchor, fmt, block_size, anchor_rule, scale_rule, mask_saturated):  # type: ignore[override]
-        from .kernels import fake_quantize_dispatch, fake_quantize_through_dispatch
+        from mfqat.quant.kernels import fake_quantize_dispatch, fake_quantize_through_dispatch
 
         if anchor is None:
             out, saturated = fake_quantize_dispatch(x, fmt, block_size, scale_rule, need_mask=mask_saturated)

@@ -6,9 +6,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..formats import ElementFormat, FormatLike, get_format
-from .packing import pack_codes, unpack_codes
-from .reference import dequantize_blocks
+from mfqat.formats import ElementFormat, FormatLike, get_format
+from mfqat.quant.packing import pack_codes, unpack_codes
+from mfqat.quant.reference import dequantize_blocks
 
 
 @dataclass

@@ -12,8 +12,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..formats import ElementFormat
-from .reference_bnb import (int8_absmax_dequantize_blocks, int8_absmax_quantize_blocks, nf4_dequantize_blocks,
+from mfqat.formats import ElementFormat
+from mfqat.quant.reference_bnb import (int8_absmax_dequantize_blocks, int8_absmax_quantize_blocks, nf4_dequantize_blocks,
                             nf4_double_quant_absmax, nf4_quantize_blocks)
 
 E8M0_BIAS = 127

@@ -26,7 +26,7 @@ from typing import Tuple
 
 import torch
 
-from ..formats import DQ_GROUP, NF4_CODEBOOK
+from mfqat.formats import DQ_GROUP, NF4_CODEBOOK
 
 INT8_QMAX = 127.0
 INT8_INV_QMAX = 7.874015718698502e-3  # 1/127 as bitsandbytes multiplies by it (not a division)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Dict, Mapping, Optional
 
-from ..formats import FORMATS, canonical_name, get_format
-from .reference import SCALE_RULES
+from mfqat.formats import FORMATS, canonical_name, get_format
+from mfqat.quant.reference import SCALE_RULES
 
 # Measured defaults (scripts/bench_scale_rule.py, BENCHMARKS.md "Scale rules"): a format is listed only
 # where its rule beat floor on BOTH held-out texts, direct and via Slice-and-Scale, by a clear margin.

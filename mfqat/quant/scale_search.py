@@ -9,7 +9,7 @@ per block, the one whose dequantized block has the lowest error
 
 computed in float64 and summed in a fixed pairwise order (:func:`fixed_order_sum`), with ties (and
 all-zero or non-finite blocks) kept at floor; so the chosen block's error is never above floor's. With ``importance`` = the mean squared input activation per
-input channel (what ``--awq`` measures, mfqat.importance.importance_matrix) the error is the expected
+input channel (what ``--awq`` measures, mfqat.anchor.importance.importance_matrix) the error is the expected
 squared error of the layer's output contribution under uncorrelated inputs: the "output-aware" choice.
 
 :func:`mx_search_exponent` is the pure-PyTorch oracle. Post-training quantization and export use
@@ -26,12 +26,12 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..formats import ElementFormat, FormatLike, get_format
-from .api import fake_quantize
-from .kernels import (decode_exponents_dispatch, decode_exponents_through_dispatch, search_dispatch,
+from mfqat.formats import ElementFormat, FormatLike, get_format
+from mfqat.quant.api import fake_quantize
+from mfqat.quant.kernels import (decode_exponents_dispatch, decode_exponents_through_dispatch, search_dispatch,
                       search_through_dispatch)
-from .mxtensor import MXTensor
-from .reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_elements, mx_shared_exponent,
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.reference import (dtype_max_exponent, exp2i, mx_encode_blocks, mx_round_elements, mx_shared_exponent,
                         to_blocks)
 
 SEARCH_OFFSETS: Tuple[int, ...] = (-1, 1)

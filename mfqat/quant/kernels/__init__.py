@@ -19,9 +19,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...formats import ElementFormat
-from ..reference import fake_quantize_reference, quantize_reference
-from . import cpp, triton_mx, triton_search, triton_slice
+from mfqat.formats import ElementFormat
+from mfqat.quant.reference import fake_quantize_reference, quantize_reference
+from mfqat.quant.kernels import cpp, triton_mx, triton_search, triton_slice
 
 BACKENDS = ("reference", "cpp", "triton")
 

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...formats import ElementFormat
+from mfqat.formats import ElementFormat
 
 AVAILABLE = False
 THROUGH_AVAILABLE = False
@@ -22,7 +22,7 @@ SEARCH_AVAILABLE = False
 SEARCH_THROUGH_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
-    from ... import _C  # noqa: F401  (loading it registers the ops)
+    from mfqat import _C  # noqa: F401  (loading it registers the ops)
 
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
     THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build

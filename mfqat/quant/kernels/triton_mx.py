@@ -15,8 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...formats import ElementFormat
-from ..reference import dtype_max_exponent
+from mfqat.formats import ElementFormat
+from mfqat.quant.reference import dtype_max_exponent
 
 try:
     import triton

@@ -16,15 +16,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from ...formats import ElementFormat
-from ..reference import dtype_max_exponent
-from .triton_mx import AVAILABLE, _bits_view, _constexprs, _rows_per_program
+from mfqat.formats import ElementFormat
+from mfqat.quant.reference import dtype_max_exponent
+from mfqat.quant.kernels.triton_mx import AVAILABLE, _bits_view, _constexprs, _rows_per_program
 
 if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .triton_mx import _block_exponent, _exp2i, _load_f32, _rne, _round_elements, _store_from_f32
+    from mfqat.quant.kernels.triton_mx import _block_exponent, _exp2i, _load_f32, _rne, _round_elements, _store_from_f32
 
     @triton.jit
     def _pair_sum(e, ROWS: tl.constexpr, HALF: tl.constexpr):

@@ -1,7 +1,7 @@
 """Triton kernel of Slice-and-Scale: MX codes + E8M0 scales of one format -> those of a lower one
 of the same family, one block per row (MXINT: a rounded right shift of the codes, scale kept;
 MXFP: decode, new shared exponent from the block's largest value, re-round, encode). Bit-exact with
-:func:`mfqat.slice.slice_reference` (tests/test_kernels.py).
+:func:`mfqat.quant.slice.slice_reference` (tests/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Tuple
 
 import torch
 
-from ...formats import ElementFormat
-from .triton_mx import AVAILABLE, _rows_per_program
+from mfqat.formats import ElementFormat
+from mfqat.quant.kernels.triton_mx import AVAILABLE, _rows_per_program
 
 if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .triton_mx import _encode_fp, _exp2i, _exp2i_normal, _rne, _round_elements
+    from mfqat.quant.kernels.triton_mx import _encode_fp, _exp2i, _exp2i_normal, _rne, _round_elements
 
     @triton.jit
     def _slice_kernel(codes_ptr, scales_ptr, out_codes_ptr, out_scales_ptr, n_blocks,

@@ -113,7 +113,7 @@ def _load_anchor_model(path: str, dtype: torch.dtype):
     """(model, tokenizer) of an mfqat anchor folder: its own format's weights, dequantized."""
     from transformers import AutoTokenizer
 
-    from .anchor import load_anchor
+    from mfqat.anchor.load import load_anchor
 
     model = load_anchor(path, dtype=dtype)
     try:

@@ -1,6 +1,6 @@
 """What an anchor stores from a model: which weights are quantized, their codes, and what stays aside.
 
-``save_anchor`` (mfqat.anchor) quantizes the targets (:func:`quantize_targets`), names the matrices it
+``save_anchor`` (mfqat.anchor.checkpoint) quantizes the targets (:func:`quantize_targets`), names the matrices it
 keeps in full precision (:func:`full_precision`) and, for a ``search`` scale rule, stores the input
 importance training recorded (:func:`recorded_importance`).
 """
@@ -13,10 +13,10 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from .qat.config import DEFAULT_TARGETS
-from .qat.prepare import qat_modules
-from .quant.api import quantize
-from .quant.scale_rules import SEARCH_RULE
+from mfqat.qat.config import DEFAULT_TARGETS
+from mfqat.qat.prepare import qat_modules
+from mfqat.quant.api import quantize
+from mfqat.quant.scale_rules import SEARCH_RULE
 
 
 def default_targets(model: nn.Module, block_size: int) -> List[str]:

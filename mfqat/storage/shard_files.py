@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-from .io import write_json
+from mfqat.storage.io import write_json
 
 if TYPE_CHECKING:
     import torch

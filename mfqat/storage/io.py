@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
-from .guard import (WriterBusyError, backup_path, check_output, is_kind, partial_name,  # noqa: F401
+from mfqat.storage.guard import (WriterBusyError, backup_path, check_output, is_kind, partial_name,  # noqa: F401
                     recover, writer_lock)
 
 PathLike = Union[str, Path]
@@ -130,7 +130,7 @@ def atomic_directory(dest: PathLike, overwrite: bool = False, kind: Optional[str
 
     Refuses (before writing anything) an output that overlaps a ``protect`` path or the cwd, a
     file, and a non-empty folder unless ``overwrite`` and it is an artifact of ``kind``
-    (see :data:`mfqat.guard.KINDS`). Holds the writer lock of ``dest`` throughout and first
+    (see :data:`mfqat.storage.guard.KINDS`). Holds the writer lock of ``dest`` throughout and first
     cleans what killed writers left. On an exception the partial folder is removed and
     ``dest`` is left as it was. Folders and files get the modes the umask gives.
     """

@@ -2,7 +2,7 @@
 
 llama.cpp calls it the importance matrix ("imatrix"). ``export-mlx --awq`` scales channels by it
 (mfqat.export.awq), and the output-aware scale search weighs each block's error by it
-(mfqat.quant.scale_search, mfqat.anchor_search).
+(mfqat.quant.scale_search, mfqat.anchor.search).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from .progress import progress
+from mfqat.progress import progress
 
 
 def activation_sums(model: nn.Module, blocks: torch.Tensor,

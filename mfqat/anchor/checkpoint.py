@@ -9,7 +9,7 @@ Quantized tensors are stored as ``{name}.codes`` (packed uint8) and ``{name}.sca
 uint8); everything else as plain tensors. ``mfqat.json`` records the format version, anchor
 format, block size, scale rule, every quantized tensor (format, shape, dtype), tied aliases,
 the tensors kept in full precision and why, the training schedule and step, a sha256 per weight
-file, and (format version 2) a manifest over every file plus a digest of itself (mfqat.manifest).
+file, and (format version 2) a manifest over every file plus a digest of itself (mfqat.storage.manifest).
 Version-1 anchors (no manifest) are still read; their config and tokenizer are not checked.
 """
 from __future__ import annotations
@@ -24,22 +24,22 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
-from . import __version__
-from .anchor_meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, TENSOR_DTYPES,  # noqa: F401
+from mfqat import __version__
+from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, TENSOR_DTYPES,  # noqa: F401
                           check_importance, check_quantized, check_version, validate_meta, weight_files)
-from .formats import canonical_name, get_format
-from .io import PathLike, atomic_directory, sha256_file, write_json
-from .anchor_config import model_config, write_anchor_config
-from .anchor_tensors import default_targets, full_precision, quantize_targets, recorded_importance  # noqa: F401
-from .manifest import AnchorError, Snapshot, load_meta, retry_read, seal
-from .model_card import write_model_card
-from .qat.prepare import qat_modules
-from .shard_files import MAX_SHARD_BYTES, write_safetensors
-from .sharded import unique_state_dict
-from .quant.mxtensor import MXTensor
-from .derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
-from .quant.scale_rules import SEARCH_RULE, anchor_rules, anchor_scale_rules
-from .slice import slice_and_scale
+from mfqat.formats import canonical_name, get_format
+from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
+from mfqat.anchor.config import model_config, write_anchor_config
+from mfqat.anchor.tensors import default_targets, full_precision, quantize_targets, recorded_importance  # noqa: F401
+from mfqat.storage.manifest import AnchorError, Snapshot, load_meta, retry_read, seal
+from mfqat.storage.model_card import write_model_card
+from mfqat.qat.prepare import qat_modules
+from mfqat.storage.shard_files import MAX_SHARD_BYTES, write_safetensors
+from mfqat.storage.sharded import unique_state_dict
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
+from mfqat.quant.scale_rules import SEARCH_RULE, anchor_rules, anchor_scale_rules
+from mfqat.quant.slice import slice_and_scale
 
 META_FILE = "mfqat.json"
 
@@ -62,7 +62,7 @@ class Anchor:
     def in_format(self, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE) -> Dict[str, MXTensor]:
         """Every quantized tensor converted to ``fmt`` (None: the anchor's) by Slice-and-Scale, or
         for a derived affine format by re-quantizing the dequantized anchor in groups of ``group_size``
-        (mfqat.derive)."""
+        (mfqat.quant.derive)."""
         if fmt is None:
             return dict(self.quantized)
         fmt = canonical_name(fmt)
@@ -90,9 +90,9 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
 
     Quantizes the MF-QAT modules' master weights of a prepared model, or (plain model,
     post-training quantization) every decoder-block Linear weight, to ``fmt``. An existing
-    non-empty ``path`` is refused unless ``overwrite`` and it is an anchor (mfqat.io.atomic_directory).
+    non-empty ``path`` is refused unless ``overwrite`` and it is an anchor (mfqat.storage.io.atomic_directory).
     A sharded (FSDP2) model needs ``state_dict``: its full state dict, gathered on every rank by
-    :func:`mfqat.sharded.full_state_dict`.
+    :func:`mfqat.storage.sharded.full_state_dict`.
 
     ``fmt``: the anchor format; default the format a prepared model trained through (its
     ``anchor_format``, e.g. mxfp8_e4m3 for an MXFP family), else mxint8.
@@ -207,29 +207,6 @@ def read_anchor(path: PathLike, verify: bool = True) -> Anchor:
     folder even while another process saves over ``path`` (then the read is retried).
     """
     return retry_read(Path(path), lambda snap: _read_snapshot(snap, verify))
-
-
-def load_anchor(path: PathLike, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
-                dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
-                calib: Optional[torch.Tensor] = None) -> nn.Module:
-    """A ready Hugging Face model whose quantized weights hold ``fmt`` values (Slice-and-Scale).
-
-    ``fmt=None`` gives the anchor's own format. Any format of the anchor's family at or below
-    its bits can be asked for, and the derived affine formats (``affine4``: MLX's layout in groups
-    of ``group_size``, mfqat.derive); others raise AnchorError / ValueError with the reason.
-    ``calib``: token ids (blocks x seq_len, e.g. ``mfqat.data.calibration_blocks(tok, text)``) of
-    calibration text; lowers ``fmt`` with the output-aware per-block scale search where it measured
-    better (mxint6..mxint3, mfqat.anchor_search), as ``export-mlx --scale-search`` does; other
-    formats warn and keep their rule. ``model.mfqat_scale_search`` reports what was searched.
-    """
-    anchor = read_anchor(path)
-    report = None
-    if calib is not None:
-        from .anchor_search import search_scales
-        report = search_scales(anchor, calib, fmt or anchor.format, _stacklevel=3)
-    model = anchor_model(anchor, fmt, device, dtype, group_size, _stacklevel=3)
-    model.mfqat_scale_search = report  # what the search did (None: not asked)
-    return model
 
 
 def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",

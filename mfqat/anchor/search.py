@@ -3,7 +3,7 @@
 Slice-and-Scale keeps each block's exponent by a fixed rule (floor for MXINT). The search instead
 picks, per block, the exponent among floor-1, floor, floor+1 whose error against the anchor's
 values is lowest when each input column's squared error is weighted by that column's importance:
-the mean squared input activation of the Linear on calibration text (mfqat.importance), measured
+the mean squared input activation of the Linear on calibration text (mfqat.anchor.importance), measured
 with the model in the anchor's own format (mfqat.quant.scale_search). Every block stays a legal
 MX block, and in weighted squared error it is never worse than floor.
 
@@ -21,10 +21,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .anchor import Anchor, anchor_model
-from .formats import FORMATS, canonical_name
-from .importance import importance_matrix
-from .quant.scale_rules import SCALE_SEARCH_FORMATS, SEARCH_RULE
+from mfqat.anchor.checkpoint import Anchor, anchor_model
+from mfqat.formats import FORMATS, canonical_name
+from mfqat.anchor.importance import importance_matrix
+from mfqat.quant.scale_rules import SCALE_SEARCH_FORMATS, SEARCH_RULE
 
 
 def searchable_formats(anchor_fmt: str, recorded: Optional[Mapping[str, str]] = None) -> List[str]:
@@ -83,7 +83,7 @@ def check_calib(calib: torch.Tensor, anchor: Anchor) -> None:
             or calib.dtype not in (torch.int64, torch.int32)):
         what = f"{calib.dtype} {tuple(calib.shape)}" if isinstance(calib, torch.Tensor) else type(calib).__name__
         raise ValueError(f"calib: expected token ids of shape (blocks, seq_len), int64, got {what} "
-                         "(mfqat.data.calibration_blocks(tokenizer, text) makes them from text)")
+                         "(mfqat.data.sources.calibration_blocks(tokenizer, text) makes them from text)")
     vocab = (anchor.config or {}).get("vocab_size")
     if vocab is not None and (int(calib.max()) >= vocab or int(calib.min()) < 0):
         raise ValueError(f"calib: token ids must lie in [0, {vocab}) for {anchor.path} (max {int(calib.max())}); "

@@ -25,7 +25,7 @@ from typing import Dict
 import torch
 from safetensors.torch import load_file, save_file
 
-from .io import PathLike, atomic_directory
+from mfqat.storage.io import PathLike, atomic_directory
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FormatLike, check_sliceable, get_format
-from .quant.api import fake_quantize, quantize
-from .quant.mxtensor import MXTensor
+from mfqat.formats import FormatLike, check_sliceable, get_format
+from mfqat.quant.api import fake_quantize, quantize
+from mfqat.quant.mxtensor import MXTensor
 
 DERIVED_GROUP_SIZE = 64  # mlx_lm.convert's default group size
 DERIVED_DTYPE = torch.bfloat16  # the scale / bias dtype mlx_lm.convert writes for a bf16 model

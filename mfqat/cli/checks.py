@@ -1,6 +1,6 @@
 """Up-front checks of the `mfqat` command line: user mistakes fail in a line, before any model loads.
 
-Each check raises :class:`UsageError`; mfqat.cli prints it as ``mfqat <cmd>: error: ...`` and exits 2.
+Each check raises :class:`UsageError`; mfqat.cli.app prints it as ``mfqat <cmd>: error: ...`` and exits 2.
 Only cheap checks live here (paths, names, flag combinations), so they import nothing heavy.
 """
 from __future__ import annotations
@@ -37,9 +37,9 @@ def need_path(path: Optional[str], flag: str, what: str = "file or folder") -> N
 
 def need_searched_format(fmt: Optional[str]) -> None:
     """``convert --scale-search`` needs a ``--to`` that the search can serve (mxint6..mxint3, and the
-    MXFP formats an anchor trained with the search rule: mfqat.anchor_search.searchable_formats)."""
-    from .formats import canonical_name
-    from .quant.scale_rules import SEARCH_RULE_FORMATS  # loads torch: only with --scale-search
+    MXFP formats an anchor trained with the search rule: mfqat.anchor.search.searchable_formats)."""
+    from mfqat.formats import canonical_name
+    from mfqat.quant.scale_rules import SEARCH_RULE_FORMATS  # loads torch: only with --scale-search
 
     if not fmt or canonical_name(fmt) not in SEARCH_RULE_FORMATS:
         raise UsageError(f"--scale-search: --to {fmt or '(the anchor format)'} is not searched; the search serves "
@@ -71,7 +71,7 @@ def need_model(path: Optional[str], flag: str) -> None:
 
 def need_formats(names: Iterable[str], flag: str) -> None:
     """Every name is a known element format."""
-    from .formats import ALIASES, known_formats
+    from mfqat.formats import ALIASES, known_formats
 
     known = set(known_formats())
     for n in names:

@@ -1,4 +1,4 @@
-"""Command-line arguments of `mfqat demo` (kept apart from mfqat.demo so `--help` does not import torch)."""
+"""Command-line arguments of `mfqat demo` (kept apart from mfqat.cli.demo so `--help` does not import torch)."""
 from __future__ import annotations
 
 import argparse

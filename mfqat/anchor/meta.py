@@ -1,6 +1,6 @@
 """Validation of an anchor's ``mfqat.json`` and of the tensors read for it.
 
-Every check raises :class:`~mfqat.manifest.AnchorError` naming the file and the field, so that
+Every check raises :class:`~mfqat.storage.manifest.AnchorError` naming the file and the field, so that
 malformed or crafted metadata never surfaces as a raw KeyError / ZeroDivisionError.
 
 Format versions: 1 (``files``: sha256 per weight file, no manifest; still read), 2 (adds
@@ -14,10 +14,10 @@ from typing import Dict
 
 import torch
 
-from .formats import get_format
-from .manifest import AnchorError, check_digests, check_name
-from .quant.reference import SCALE_RULES
-from .quant.scale_rules import SEARCH_RULE, check_scale_rules
+from mfqat.formats import get_format
+from mfqat.storage.manifest import AnchorError, check_digests, check_name
+from mfqat.quant.reference import SCALE_RULES
+from mfqat.quant.scale_rules import SEARCH_RULE, check_scale_rules
 
 ANCHOR_FORMAT_VERSION = 3
 BASE_FORMAT_VERSION = 2  # what an anchor without a searched format is written as (older mfqat reads it)

@@ -1,4 +1,4 @@
-"""What the `mfqat` subcommands convert, eval, export-mlx and verify do (argument parsing: mfqat.cli)."""
+"""What the `mfqat` subcommands convert, eval, export-mlx and verify do (argument parsing: mfqat.cli.app)."""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +10,10 @@ def convert(a: argparse.Namespace) -> None:
     """Anchor -> a plain HF checkpoint holding the *dequantized* weights of one format."""
     from transformers import AutoTokenizer
 
-    from .anchor import load_anchor
-    from .io import atomic_directory, write_json
-    from .manifest import seal
-    from .model_card import write_model_card
+    from mfqat.anchor.load import load_anchor
+    from mfqat.storage.io import atomic_directory, write_json
+    from mfqat.storage.manifest import seal
+    from mfqat.storage.model_card import write_model_card
 
     calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text) if a.scale_search else None
     model = load_anchor(a.anchor, a.to, calib=calib)
@@ -37,8 +37,8 @@ def convert(a: argparse.Namespace) -> None:
 
 def verify(a: argparse.Namespace) -> None:
     """Check every file of an anchor, MLX export or converted checkpoint against its manifest."""
-    from .anchor import META_FILE, read_anchor
-    from .manifest import verify_folder
+    from mfqat.anchor.checkpoint import META_FILE, read_anchor
+    from mfqat.storage.manifest import verify_folder
 
     path = Path(a.path)
     for meta_name, what in ((META_FILE, "anchor"), ("mfqat_export.json", "MLX export"),
@@ -54,18 +54,18 @@ def verify(a: argparse.Namespace) -> None:
 
 def evaluate(a: argparse.Namespace) -> None:
     """Perplexity table + PNG over formats, from an anchor (Slice-and-Scale) or a model (PTQ)."""
-    from .anchor import read_anchor
-    from .data import load_model, load_text, split_text, token_blocks
-    from .eval.elastic import anchor_state, evaluate_formats, ptq_state
-    from .eval.perplexity import perplexity
-    from .eval.report import format_table, plot_ppl_vs_bpw
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.data.sources import load_model, load_text, split_text, token_blocks
+    from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
+    from mfqat.eval.perplexity import perplexity
+    from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
     if is_anchor:
         from transformers import AutoTokenizer
 
-        from .anchor import load_anchor
+        from mfqat.anchor.load import load_anchor
         model, tok = load_anchor(a.model), AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     else:
         model, tok = load_model(a.model)
@@ -89,8 +89,8 @@ def evaluate(a: argparse.Namespace) -> None:
             r["direct ppl"] = d["perplexity"]
         series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]
     if a.bnb:
-        from .eval.bnb import bnb_rows
-        from .integrations.lora import bnb_config
+        from mfqat.eval.bnb import bnb_rows
+        from mfqat.integrations.lora import bnb_config
         fp = load_model(a.fp_model)[0] if is_anchor else model
         bnb = bnb_rows(fp, {b: bnb_config(b) for b in a.bnb.split(",") if b}, blocks)
         for r in bnb:
@@ -106,8 +106,8 @@ def evaluate(a: argparse.Namespace) -> None:
 
 def export(a: argparse.Namespace) -> None:
     """Anchor (or HF model) -> MLX model directory."""
-    from .data import load_text
-    from .export import to_mlx
+    from mfqat.data.sources import load_text
+    from mfqat.export import to_mlx
 
     calib = load_text(a.calib_text) if a.calib_text else None
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
@@ -124,15 +124,15 @@ def export(a: argparse.Namespace) -> None:
 def calibration_ids(tok, calib_text: Optional[str]):
     """``--scale-search``'s calibration token ids: 8 x 128 tokens of ``--calib-text`` (a file or
     folder), else of the pydoc training split (never the held-out text)."""
-    from .data import calibration_blocks, load_text
+    from mfqat.data.sources import calibration_blocks, load_text
 
     return calibration_blocks(tok, load_text(calib_text) if calib_text else None, n_blocks=8)
 
 
 def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> None:
     """``eval --scale-search``: mark the anchor so that the evaluated formats the search serves are searched."""
-    from .anchor_search import search_scales, searchable_formats
-    from .formats import canonical_name
+    from mfqat.anchor.search import search_scales, searchable_formats
+    from mfqat.formats import canonical_name
 
     can = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
     served = [f for f in formats if canonical_name(f) in can]

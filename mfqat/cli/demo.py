@@ -1,8 +1,8 @@
 """The end-to-end demo: fp perplexity -> PTQ -> MF-QAT fine-tune (the default recipe,
 mxint_joint_search) -> anchor -> elastic formats by Slice-and-Scale (mxint4/mxint3 also with the
-search recalibrated on text, mfqat.anchor_search)
+search recalibrated on text, mfqat.anchor.search)
 -> Mac exports in MLX's affine layout, against mlx_lm.convert of the same fine-tuned weights at
-the same bytes (mfqat.demo_mac). Re-runs reuse finished stages (OUT/stages/*.json) unless --force."""
+the same bytes (mfqat.cli.demo_mac). Re-runs reuse finished stages (OUT/stages/*.json) unless --force."""
 from __future__ import annotations
 
 import json
@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import List, Optional
 
 
-from .anchor import read_anchor
-from .data import load_model, load_text, split_text, token_blocks
-from .eval.elastic import anchor_state, evaluate_formats, ptq_state
-from .eval.perplexity import perplexity
-from .eval.report import format_table, plot_ppl_vs_bpw
-from .formats import get_format
-from .progress import quiet_dependency_logs
-from .demo_args import build_parser
+from mfqat.anchor.checkpoint import read_anchor
+from mfqat.data.sources import load_model, load_text, split_text, token_blocks
+from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
+from mfqat.eval.perplexity import perplexity
+from mfqat.eval.report import format_table, plot_ppl_vs_bpw
+from mfqat.formats import get_format
+from mfqat.progress import quiet_dependency_logs
+from mfqat.cli.demo_args import build_parser
 
 ELASTIC = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 SEARCHED = ["mxint4", "mxint3"]  # where the scale search matters most (BENCHMARKS.md "Joint MF-QAT")
@@ -60,7 +60,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
         model, {f: ptq_state(model, f) for f in ELASTIC}, held)})
 
     def train():
-        from .integrations.train_loop import main as train_main
+        from mfqat.integrations.train_loop import main as train_main
         argv = ["--steps", str(steps), "--seq-len", str(seq_len), "--out", str(out_dir / "train"),
                 "--eval-blocks", str(eval_blocks), "--lr", "2e-5", "--save-master"]
         if model_name:
@@ -74,8 +74,8 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
         model, {f: anchor_state(anchor, f) for f in ELASTIC}, held)})
 
     def searched():
-        from .anchor_search import search_scales
-        from .data import calibration_blocks
+        from mfqat.anchor.search import search_scales
+        from mfqat.data.sources import calibration_blocks
         plan = read_anchor(trained["anchor"])  # calibrated on the training split, never the held-out text
         search_scales(plan, calibration_blocks(tok, n_blocks=8, seq_len=seq_len), SEARCHED)
         return {"rows": evaluate_formats(model, {f: anchor_state(plan, f) for f in SEARCHED}, held)}
@@ -83,7 +83,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
 
     exports = {}
     if not skip_mlx:
-        from .demo_mac import mac_exports
+        from mfqat.cli.demo_mac import mac_exports
         master = trained.get("master")
         if master is None:
             print("[demo] this training stage predates --save-master: no mlx_lm.convert rows (rerun with --force)")
@@ -111,7 +111,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
     print(f"full precision perplexity: {fp['perplexity']:.3f}")
     print(format_table(rows, ["format", "bits/weight", "PTQ ppl", "MF-QAT ppl", "+ scale search", "MF-QAT vs PTQ"]))
     if exports:
-        from .demo_mac import print_mac
+        from mfqat.cli.demo_mac import print_mac
         print_mac(exports["rows"], PROMPT)
     print(f"\nplot: {plot}\nsummary: {out_dir / 'summary.json'}")
     return summary

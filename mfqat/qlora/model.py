@@ -19,12 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .anchor import Anchor, load_anchor, read_anchor
-from .manifest import AnchorError
-from .formats import canonical_name, check_sliceable
-from .io import atomic_directory
-from .quant.mxtensor import MXTensor
-from .slice import slice_and_scale
+from mfqat.anchor.checkpoint import Anchor, read_anchor
+from mfqat.anchor.load import load_anchor
+from mfqat.storage.manifest import AnchorError
+from mfqat.formats import canonical_name, check_sliceable
+from mfqat.storage.io import atomic_directory
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.slice import slice_and_scale
 
 
 class MXFrozenLinear(nn.Module):

@@ -56,7 +56,7 @@ def unique_state_dict(model: nn.Module, state_dict: Optional[Dict[str, torch.Ten
         return {k: v.detach() for k, v in state_dict.items() if k not in tied}, tied
     if is_sharded(model):
         raise ValueError("mfqat.save_anchor: the model is sharded (FSDP2 DTensor parameters); gather it on "
-                         "every rank with sd = mfqat.sharded.full_state_dict(model), then call "
+                         "every rank with sd = mfqat.storage.sharded.full_state_dict(model), then call "
                          "save_anchor(model, ..., state_dict=sd) on rank 0")
     seen: Dict[int, str] = {}
     out: Dict[str, torch.Tensor] = {}

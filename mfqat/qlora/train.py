@@ -18,15 +18,15 @@ from typing import List, Optional
 
 import torch
 
-from .data import load_text, split_text, token_blocks
-from .eval.perplexity import perplexity
-from .eval.report import format_table
-from .formats import canonical_name, get_format
-from .integrations.lora import DEFAULT_TARGETS
-from .integrations.train_setup import peak_memory_mib
-from .mxqlora import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
-from .mxqlora_mlx import peft_to_mlx
-from .progress import progress
+from mfqat.data.sources import load_text, split_text, token_blocks
+from mfqat.eval.perplexity import perplexity
+from mfqat.eval.report import format_table
+from mfqat.formats import canonical_name, get_format
+from mfqat.integrations.lora import DEFAULT_TARGETS
+from mfqat.integrations.train_setup import peak_memory_mib
+from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
+from mfqat.qlora.mlx_adapter import peft_to_mlx
+from mfqat.progress import progress
 
 SCHEDULES = ("cyclic", "joint", "fixed")
 

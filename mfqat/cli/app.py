@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import List, NoReturn, Optional
 
-from . import __version__
-from .cli_checks import UsageError, check
+from mfqat import __version__
+from mfqat.cli.checks import UsageError, check
 
 OUT_FLAGS = ("--out", "--output-dir", "--save-path")
 
@@ -42,7 +42,7 @@ def fail(cmd: str, message: str) -> NoReturn:
 
 def _is_user_error(exc: BaseException) -> bool:
     """Mistakes a user can fix from the message: bad paths, names, values, anchors, busy/unsafe outputs."""
-    from .guard import WriterBusyError
+    from mfqat.storage.guard import WriterBusyError
 
     return isinstance(exc, (OSError, ValueError, WriterBusyError))
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     y = sub.add_parser("verify", help="check an anchor / MLX export / convert output against its manifest")
     y.add_argument("path")
     d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")
-    from .demo_args import build_parser as demo_parser
+    from mfqat.cli.demo_args import build_parser as demo_parser
     demo_parser(d)
     sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)
     sub.add_parser("mlx-train", help="MF-QAT or LoRA fine-tune on MLX (mfqat mlx-train --help)", add_help=False)
@@ -162,42 +162,42 @@ def _bench(rest: List[str]) -> NoReturn:
 
 def _run(cmd: str, args: argparse.Namespace, rest: List[str]) -> None:
     """Run one parsed, checked subcommand."""
-    from .progress import quiet_dependency_logs
+    from mfqat.progress import quiet_dependency_logs
 
     quiet_dependency_logs()  # transformers imports torchao, whose CUDA-only kernels complain on CPU
     if cmd == "train":
-        from .integrations.train_loop import main as train_main
+        from mfqat.integrations.train_loop import main as train_main
         train_main(rest)
     elif cmd == "mx-qlora":
-        from .mxqlora_train import main as mx_qlora_main
+        from mfqat.qlora.train import main as mx_qlora_main
         mx_qlora_main(rest)
     elif cmd == "mlx-train":
-        from .mlx.train import main as mlx_train_main
+        from mfqat.mlx.train import main as mlx_train_main
         mlx_train_main(rest)
     elif cmd in ("convert", "export-mlx", "verify", "eval"):
-        from . import cli_cmds
-        {"convert": cli_cmds.convert, "export-mlx": cli_cmds.export, "verify": cli_cmds.verify,
-         "eval": cli_cmds.evaluate}[cmd](args)
+        from mfqat.cli import commands
+        {"convert": commands.convert, "export-mlx": commands.export, "verify": commands.verify,
+         "eval": commands.evaluate}[cmd](args)
     elif cmd == "generate":
-        from .mlx.serve import generate
+        from mfqat.mlx.serve import generate
         print(generate(args.model, args.prompt, args.max_tokens, args.adapter_path, temp=args.temp,
                        top_p=args.top_p, seed=args.seed, system_prompt=args.system_prompt,
                        chat_template=not args.ignore_chat_template))
     elif cmd == "serve":
-        from .mlx.serve import serve
+        from mfqat.mlx.serve import serve
         extra = rest + (["--adapter-path", args.adapter_path] if args.adapter_path else [])
         serve(args.model, args.host, args.port, args.allow_origin, extra=extra)
     elif cmd == "demo":
-        from .demo import run_demo
+        from mfqat.cli.demo import run_demo
         run_demo(args.out, args.steps, args.eval_blocks, model_name=args.model, force=args.force, skip_mlx=args.skip_mlx)
 
 
 def _own_parser(cmd: str) -> argparse.ArgumentParser:
     """The parser of a subcommand that parses its own flags (train, mlx-train)."""
     if cmd == "train":
-        from .integrations.train_args import build_parser
+        from mfqat.integrations.train_args import build_parser
         return build_parser(prog="mfqat train")
-    from .mlx.train import build_parser as mlx_parser
+    from mfqat.mlx.train import build_parser as mlx_parser
     return mlx_parser(argparse.ArgumentParser(prog="mfqat mlx-train", description=sys.modules[mlx_parser.__module__].__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter))
 

@@ -14,7 +14,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .eval.report import format_table
+from mfqat.eval.report import format_table
 
 MAC_RECIPES = ("uniform:affine4", "auto:4.7:affine")
 MLX_LM_OPTIONS = {"q4 g64": dict(q_bits=4, q_group_size=64), "mixed_4_6": dict(quant_predicate="mixed_4_6")}
@@ -26,8 +26,8 @@ def mac_exports(anchor: Path, master: Optional[Path], model, held: torch.Tensor,
     of ``master`` (none when it is None)."""
     from mlx_lm import generate, load as mlx_load
 
-    from .eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert, stored_bits
-    from .export import to_mlx
+    from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert, stored_bits
+    from mfqat.export import to_mlx
 
     n_params = sum(p.numel() for p in model.parameters())
     rows: Dict[str, dict] = {}

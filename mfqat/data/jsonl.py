@@ -8,7 +8,7 @@ Accepted layouts (those mlx-lm's LoRA trainer reads): a ``.jsonl`` file, or a fo
 * ``"prompt"`` and ``"completion"``: the prompt followed by the completion.
 
 Records are joined with blank lines and cut into blocks like plain text (no prompt masking). Without
-``valid.jsonl`` the held-out text is the last tenth (mfqat.data.split_text).
+``valid.jsonl`` the held-out text is the last tenth (mfqat.data.sources.split_text).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .data import load_text, split_text
+from mfqat.data.sources import load_text, split_text
 
 
 def is_dataset(path: Optional[str]) -> bool:

@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from .formats import FormatLike, check_sliceable, get_format  # noqa: F401 (check_sliceable re-exported)
-from .quant.mxtensor import MXTensor
-from .quant.reference import (E8M0_BIAS, E8M0_NAN, exp2i, floor_log2, mx_codes_to_values,
+from mfqat.formats import FormatLike, check_sliceable, get_format  # noqa: F401 (check_sliceable re-exported)
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.reference import (E8M0_BIAS, E8M0_NAN, exp2i, floor_log2, mx_codes_to_values,
                               mx_round_elements, mx_values_to_codes)
 
 
@@ -46,7 +46,7 @@ def slice_and_scale(q: MXTensor, fmt: FormatLike, scale_rule: Optional[str] = No
     if dst == q.fmt:
         return MXTensor(q.codes.clone(), q.scales.clone(), dst, q.block_size, q.dtype, None, q.scale_rule)
     bs = q.block_size
-    from .quant.kernels import slice_dispatch
+    from mfqat.quant.kernels import slice_dispatch
 
     fast = slice_dispatch(q.codes, q.scales, q.fmt, dst, bs)
     if fast is not None:
@@ -80,7 +80,7 @@ def slice_reference(q: MXTensor, dst) -> MXTensor:
 def double_rounding_fraction(x: torch.Tensor, anchor_fmt: FormatLike, fmt: FormatLike,
                              block_size: int = 32) -> float:
     """Fraction of elements where Slice-and-Scale from an anchor differs from direct quantization of x."""
-    from .quant.api import quantize
+    from mfqat.quant.api import quantize
 
     sliced = slice_and_scale(quantize(x, anchor_fmt, block_size), fmt).dequantize(torch.float32)
     direct = quantize(x, fmt, block_size).dequantize(torch.float32)
@@ -90,8 +90,8 @@ def double_rounding_fraction(x: torch.Tensor, anchor_fmt: FormatLike, fmt: Forma
 
 def _slice_by_rule(q: MXTensor, dst, scale_rule: str, importance: Optional[torch.Tensor]) -> MXTensor:
     """Slice-and-Scale whose lower exponents follow ``scale_rule`` (see :func:`slice_and_scale`)."""
-    from .quant.reference import SCALE_RULES, dtype_max_exponent, mx_encode_blocks, mx_shared_exponent
-    from .quant.scale_search import search_exponents
+    from mfqat.quant.reference import SCALE_RULES, dtype_max_exponent, mx_encode_blocks, mx_shared_exponent
+    from mfqat.quant.scale_search import search_exponents
 
     if scale_rule not in (*SCALE_RULES, "search"):
         raise ValueError(f"unknown scale_rule '{scale_rule}' for {dst.name}; choose one of {(*SCALE_RULES, 'search')}")

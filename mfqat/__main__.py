@@ -1,0 +1,4 @@
+"""``python -m mfqat``: the `mfqat` command."""
+from mfqat.cli.app import main
+
+main()
