@@ -93,8 +93,8 @@ MUTATIONS: List[Mutation] = [
     Mutation("triton-scale-clamp-off-by-one", "mfqat/quant/kernels/triton_mx.py",
              "        s = tl.minimum(tl.maximum(s, -127), 127)\n", "        s = tl.minimum(tl.maximum(s, -126), 127)\n",
              ("tests/test_reference.py::test_extreme_exponents[mxint8-triton]",)),
-    Mutation("export-drops-rope-theta", "mfqat/export/mlx_export.py",
-             '        cfg["rope_theta"] = rope["rope_theta"]\n', "        pass\n",
+    Mutation("export-drops-rope-theta", "mfqat/models/family.py",
+             '        cfg.setdefault("rope_theta", rope["rope_theta"])\n', "        pass\n",
              ("tests/test_export_exact.py::test_export_matches_independent_reference[int-mxint4]",)),
     Mutation("grad-compress-error-feedback-dropped", "mfqat/integrations/grad_compress.py",
              "        grad = grad + _bucket_residual(", "        grad = grad + 0 * _bucket_residual(",
@@ -190,6 +190,19 @@ MUTATIONS: List[Mutation] = [
     Mutation("layer-import-cycle", "mfqat/storage/guard.py",
              "import contextlib\n", "import contextlib\nimport mfqat.storage.io  # noqa: F401\n",
              ("tests/test_layers.py::test_no_cycle_in_the_package",)),
+    # model families (mfqat/models, fused MoE experts)
+    Mutation("experts-forward-unquantized", "mfqat/qat/experts.py",
+             "cache[name] = weights[name].quantized_weight()", "cache[name] = weights[name].weight",
+             ("tests/test_families.py::test_family_end_to_end[qwen3_moe]",)),
+    Mutation("expert-split-order-swapped", "mfqat/models/family.py",
+             "for i, piece in enumerate(rule.mlx)]", "for i, piece in enumerate(reversed(rule.mlx))]",
+             ("tests/test_families.py::test_moe_export_splits_experts_code_for_code[qwen3_moe]",)),
+    Mutation("router-quantized-at-export", "mfqat/export/recipes.py",
+             "            and not family.kept_high(k)]\n", "            ]\n",
+             ("tests/test_families.py::test_family_end_to_end[mixtral]",)),
+    Mutation("mlx-config-drops-num-experts", "mfqat/models/qwen3_moe.py",
+             '        cfg["num_experts"] = cfg["num_local_experts"]\n', "        pass\n",
+             ("tests/test_families.py::test_family_end_to_end[qwen3_moe]",)),
 ]
 
 

@@ -52,7 +52,7 @@ def test_export_manifest_and_verify_command(anchor, tmp_path, capsys):
 
 def test_logit_check_is_enforced(anchor, tmp_path, monkeypatch):
     real = mlx_export._config_for_mlx
-    monkeypatch.setattr(mlx_export, "_config_for_mlx", lambda c, p: {**real(c, p), "rope_theta": 1.0})
+    monkeypatch.setattr(mlx_export, "_config_for_mlx", lambda c, p, a: {**real(c, p, a), "rope_theta": 1.0})
     with pytest.raises(RuntimeError, match="logits.*tolerance"):
         to_mlx(anchor, tmp_path / "m", recipe="uniform:mxint4")
     assert not (tmp_path / "m").exists() and not list(tmp_path.iterdir())

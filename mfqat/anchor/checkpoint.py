@@ -108,7 +108,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     if any("lora_" in k for k in sd):
         raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
     if targets is None:
-        prepared = [f"{n}.weight" for n, m in qat_modules(model)]
+        prepared = [t for n, m in qat_modules(model) for t in m.target_names(n)]
         targets = prepared or default_targets(model, block_size)
         block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
     model_rules = next((m.scale_rules for _, m in qat_modules(model) if m.scale_rules), None)
@@ -217,7 +217,7 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
 
     path = anchor.path
     sd = anchor.state_dict(fmt, dtype, group_size)
-    odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if why != "not a target"]
+    odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if str(why).startswith("in_features")]
     if fmt is not None and odd and canonical_name(fmt) != anchor.format:
         warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
                       f"of the block size {anchor.meta['block_size']})", stacklevel=_stacklevel)

@@ -13,6 +13,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from mfqat.models import family_of
 from mfqat.qat.config import DEFAULT_TARGETS
 from mfqat.qat.prepare import qat_modules
 from mfqat.quant.api import quantize
@@ -20,10 +21,17 @@ from mfqat.quant.scale_rules import SEARCH_RULE
 
 
 def default_targets(model: nn.Module, block_size: int) -> List[str]:
-    """PTQ targets for a plain model: decoder-block Linear weights whose rows divide into blocks."""
+    """PTQ targets for a plain model: decoder-block Linear weights whose rows divide into blocks (not
+    those the model's family keeps in high precision), and the fused 3-D expert parameters its family
+    quantizes (mfqat.models)."""
     pat = re.compile(DEFAULT_TARGETS)
-    return [f"{n}.weight" for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size == 0]
+    family = family_of(model)
+    linears = [f"{n}.weight" for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size == 0
+               and not family.kept_high(f"{n}.weight")]
+    experts = [n for n, p in model.named_parameters() if p.dim() == 3 and pat.search(n)
+               and family.expert_param(n) is not None and p.shape[-1] % block_size == 0]
+    return linears + experts
 
 
 def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
@@ -61,9 +69,11 @@ def recorded_importance(model: nn.Module, entries: Dict[str, dict], rules: Dict[
 
 def full_precision(model: nn.Module, sd: Dict[str, torch.Tensor], entries: Dict[str, dict], block_size: int
                    ) -> Dict[str, str]:
-    """{matrix kept in full precision: why}; warns naming layers left out for their width."""
+    """{matrix kept in full precision: why} (its width, its family's reason, or "not a target");
+    warns naming layers left out for their width."""
     odd = unblockable(model, block_size)
-    fp = {k: odd.get(k, "not a target") for k, v in sd.items()
+    family = family_of(model)
+    fp = {k: odd.get(k) or family.kept_high(k) or "not a target" for k, v in sd.items()
           if k not in entries and v.is_floating_point() and v.dim() >= 2}
     skipped = [f"{k} ({r})" for k, r in fp.items() if k in odd]
     if skipped:

@@ -30,6 +30,7 @@ from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_ancho
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
 from mfqat.formats import get_format
+from mfqat.models import family_for
 from mfqat.storage.io import atomic_directory, write_json
 from mfqat.storage.model_card import write_model_card
 from mfqat.storage.manifest import seal
@@ -86,21 +87,20 @@ def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
 
 
 def mlx_model_config(config: dict) -> dict:
-    """An HF config as mlx-lm reads it: no quantization entries, ``rope_theta`` flattened out of
-    ``rope_parameters`` (transformers 5 moved it there; mlx-lm would silently use its default
-    10000), ``tie_word_embeddings`` explicit."""
+    """An HF config as mlx-lm reads it: no quantization entries, the rope keys flattened out of
+    ``rope_parameters`` (transformers 5 moved them there; mlx-lm would silently use its own defaults),
+    the family's own key fixes (mfqat.models, e.g. ``num_experts`` for Qwen3-MoE),
+    ``tie_word_embeddings`` explicit."""
     cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "quantization", "torch_dtype", "dtype")}
-    rope = cfg.get("rope_parameters") or {}
-    if "rope_theta" not in cfg and "rope_theta" in rope:
-        cfg["rope_theta"] = rope["rope_theta"]
+    cfg = family_for(cfg.get("model_type")).mlx_config(cfg)
     cfg["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
     return cfg
 
 
-def _config_for_mlx(config: dict, plan: Plan) -> dict:
+def _config_for_mlx(config: dict, plan: Plan, anchor: Anchor) -> dict:
     cfg = mlx_model_config(config)
     quant = {"group_size": plan.base_group, "bits": plan.base_bits, "mode": plan.base_mode}
-    for module, entry in plan.module_entries().items():
+    for module, entry in plan.module_entries(anchor).items():
         quant[module] = entry
     cfg["quantization"] = quant
     cfg["quantization_config"] = quant
@@ -209,37 +209,53 @@ def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report
     return save_anchor(model, dest, fmt, tok)
 
 
+def _pieces(plan: Plan, name: str, parts: Dict[str, "mx.array"]) -> Dict[str, "mx.array"]:
+    """One tensor's MLX arrays (``weight`` [+ ``scales``, ``biases``]) under their mlx-lm names: a split
+    expert parameter gives each piece its rows (axis -2) of every array, so every code is kept."""
+    rows = parts["weight"].shape[-2] if parts["weight"].ndim > 1 else 1
+    out = {}
+    for piece, lo, hi in plan.family.mlx_pieces(name, rows):
+        module = piece[: -len(".weight")]
+        for kind, arr in parts.items():
+            out[f"{module}.{kind}"] = arr if (lo, hi) == (0, rows) else arr[..., lo:hi, :]
+    return out
+
+
 def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, report: dict,
            scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     import mlx.core as mx
 
     arrays: Dict[str, "mx.array"] = {}
+    family = plan.family
     for name, v in anchor.plain.items():
-        arrays[name] = mx.array(v.float().numpy()).astype(mx.bfloat16) if v.is_floating_point() else mx.array(v.numpy())
+        arr = mx.array(v.float().numpy()).astype(mx.bfloat16) if v.is_floating_point() else mx.array(v.numpy())
+        arrays[family.mlx_name(name)] = arr
     for name in plan.kept16:
         if name in anchor.quantized:
-            arrays[name] = mx.array(anchor.quantized[name].dequantize(torch.float32).numpy()).astype(mx.bfloat16)
+            arrays.update(_pieces(plan, name, {"weight": mx.array(anchor.quantized[name].dequantize(torch.float32).numpy())
+                                               .astype(mx.bfloat16)}))
             report["tensors"][name] = {"source": anchor.format, "mlx": "bfloat16", "bits_per_weight": 16, "exact": False}
     for name, q in plan.tensors(anchor).items():
         st = to_mlx_storage(q, scale_dtype)
-        module = name[: -len(".weight")]
         if st.mode is None:
-            arrays[name] = mx.array(st.weight).astype(mx.bfloat16)
+            parts = {"weight": mx.array(st.weight).astype(mx.bfloat16)}
         else:
-            arrays[name] = mx.array(st.weight)
             derived = is_derived(plan.formats[name])  # made with bfloat16 scales
             cast = mx.bfloat16 if (st.mode == "affine" and (scale_dtype == "bfloat16" or derived)) else None
-            arrays[f"{module}.scales"] = mx.array(st.scales) if cast is None else mx.array(st.scales).astype(cast)
+            parts = {"weight": mx.array(st.weight), "scales": mx.array(st.scales) if cast is None else mx.array(st.scales).astype(cast)}
             if st.biases is not None:
-                arrays[f"{module}.biases"] = mx.array(st.biases) if cast is None else mx.array(st.biases).astype(cast)
+                parts["biases"] = mx.array(st.biases) if cast is None else mx.array(st.biases).astype(cast)
+        arrays.update(_pieces(plan, name, parts))
         report["tensors"][name] = {"source": plan.formats[name], "origin": plan.origin[name],
                                    "mlx": st.mode or "bfloat16", "bits": st.bits,
                                    "group_size": plan.group_of(plan.formats[name]),
                                    "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(
                                        plan.group_of(plan.formats[name])),
                                    "exact": st.exact}
+        if family.mlx_name(name) != name or family.expert_param(name):
+            report["tensors"][name]["mlx_names"] = [n for n, _, _ in family.mlx_pieces(name, q.shape[-2])]
     save_sharded(arrays, tmp, max_shard_bytes)
-    (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan), indent=2))
+    (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan, anchor), indent=2))
     for f in TOKENIZER_FILES:
         if (src / f).is_file():
             shutil.copy(src / f, tmp / f)

@@ -17,6 +17,7 @@ import torch
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
 from mfqat.formats import canonical_name, get_format
+from mfqat.models import DENSE, Family, family_for
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.export.sensitivity import auto_plan_formats, in_format, ladder
 from mfqat.export.storage import check_mlx_group_size
@@ -55,6 +56,7 @@ class Plan:
     sensitivity: Optional[dict] = None  # auto:BPW - written beside the model as sensitivity.json
     derived_group: int = DERIVED_GROUP_SIZE  # group of the derived affine formats
     base_group: int = 32  # the config's top-level group size (that of the top-level format)
+    family: Family = DENSE  # the model family's rules (mfqat.models): mlx-lm names, what stays high precision
 
     def group_of(self, fmt: str) -> int:
         """MLX group size of a tensor in ``fmt``."""
@@ -64,23 +66,38 @@ class Plan:
         """Every planned tensor as an MXTensor in its planned format (sensitivity.in_format)."""
         return {name: in_format(anchor, name, fmt, self.derived_group) for name, fmt in self.formats.items()}
 
-    def module_entries(self) -> Dict[str, object]:
-        """Per-module quantization entries that differ from the top level; False for 16-bit ones."""
+    def mlx_modules(self, name: str, shape: tuple) -> List[str]:
+        """The mlx-lm module paths that hold the tensor ``name`` (several for a split expert parameter)."""
+        return [piece[: -len(".weight")] for piece, _, _ in self.family.mlx_pieces(name, shape[-2] if len(shape) > 1 else 1)]
+
+    def module_entries(self, anchor: Anchor) -> Dict[str, object]:
+        """Per-module quantization entries (mlx-lm module paths) that differ from the top level; False
+        for 16-bit ones."""
         entries: Dict[str, object] = {}
         for name, fmt in self.formats.items():
             storage = mlx_storage(fmt)
             if storage is None:
-                entries[name[: -len(".weight")]] = False
+                entry: object = False
             elif storage != (self.base_mode, self.base_bits) or self.group_of(fmt) != self.base_group:
-                entries[name[: -len(".weight")]] = {"group_size": self.group_of(fmt), "bits": storage[1],
-                                                    "mode": storage[0]}
+                entry = {"group_size": self.group_of(fmt), "bits": storage[1], "mode": storage[0]}
+            else:
+                continue
+            entries.update(dict.fromkeys(self.mlx_modules(name, _shape(anchor, name)), entry))
         for name in self.kept16:
-            entries[name[: -len(".weight")]] = False
+            entries.update(dict.fromkeys(self.mlx_modules(name, _shape(anchor, name)), False))
         return entries
 
     def numels(self, anchor: Anchor) -> Dict[str, int]:
-        """{planned tensor: element count}."""
-        return {name: int(torch.Size(_shape(anchor, name)).numel()) for name in self.formats}
+        """{planned tensor, by its mlx-lm weight name: element count} (a split expert parameter gives
+        one entry per piece)."""
+        out: Dict[str, int] = {}
+        for name in self.formats:
+            shape = _shape(anchor, name)
+            rows = shape[-2] if len(shape) > 1 else 1
+            per_row = int(torch.Size(shape).numel()) // max(rows, 1)
+            for piece, lo, hi in self.family.mlx_pieces(name, rows):
+                out[piece] = (hi - lo) * per_row
+        return out
 
     def bits_per_weight(self, anchor: Anchor) -> float:
         """Average bits per weight over the Linear/Embedding weights (16 for kept ones)."""
@@ -97,10 +114,28 @@ class Plan:
 
 def _matrix_weights(anchor: Anchor) -> List[str]:
     """Plain 2-D weights that MLX can quantize (embeddings, untied lm_head), in-features divisible
-    by the anchor's block size."""
+    by the anchor's block size; not those the model's family keeps in high precision (routers)."""
     bs = anchor.meta.get("block_size", 32)
+    family = family_for((anchor.config or {}).get("model_type"))
     return [k for k, v in anchor.plain.items()
-            if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0]
+            if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0
+            and not family.kept_high(k)]
+
+
+def check_family(anchor: Anchor) -> Family:
+    """The anchor's model family; refuses, before anything is written, a family mlx-lm cannot load and
+    3-D weights (fused experts) that no rule of the family lays out for mlx-lm."""
+    model_type = (anchor.config or {}).get("model_type")
+    family = family_for(model_type)
+    if family.export_refusal:
+        raise ValueError(f"{anchor.path}: cannot export {model_type} to MLX: {family.export_refusal}")
+    odd = [k for k, v in anchor.plain.items() if v.dim() >= 3 and v.is_floating_point() and "conv" not in k]
+    if odd:
+        raise ValueError(f"{anchor.path}: mfqat has no MLX layout for {model_type}'s {odd[0]} {tuple(anchor.plain[odd[0]].shape)}"
+                         f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; exporting it would give a model "
+                         "mlx_lm cannot load (supported families: README, 'Model families')")
+    family.mlx_config(dict(anchor.config or {}))  # a config mlx-lm cannot build raises here, before writing
+    return family
 
 
 def _fmt_for_bits(family: str, bits: int, anchor_bits: int) -> str:
@@ -118,11 +153,11 @@ def seed_bits(name: str, base: int, tied: bool) -> Optional[int]:
         return base + (3 if tied else 2)
     if "lm_head" in name:
         return base + 3
-    if re.search(r"\.(q_proj|k_proj|v_proj)\.", name):
+    if re.search(r"\.(q_proj|k_proj|v_proj)(\.|$)", name):
         return base + 2
-    if ".down_proj." in name:
+    if re.search(r"\.down_proj(\.|$)", name):
         return base + 1
-    if ".o_proj." in name:
+    if re.search(r"\.o_proj(\.|$)", name):
         return 8
     return base
 
@@ -181,7 +216,8 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     elif want is not None and want != family:
         raise ValueError(f"recipe '{recipe}' asks for the {want} family but the anchor is {anchor.format} "
                          f"({family}): Slice-and-Scale stays inside one MX family")
-    plan = Plan(group_size=anchor.meta.get("block_size", 32), derived_group=derived_group)
+    plan = Plan(group_size=anchor.meta.get("block_size", 32), derived_group=derived_group,
+                family=check_family(anchor))
     tied = bool(anchor.meta.get("tied"))
     if kind == "uniform":
         fmt = arg

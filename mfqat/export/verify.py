@@ -20,6 +20,9 @@ from mfqat.export.recipes import Plan, mlx_storage
 # CPU; upcast, only the scale arithmetic of the dequantization differs (float32 instead of bfloat16's
 # two roundings): observed 1.6-2.5% on SmolLM2-135M at affine3/4/8 with argmax agreement 1.0.
 LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
+# The logits are compared at every position of the check prompt, repeated to at least this many tokens:
+# a port that differs only past a short context (a sliding window mlx-lm ignores, rope scaling) shows.
+CHECK_TOKENS = 64
 
 def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
     """The PyTorch weights that the export must reproduce (float32)."""
@@ -39,20 +42,25 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
     weights = load_weights(out)
     checked = 0
     for name, q in plan.tensors(anchor).items():
-        module = name[: -len(".weight")]
-        expect = q.dequantize(torch.float32).numpy()
-        if f"{module}.scales" in weights:
-            mode, bits = mlx_storage(plan.formats[name])
-            got = mx.dequantize(weights[name], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
-                                group_size=plan.group_of(plan.formats[name]), bits=bits, mode=mode)
-        else:
-            got = weights[name]
-        got = np.array(got.astype(mx.float32))
-        if not np.array_equal(got, expect):
-            bad = int((got != expect).sum())
-            raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
-                               f"dequantization ({plan.formats[name]}); nothing was written")
-        checked += got.size
+        full = q.dequantize(torch.float32).numpy()
+        rows = full.shape[-2] if full.ndim > 1 else 1
+        for piece, lo, hi in plan.family.mlx_pieces(name, rows):
+            module = piece[: -len(".weight")]
+            expect = full if (lo, hi) == (0, rows) else full[..., lo:hi, :]
+            if f"{module}.scales" in weights:
+                mode, bits = mlx_storage(plan.formats[name])
+                got = mx.dequantize(weights[piece], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
+                                    group_size=plan.group_of(plan.formats[name]), bits=bits, mode=mode)
+            elif piece in weights:
+                got = weights[piece]
+            else:
+                raise RuntimeError(f"export check failed: {name}: no {piece} in the written files; nothing was written")
+            got = np.array(got.astype(mx.float32))
+            if got.shape != expect.shape or not np.array_equal(got, expect):
+                bad = int((got != expect).sum()) if got.shape == expect.shape else got.size
+                raise RuntimeError(f"export check failed: {name} ({piece}): {bad} elements differ between MLX and "
+                                   f"PyTorch dequantization ({plan.formats[name]}); nothing was written")
+            checked += got.size
     rep = {"weights_bit_exact": checked > 0, "weights_checked": checked, **compare_logits(out, anchor, plan, prompt)}
     if not rep["max_abs_logit_diff"] <= rep["logit_tolerance"]:
         raise RuntimeError(f"export check failed: the logits of mlx_lm.load(out) differ from PyTorch by "
@@ -71,6 +79,7 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
 
     model, tok = mlx_load(str(out))
     ids = tok.encode(prompt)
+    ids = (ids * -(-CHECK_TOKENS // max(len(ids), 1)))[:max(CHECK_TOKENS, len(ids))]  # the prompt, repeated
     params = tree_flatten(model.parameters())
     bf16_scales = any(a.dtype == mx.bfloat16 and k.endswith((".scales", ".biases")) for k, a in params)
     compute = "float32-upcast" if bf16_scales else "float32"  # see LOGIT_RTOL
@@ -79,7 +88,11 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
     mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
     config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
     pt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    pt.load_state_dict(reference_state(anchor, plan), strict=False)
+    missing, unexpected = pt.load_state_dict(reference_state(anchor, plan), strict=False)
+    missing = [k for k in missing if k not in set(anchor.meta.get("tied", {}))]
+    if missing or unexpected:  # the reference must hold every weight the anchor has, nothing else
+        raise RuntimeError(f"export check failed: the PyTorch reference does not match {anchor.path}'s weights "
+                           f"(missing {missing[:3]}, unexpected {unexpected[:3]}); nothing was written")
     pt.tie_weights()
     with torch.no_grad():
         pt_logits = pt(torch.tensor([ids])).logits.numpy()

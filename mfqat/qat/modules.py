@@ -7,7 +7,7 @@ autocast and torch.compile see an ordinary Linear.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,10 @@ class MFQATMixin:
         self.scale_rule = scale_rule
         self.mask_saturated = mask_saturated
         self.anchor_format = anchor_format
+
+    def target_names(self, prefix: str) -> List[str]:
+        """The state_dict names of the weights this module quantizes, for a module called ``prefix``."""
+        return [f"{prefix}.weight"]
 
     def quantized_weight(self, fmt: Optional[str] = "active") -> torch.Tensor:
         """The weight as the forward pass sees it (fake-quantized in the active format, or in

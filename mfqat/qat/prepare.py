@@ -8,8 +8,10 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from torch import nn
 
 from mfqat.formats import canonical_name
+from mfqat.models import Family, family_of
 from mfqat.quant.scale_rules import resolve_scale_rules
 from mfqat.qat.config import QATConfig
+from mfqat.qat.experts import MFQATExperts, prepare_experts
 from mfqat.qat.modules import MFQATEmbedding, MFQATLinear, MFQATMixin
 from mfqat.qat.observers import make_observer
 from mfqat.qat.schedules import Schedule
@@ -100,12 +102,18 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     _refuse_peft(model)
     schedules: Dict[str, Schedule] = {}
     skipped: List[str] = []
+    family = family_of(model)
     for name, m in list(model.named_modules()):
+        experts = _expert_params(family, name, m)
+        if experts:
+            if config.selects(name) and not config.excludes(name):
+                _prepare_experts(m, name, experts, config, skipped, schedules)
+            continue
         is_linear = type(m) is nn.Linear
         is_emb = type(m) is nn.Embedding and config.quantize_embeddings
         if not (is_linear or is_emb) or config.excludes(name) or ".lora_" in f".{name}":
             continue
-        if is_linear and not config.selects(name):
+        if is_linear and (not config.selects(name) or family.kept_high(f"{name}.weight")):
             continue
         width = m.in_features if is_linear else m.embedding_dim
         if width % config.group_multiple():
@@ -126,6 +134,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     _wrap_tied_output(model, config, schedules)
     if skipped:
         warnings.warn("mfqat.prepare skipped layers (kept full precision): " + ", ".join(skipped))
+    _warn_uncovered(model, family, config)
     if not schedules:
         raise ValueError(
             f"mfqat.prepare: targets {config.targets!r} matched no nn.Linear in "
@@ -135,6 +144,41 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     object.__setattr__(model, "mfqat_controller", controller)
     controller.set_step(model, 0, 1)
     return model
+
+
+def _expert_params(family: Family, name: str, module: nn.Module) -> List[str]:
+    """The fused 3-D expert parameters of ``module`` that ``family`` quantizes (by full name)."""
+    return [p for p, v in module.named_parameters(recurse=False)
+            if v.dim() == 3 and family.expert_param(f"{name}.{p}") is not None]
+
+
+def _prepare_experts(module: nn.Module, name: str, params: List[str], config: QATConfig, skipped: List[str],
+                     schedules: Dict[str, Schedule]) -> None:
+    """Fused experts: fake-quantized per expert along their last axis (mfqat.qat.experts)."""
+    narrow = [f"{name}.{p} ({getattr(module, p).shape[-1]} not a multiple of {config.group_multiple()})"
+              for p in params if getattr(module, p).shape[-1] % config.group_multiple()]
+    if narrow:
+        skipped.extend(narrow)
+        return
+    anchor = config.anchor_format if config.through_anchor else None
+    prepare_experts(module, params, config.block_size, config.scale_rule, config.mask_saturated, anchor)
+    rules = resolve_scale_rules(config.scale_rule, config.scale_rules)
+    for w in [module, *module.mfqat_weights.values()]:
+        w.affine_group_size, w.scale_rules = config.affine_group_size, rules
+    schedules[name] = config.schedule_for(name)
+
+
+def _warn_uncovered(model: nn.Module, family: Family, config: QATConfig) -> None:
+    """Name every matrix of the targeted blocks that stays full precision without a reason: a 3-D
+    parameter no family rule quantizes (fused experts of a family mfqat has no file for), never silently."""
+    covered = {n for name, m in qat_modules(model) for n in m.target_names(name)}
+    left = [f"{n} {tuple(p.shape)}" for n, p in model.named_parameters()
+            if p.dim() >= 3 and n not in covered and config.selects(n.rpartition(".")[0])
+            and not family.kept_high(n)]
+    if left:
+        warnings.warn(f"mfqat.prepare: {family.name} has no rule for {len(left)} weight(s) that stay full "
+                      f"precision: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''} (mfqat/models/ lists "
+                      "the families whose experts are trained)")
 
 
 def _wrap_tied_output(model: nn.Module, config: QATConfig, schedules: Dict[str, Schedule]) -> None:
@@ -164,6 +208,9 @@ def set_format(model: nn.Module, fmt: Optional[str]) -> None:
 def unprepare(model: nn.Module) -> nn.Module:
     """Replace MF-QAT modules by plain nn.Linear / nn.Embedding sharing the same parameters."""
     for name, m in list(qat_modules(model)):
+        if isinstance(m, MFQATExperts):
+            m.to_plain()
+            continue
         plain = m.to_linear() if isinstance(m, MFQATLinear) else m.to_embedding()  # type: ignore[union-attr]
         _set_submodule(model, name, plain)
     if hasattr(model, "mfqat_controller"):

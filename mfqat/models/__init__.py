@@ -1,0 +1,33 @@
+"""Model families: which parameters are quantized, which stay high precision, and the names mlx-lm uses.
+
+One file per family holds its rules (:class:`~mfqat.models.family.Family`); every other layer asks
+here instead of matching Llama's names itself. A model type with no file gets the dense rules
+(:data:`DENSE`): its decoder-block Linears are quantized, and ``prepare`` / ``save_anchor`` warn by name
+about any other large weight (for example fused 3-D experts) that they leave in full precision.
+
+May import: nothing of mfqat (a leaf: plain data and name rules).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from mfqat.models import gemma3, gpt_neox, llama, mixtral, qwen3_moe
+from mfqat.models.family import ExpertParam, Family
+
+FAMILIES: List[Family] = [llama.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY]
+DENSE = Family(name="dense (no family file)", model_types=())
+_BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family_for(model_type: Optional[str]) -> Family:
+    """The family of a config's ``model_type`` (the dense rules when mfqat has no file for it)."""
+    return _BY_TYPE.get(model_type or "", DENSE)
+
+
+def family_of(model) -> Family:
+    """The family of a transformers model (``model.config.model_type``), or of an object without a config."""
+    config = getattr(model, "config", None)
+    return family_for(getattr(config, "model_type", None))
+
+
+__all__ = ["ExpertParam", "Family", "FAMILIES", "DENSE", "family_for", "family_of"]

@@ -1,0 +1,103 @@
+"""What mfqat must know about a model family, in one dataclass; one file per family fills it in.
+
+A :class:`Family` answers, for every parameter name of the in-memory transformers model:
+
+- is it a quantization target? ``nn.Linear`` weights in the decoder blocks always are (as today);
+  fused 3-D expert parameters are when the family lists them (:class:`ExpertParam`);
+- does it stay in high precision, and why (routers, gates: ``keep_high``)?
+- what is it called in mlx-lm (``mlx_renames``, and an expert parameter's split into
+  ``switch_mlp`` projections), and which config keys must mlx-lm be given (``mlx_config``)?
+
+Expert layout (transformers 5): ``gate_up_proj`` is ``[E, 2I, H]`` (gate rows first, then up) and
+``down_proj`` ``[E, H, I]``: out x in per expert, in_features last, so MX blocks along the last axis
+are the blocks of each expert's Linear, and splitting rows keeps every code. mlx-lm's
+``switch_mlp.{gate,up,down}_proj`` hold ``[E, out, in]`` too.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class ExpertParam:
+    """A fused 3-D expert parameter that is a quantization target.
+
+    ``pattern`` matches the parameter's full name (``...mlp.experts.gate_up_proj``); ``mlx`` gives
+    the mlx-lm weight names that replace ``pattern``'s match, the rows (axis -2) split equally among
+    them in order (gate_up -> gate, up)."""
+
+    pattern: str
+    mlx: Tuple[str, ...]
+
+
+def _copy_rope(cfg: dict) -> dict:
+    """transformers 5 keeps rope settings in ``rope_parameters``; mlx-lm reads top-level keys."""
+    rope = cfg.get("rope_parameters") or {}
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+    if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+        cfg.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+    if isinstance(rope, dict) and rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = dict(rope)
+    return cfg
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's rules (see the module docstring). ``tested``: a test runs this family end to
+    end (prepare -> train -> anchor -> slice -> MLX export -> mlx_lm.load); the README's support table
+    lists only what a test runs."""
+
+    name: str
+    model_types: Tuple[str, ...]
+    experts: Tuple[ExpertParam, ...] = ()
+    keep_high: Tuple[Tuple[str, str], ...] = ()  # (regex on the weight name, why it stays high precision)
+    mlx_renames: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) on every tensor name, in order
+    config_fixes: Tuple[Callable[[dict], dict], ...] = ()  # extra mlx-lm config rewrites after the rope ones
+    export_refusal: Optional[str] = None  # why mlx-lm cannot load this family (export refused before writing)
+    tested: bool = False
+    notes: str = ""
+
+    def expert_param(self, name: str) -> Optional[ExpertParam]:
+        """The expert rule matching the parameter ``name``, or None."""
+        return next((e for e in self.experts if re.search(e.pattern, name)), None)
+
+    def kept_high(self, name: str) -> Optional[str]:
+        """Why the weight ``name`` stays in high precision (router, gate, ...), or None."""
+        return next((why for pat, why in self.keep_high if re.search(pat, name)), None)
+
+    def mlx_pieces(self, name: str, rows: int) -> List[Tuple[str, int, int]]:
+        """[(mlx-lm weight name, first row, end row)] of the tensor ``name`` with ``rows`` rows on axis -2:
+        one piece (all rows) for an ordinary tensor, equal row blocks for a split expert parameter."""
+        rule = self.expert_param(name)
+        if rule is None:
+            return [(self.mlx_name(name), 0, rows)]
+        if rows % len(rule.mlx):
+            raise ValueError(f"{name}: {rows} rows do not split into {len(rule.mlx)} equal parts "
+                             f"({', '.join(rule.mlx)})")
+        step = rows // len(rule.mlx)
+        return [(self.mlx_name(re.sub(rule.pattern, piece, name)), i * step, (i + 1) * step)
+                for i, piece in enumerate(rule.mlx)]
+
+    def mlx_name(self, name: str) -> str:
+        """``name`` as mlx-lm calls it (before its own sanitize)."""
+        for pat, repl in self.mlx_renames:
+            name = re.sub(pat, repl, name)
+        return name
+
+    def mlx_config(self, config: dict) -> dict:
+        """The HF config as mlx-lm reads it: rope keys copied out of ``rope_parameters``, then this
+        family's own fixes (a copy; ``config`` is not changed)."""
+        cfg = _copy_rope(dict(config))
+        for fix in self.config_fixes:
+            cfg = fix(cfg)
+        return cfg
+
+
+ROUTER = (r"\.mlp\.gate\.weight$", "MoE router: a few values per token choose the experts; kept in bfloat16")
+FUSED_EXPERTS = (
+    ExpertParam(r"\.experts\.gate_up_proj$", (".switch_mlp.gate_proj.weight", ".switch_mlp.up_proj.weight")),
+    ExpertParam(r"\.experts\.down_proj$", (".switch_mlp.down_proj.weight",)),
+)

@@ -1,0 +1,22 @@
+"""Gemma 3 (text): Llama's names, ``(1 + w)`` RMSNorms, sliding and full attention layers.
+
+mlx-lm's gemma3_text reads ``rope_theta`` (global layers), ``rope_local_base_freq`` (sliding layers)
+and ``sliding_window_pattern``, where transformers 5 writes ``rope_parameters`` per layer type and
+``layer_types``; without them it uses defaults that can index past the model's layers."""
+from mfqat.models.family import Family
+
+
+def _gemma3_config(cfg: dict) -> dict:
+    rope = cfg.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if "rope_theta" in full:
+        cfg["rope_theta"] = full["rope_theta"]
+    if "rope_theta" in local:
+        cfg["rope_local_base_freq"] = local["rope_theta"]
+    types = cfg.get("layer_types") or []
+    if "full_attention" in types:
+        cfg["sliding_window_pattern"] = types.index("full_attention") + 1
+    return cfg
+
+
+FAMILY = Family(name="gemma3", model_types=("gemma3_text",), config_fixes=(_gemma3_config,), tested=True)
