@@ -203,6 +203,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("mlx-config-drops-num-experts", "mfqat/models/qwen3_moe.py",
              '        cfg["num_experts"] = cfg["num_local_experts"]\n', "        pass\n",
              ("tests/test_families.py::test_family_end_to_end[qwen3_moe]",)),
+    Mutation("awq-gemma-norm-fold-ignores-1-plus-w", "mfqat/export/awq.py",
+             "    offset = 0.0 if isinstance(producer, nn.Linear) else norm_offset\n", "    offset = 0.0\n",
+             ("tests/test_families.py::test_awq_keeps_the_full_precision_function[gemma3_text]",)),
 ]
 
 

@@ -159,3 +159,38 @@ def test_unknown_experts_are_named_and_export_refused(name, tok, tmp_path):
     with pytest.raises(ValueError, match="no MLX layout for"):
         to_mlx(anchor, tmp_path / "mlx", recipe="uniform:mxint4")
     assert not (tmp_path / "mlx").exists()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SUPPORTED if family_for(SUPPORTED[n][0]).awq_groups))
+def test_awq_keeps_the_full_precision_function(name, tok):
+    """AWQ scales its groups (the family's norm -> linear folds, Gemma's 1 + w included) and the
+    full-precision model computes the same logits."""
+    import copy
+
+    from mfqat.export.awq import apply_awq
+
+    model_type, extra = SUPPORTED[name]
+    model = build(model_type, extra, len(tok)).eval()
+    with torch.no_grad():  # norms away from their init, so a wrong fold shows
+        for n, p in model.named_parameters():
+            if "norm" in n and p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.3)
+    ids = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(2))
+    scaled = copy.deepcopy(model)
+    stats = apply_awq(scaled, ids)
+    assert stats and max(v["s_max"] for v in stats.values()) > 1.5  # the scales are far from 1
+    with torch.no_grad():
+        ref, got = model(ids).logits, scaled(ids).logits
+    assert (got - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max())
+    changed = [n for n, p in scaled.named_parameters() if not torch.equal(p, model.get_parameter(n))]
+    assert changed  # something was rescaled
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "qwen3_next"])
+def test_awq_refuses_families_without_groups(name, tok):
+    from mfqat.export.awq import apply_awq
+
+    model_type, extra = {**SUPPORTED, **UNSUPPORTED}[name]
+    model = build(model_type, extra, len(tok))
+    with pytest.raises(ValueError, match=f"AWQ: {model_type}: .*export without --awq"):
+        apply_awq(model, torch.zeros(1, 8, dtype=torch.long))

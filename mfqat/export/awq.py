@@ -1,13 +1,14 @@
 """AWQ pre-scaling for the post-training path (docs/architecture.md), with mfqat's own importance matrix.
 
-For each producer -> consumers pair of a Llama-style block
+For each producer -> consumers group of a decoder block, as the model's family lists them
+(mfqat.models: ``Family.awq_groups``; for Llama
 
 * ``input_layernorm`` -> ``q_proj, k_proj, v_proj``
 * ``post_attention_layernorm`` -> ``gate_proj, up_proj``
 * ``up_proj`` -> ``down_proj``
 * ``v_proj`` -> ``o_proj`` (only when their widths match, i.e. no grouped-query attention)
 
-the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
+and a family without groups is refused), the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
 producer's output channels divided by ``s``, so the full-precision model computes the same function
 (up to float rounding; tested) while the salient input channels get more of the quantization grid.
 ``importance`` is the mean squared activation per input channel on calibration text (the
@@ -21,13 +22,8 @@ import torch
 from torch import nn
 
 from mfqat.anchor.importance import activation_sums, importance_matrix  # noqa: F401 (re-exported)
+from mfqat.models import Family, family_of
 
-GROUPS: List[Tuple[str, List[str]]] = [
-    ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-    ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]),
-    ("mlp.up_proj", ["mlp.down_proj"]),
-    ("self_attn.v_proj", ["self_attn.o_proj"]),
-]
 
 
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
@@ -45,19 +41,33 @@ def awq_scales(importance: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
-def _scale_producer(producer: nn.Module, s: torch.Tensor) -> None:
-    """Divide the producer's output channels by s (a norm's gain or a Linear's rows and bias)."""
-    producer.weight.data.div_(s.view(-1, *([1] * (producer.weight.dim() - 1))).to(producer.weight.dtype))
+def _scale_producer(producer: nn.Module, s: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """Divide the producer's output channels by s: a Linear's rows and bias, or a norm's gain (for a norm
+    computing x * (norm_offset + w), such as Gemma's ``1 + w``: w' = (norm_offset + w) / s - norm_offset)."""
+    w = producer.weight.data
+    offset = 0.0 if isinstance(producer, nn.Linear) else norm_offset
+    s = s.view(-1, *([1] * (w.dim() - 1))).to(w.dtype)
+    w.copy_((w + offset) / s - offset) if offset else w.div_(s)
     if getattr(producer, "bias", None) is not None:
-        producer.bias.data.div_(s.to(producer.bias.dtype))
+        producer.bias.data.div_(s.view(-1).to(producer.bias.dtype))
+
+
+def awq_family(model: nn.Module) -> Family:
+    """The model's family, refused (ValueError naming it and why) when mfqat has no AWQ groups for it."""
+    family = family_of(model)
+    if not family.awq_groups:
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(f"AWQ: {model_type}: {family.awq_refusal}; export without --awq (README, 'Model families')")
+    return family
 
 
 def awq_pairs(model: nn.Module) -> List[Tuple[str, List[str]]]:
     """The (producer, consumers) module names AWQ rescales; pairs whose widths differ are skipped."""
+    groups = awq_family(model).awq_groups
     names = {id(m): n for n, m in model.named_modules()}
     pairs = []
     for layer in decoder_layers(model):
-        for producer_name, consumer_names in GROUPS:
+        for producer_name, consumer_names in groups:
             producer = layer.get_submodule(producer_name)
             consumers = [layer.get_submodule(c) for c in consumer_names]
             if any(c.in_features != producer.weight.shape[0] for c in consumers):
@@ -75,6 +85,7 @@ def apply_awq(model: nn.Module, blocks: Optional[torch.Tensor], alpha: float = 0
     ``imatrix``: module name -> importance (e.g. from a llama.cpp GGUF, mfqat.export.imatrix); when
     given, ``blocks`` is not used and no calibration forward pass runs."""
     pairs = awq_pairs(model)
+    family = awq_family(model)
     if imatrix is None:
         if blocks is None:
             raise ValueError("AWQ: pass calibration blocks or an importance matrix")
@@ -85,7 +96,7 @@ def apply_awq(model: nn.Module, blocks: Optional[torch.Tensor], alpha: float = 0
         consumers = [model.get_submodule(c) for c in consumer_names]
         s = awq_scales(imatrix[consumer_names[0]], alpha)
         with torch.no_grad():
-            _scale_producer(producer, s)
+            _scale_producer(producer, s, family.norm_offset)
             for c in consumers:
                 c.weight.data.mul_(s.view(1, -1).to(c.weight.dtype))
         short = [c.split(".", 3)[-1] for c in consumer_names]  # as before: names relative to the layer

@@ -57,6 +57,12 @@ class Family:
     mlx_renames: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) on every tensor name, in order
     config_fixes: Tuple[Callable[[dict], dict], ...] = ()  # extra mlx-lm config rewrites after the rope ones
     export_refusal: Optional[str] = None  # why mlx-lm cannot load this family (export refused before writing)
+    # AWQ: (producer, consumers) module names inside a decoder layer. The consumers' input channels are
+    # scaled up by s and the producer's outputs down by s; a norm computing x * (norm_offset + w) folds
+    # 1/s as w' = (norm_offset + w) / s - norm_offset. Empty: AWQ is refused for the family, with why.
+    awq_groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
+    norm_offset: float = 0.0
+    awq_refusal: str = "mfqat has no AWQ norm -> linear groups for it"
     tested: bool = False
     notes: str = ""
 
@@ -96,6 +102,12 @@ class Family:
         return cfg
 
 
+LLAMA_AWQ = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+)
 ROUTER = (r"\.mlp\.gate\.weight$", "MoE router: a few values per token choose the experts; kept in bfloat16")
 FUSED_EXPERTS = (
     ExpertParam(r"\.experts\.gate_up_proj$", (".switch_mlp.gate_proj.weight", ".switch_mlp.up_proj.weight")),

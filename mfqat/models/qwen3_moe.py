@@ -7,6 +7,11 @@ quant_predicate keeps it at 8 bits; it is E x H values a layer). mlx-lm reads ``
 transformers 5 writes as ``num_local_experts``."""
 from mfqat.models.family import FUSED_EXPERTS, ROUTER, Family
 
+# AWQ on the attention only: the router and experts share post_attention_layernorm, and scaling the
+# experts' fused inputs is not done yet.
+AWQ = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+       ("self_attn.v_proj", ("self_attn.o_proj",)))
+
 
 def _num_experts(cfg: dict) -> dict:
     if "num_experts" not in cfg and "num_local_experts" in cfg:
@@ -14,5 +19,5 @@ def _num_experts(cfg: dict) -> dict:
     return cfg
 
 
-FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), experts=FUSED_EXPERTS, keep_high=(ROUTER,),
+FAMILY = Family(name="qwen3_moe", model_types=("qwen3_moe",), experts=FUSED_EXPERTS, keep_high=(ROUTER,), awq_groups=AWQ,
                 config_fixes=(_num_experts,), tested=True)
