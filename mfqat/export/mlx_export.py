@@ -228,7 +228,11 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
     arrays: Dict[str, "mx.array"] = {}
     family = plan.family
     for name, v in anchor.plain.items():
-        arr = mx.array(v.float().numpy()).astype(mx.bfloat16) if v.is_floating_point() else mx.array(v.numpy())
+        if not v.is_floating_point():
+            arr = mx.array(v.numpy())
+        else:
+            arr = mx.array(v.float().numpy())
+            arr = arr if family.float32_on_export(name) else arr.astype(mx.bfloat16)
         arrays[family.mlx_name(name)] = arr
     for name in plan.kept16:
         if name in anchor.quantized:

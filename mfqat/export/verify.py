@@ -26,7 +26,9 @@ CHECK_TOKENS = 64
 
 def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
     """The PyTorch weights that the export must reproduce (float32)."""
-    sd = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() else v) for k, v in anchor.plain.items()}
+    keep32 = plan.family.float32_on_export
+    sd = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() and not keep32(k) else v.float() if v.is_floating_point() else v)
+          for k, v in anchor.plain.items()}
     for name, q in plan.tensors(anchor).items():
         sd[name] = q.dequantize(torch.float32)
     for name in plan.kept16:

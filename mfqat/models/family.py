@@ -55,6 +55,7 @@ class Family:
     experts: Tuple[ExpertParam, ...] = ()
     keep_high: Tuple[Tuple[str, str], ...] = ()  # (regex on the weight name, why it stays high precision)
     mlx_renames: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) on every tensor name, in order
+    keep_float32: Tuple[str, ...] = ()  # regexes of plain tensors written in float32, not bfloat16 (mlx-lm's cast_predicate)
     config_fixes: Tuple[Callable[[dict], dict], ...] = ()  # extra mlx-lm config rewrites after the rope ones
     export_refusal: Optional[str] = None  # why mlx-lm cannot load this family (export refused before writing)
     # AWQ: (producer, consumers) module names inside a decoder layer. The consumers' input channels are
@@ -86,6 +87,10 @@ class Family:
         step = rows // len(rule.mlx)
         return [(self.mlx_name(re.sub(rule.pattern, piece, name)), i * step, (i + 1) * step)
                 for i, piece in enumerate(rule.mlx)]
+
+    def float32_on_export(self, name: str) -> bool:
+        """Whether the plain tensor ``name`` is written in float32 (a routing bias), not bfloat16."""
+        return any(re.search(p, name) for p in self.keep_float32)
 
     def mlx_name(self, name: str) -> str:
         """``name`` as mlx-lm calls it (before its own sanitize)."""
