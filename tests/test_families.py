@@ -41,6 +41,8 @@ SUPPORTED = {
     "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
                                         qk_nope_head_dim=16, v_head_dim=16, **DEEPSEEK)),
     "glm4_moe": ("glm4_moe", dict(head_dim=16, **DEEPSEEK, use_qk_norm=True)),
+    "qwen3_5": ("qwen3_5_text", dict(head_dim=16, **LINEAR_ATTN)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(head_dim=16, **MOE, **LINEAR_ATTN, shared_expert_intermediate_size=64)),
 }
 UNSUPPORTED = {  # fused experts mfqat has no rules for yet: the weights left out are named, export refused
     "gpt_oss": ("gpt_oss", dict(head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,

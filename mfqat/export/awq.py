@@ -67,7 +67,10 @@ def awq_pairs(model: nn.Module) -> List[Tuple[str, List[str]]]:
     names = {id(m): n for n, m in model.named_modules()}
     pairs = []
     for layer in decoder_layers(model):
+        present = {n for n, _ in layer.named_modules()}
         for producer_name, consumer_names in groups:
+            if producer_name not in present or any(c not in present for c in consumer_names):
+                continue  # a group of another layer type (hybrid models: linear vs full attention)
             producer = layer.get_submodule(producer_name)
             consumers = [layer.get_submodule(c) for c in consumer_names]
             if any(c.in_features != producer.weight.shape[0] for c in consumers):
