@@ -198,3 +198,18 @@ def test_awq_refuses_families_without_groups(name, tok):
     model = build(model_type, extra, len(tok))
     with pytest.raises(ValueError, match=f"AWQ: {model_type}: .*export without --awq"):
         apply_awq(model, torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox", "deepseek_v3", "qwen3_5"])
+def test_seed_recipe_knows_every_familys_attention_projections(name, tok):
+    """The seed table's +2 for attention inputs and 8 bits for attention outputs reach fused (qkv_proj,
+    query_key_value), MLA and Gated DeltaNet projections, not only Llama's q/k/v/o."""
+    from mfqat.export.recipes import seed_bits
+
+    model_type, extra = SUPPORTED[name]
+    names = [n for n, p in build(model_type, extra, len(tok)).named_parameters() if p.dim() >= 2 and ".layers." in n]
+    inputs = [n for n in names if any(k in n for k in ("qkv", "query_key_value", "q_a_proj", "kv_a_proj", "q_proj"))]
+    outputs = [n for n in names if any(k in n for k in ("o_proj", "out_proj", "attention.dense"))]
+    assert inputs and outputs
+    assert all(seed_bits(n, 4, False) == 6 for n in inputs), [n for n in inputs if seed_bits(n, 4, False) != 6]
+    assert all(seed_bits(n, 4, False) == 8 for n in outputs)

@@ -146,18 +146,28 @@ def _fmt_for_bits(family: str, bits: int, anchor_bits: int) -> str:
     return table[bits]
 
 
+# The seed table's roles by module name, over the families in mfqat/models (fused and MLA projections
+# included): attention inputs +2, the MLP's output projection +1, attention outputs 8 bits.
+ATTENTION_INPUTS = (r"\.(q_proj|k_proj|v_proj|qkv_proj|query_key_value|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
+                    r"kv_b_proj|in_proj_qkv|in_proj_z|in_proj_qkvz)(\.|$)")
+MLP_OUTPUTS = r"\.(down_proj|dense_4h_to_h|w2)(\.|$)"
+ATTENTION_OUTPUTS = r"\.(o_proj|out_proj|attention\.dense)(\.|$)"
+
+
 def seed_bits(name: str, base: int, tied: bool) -> Optional[int]:
     """The seed table: embeddings +2 (lm_head +3; tied: the shared table counts as lm_head),
-    attention q/k/v +2, down_proj +1, gate/up base, o_proj kept at 8 bits."""
+    attention inputs +2 (q/k/v, fused qkv, MLA projections, Gated DeltaNet's qkv/z), the MLP's output
+    projection +1 (experts' down_proj included), gate/up base, attention outputs (o_proj, out_proj,
+    GPT-NeoX's attention.dense) kept at 8 bits."""
     if "embed" in name:
         return base + (3 if tied else 2)
     if "lm_head" in name:
         return base + 3
-    if re.search(r"\.(q_proj|k_proj|v_proj)(\.|$)", name):
+    if re.search(ATTENTION_INPUTS, name):
         return base + 2
-    if re.search(r"\.down_proj(\.|$)", name):
+    if re.search(MLP_OUTPUTS, name):
         return base + 1
-    if re.search(r"\.o_proj(\.|$)", name):
+    if re.search(ATTENTION_OUTPUTS, name):
         return 8
     return base
 
