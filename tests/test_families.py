@@ -213,3 +213,52 @@ def test_seed_recipe_knows_every_familys_attention_projections(name, tok):
     assert inputs and outputs
     assert all(seed_bits(n, 4, False) == 6 for n in inputs), [n for n in inputs if seed_bits(n, 4, False) != 6]
     assert all(seed_bits(n, 4, False) == 8 for n in outputs)
+
+
+def _mlx_export(name, tok, tmp_path):
+    model_type, extra = SUPPORTED[name]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "anchor", "mxint8", tokenizer=tok)
+    to_mlx(anchor, tmp_path / "mlx", recipe="uniform:mxint8", verify=False)
+    return anchor, tmp_path / "mlx"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_neox"])
+def test_mlx_mfqat_trains_experts_and_writes_the_anchor_back(name, tok, tmp_path):
+    """On MLX, prepare makes MoE experts MF-QAT layers too; the mxint4 forward equals PyTorch's mxint4 of
+    the anchor written back, and the round trip PyTorch -> MLX -> anchor keeps every code."""
+    import mlx.core as mx
+
+    from mfqat.mlx.anchor import save_anchor as mlx_save_anchor
+    from mfqat.mlx.models import load_for_training
+    from mfqat.mlx.qat import MFQATSwitchLinear, qat_layers
+    from mfqat.mlx.qat import prepare as mlx_prepare
+    from mfqat.mlx.qat import set_format as mlx_set_format
+
+    anchor, export = _mlx_export(name, tok, tmp_path)
+    model, _, src = load_for_training(str(export))
+    mlx_prepare(model, mfqat.QATConfig(formats=["mxint8", "mxint4"]))
+    switch = [n for n, m in qat_layers(model) if isinstance(m, MFQATSwitchLinear)]
+    assert bool(switch) == (name != "gpt_neox")
+    back = mlx_save_anchor(model, tmp_path / "back", "mxint8", source_dir=src)
+    a, b = mfqat.read_anchor(anchor), mfqat.read_anchor(back)
+    assert set(a.quantized) == set(b.quantized)
+    for k, q in a.quantized.items():
+        assert torch.equal(q.codes, b.quantized[k].codes) and torch.equal(q.scales, b.quantized[k].scales), k
+    ids = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(0))
+    mlx_set_format(model, "mxint4")
+    got = np.array(model(mx.array(ids.numpy())).astype(mx.float32))
+    with torch.no_grad():
+        want = mfqat.load_anchor(back, "mxint4")(ids).logits.numpy()
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())  # gpt_neox: mlx-lm's tanh GELU
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe"])
+def test_mlx_anchor_write_back_refused_where_mlx_lm_rewrites_weights(name, tok, tmp_path):
+    from mfqat.mlx.anchor import save_anchor as mlx_save_anchor
+    from mfqat.mlx.models import load_for_training
+
+    _, export = _mlx_export(name, tok, tmp_path)
+    model, _, src = load_for_training(str(export))
+    with pytest.raises(ValueError, match="cannot be written back as an anchor yet"):
+        mlx_save_anchor(model, tmp_path / "back", "mxint8", source_dir=src)
+    assert not (tmp_path / "back").exists()

@@ -19,6 +19,7 @@ import torch
 from mlx.utils import tree_flatten
 
 from mfqat.anchor.checkpoint import save_anchor as torch_save_anchor
+from mfqat.models import family_for
 from mfqat.mlx.models import hf_tokenizer
 from mfqat.mlx.qat import qat_layers
 
@@ -32,9 +33,14 @@ def to_torch_model(model: nn.Module, source_dir: Union[str, Path]):
     cfg = json.loads((Path(source_dir) / "config.json").read_text())
     for k in QUANT_KEYS:
         cfg.pop(k, None)
+    family = family_for(cfg.get("model_type"))
+    if family.mlx_anchor_refusal:  # before building the PyTorch model (an mlx-lm model type may mean another one there)
+        raise ValueError(f"{cfg.get('model_type')}: an MLX model of this family cannot be written back as an anchor yet "
+                         f"({family.mlx_anchor_refusal}); train and anchor it in PyTorch")
     config = AutoConfig.for_model(**cfg)
     tmodel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     weights = {k: torch.from_numpy(np.array(v.astype(mx.float32))) for k, v in tree_flatten(model.parameters())}
+    weights = family.hf_state_dict(weights)  # names and switch_mlp pieces back to the transformers layout
     lora = [k for k in weights if "lora_" in k]
     if lora:
         raise ValueError(f"the model holds LoRA adapters ({lora[0]}, ...); fuse them first: "
@@ -64,7 +70,8 @@ def save_anchor(model: nn.Module, path: Union[str, Path], fmt: Optional[str] = N
     if source_dir is None:
         raise ValueError("save_anchor needs source_dir: the directory the MLX model was loaded from")
     tmodel = to_torch_model(model, source_dir)
-    targets = [f"{name}.weight" for name, _ in qat_layers(model)] or None
+    family = family_for(tmodel.config.model_type)
+    targets = list(dict.fromkeys(family.hf_name(f"{name}.weight") for name, _ in qat_layers(model))) or None
     tok = tokenizer
     if tok is None and (Path(source_dir) / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer

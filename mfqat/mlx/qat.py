@@ -91,6 +91,44 @@ class MFQATLinear(nn.Module):
         return f"{self.weight.shape[1]}, {self.weight.shape[0]}, fmt={self.fmt}, block_size={self.block_size}"
 
 
+class MFQATSwitchLinear(MFQATLinear):
+    """mlx-lm's ``SwitchLinear`` (MoE experts, weight ``[E, out, in]``) with the weight fake-quantized in the
+    active format: MX blocks along in_features, per expert, as the PyTorch experts (mfqat.qat.experts)."""
+
+    @classmethod
+    def from_switch(cls, lin: nn.Module, block_size: int = 32, scale_rule: str = "floor",
+                    anchor_format: Optional[str] = None, affine_group_size: int = DERIVED_GROUP_SIZE
+                    ) -> "MFQATSwitchLinear":
+        return cls(lin.weight, lin.get("bias"), block_size, scale_rule, anchor_format, affine_group_size)
+
+    def to_linear(self) -> nn.Module:
+        from mlx_lm.models.switch_layers import SwitchLinear
+
+        experts, out_dims, in_dims = self.weight.shape
+        lin = SwitchLinear(in_dims, out_dims, experts, bias="bias" in self)
+        lin.weight = self.weight
+        if "bias" in self:
+            lin.bias = self["bias"]
+        return lin
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        x = mx.gather_mm(x, self.quantized_weight().swapaxes(-1, -2), rhs_indices=indices,
+                         sorted_indices=sorted_indices)
+        if "bias" in self:
+            x = x + mx.expand_dims(self["bias"][indices], -2)
+        return x
+
+    def _extra_repr(self) -> str:
+        return f"experts={self.weight.shape[0]}, " + super()._extra_repr()
+
+
+def _family(model: nn.Module):
+    """The mfqat.models family of an mlx-lm model (by its model_type)."""
+    from mfqat.models import family_for
+
+    return family_for(getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None))
+
+
 class MLXController:
     """Each prepared layer's schedule; sets the active format per step (as the PyTorch controller)."""
 
@@ -141,16 +179,20 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     if found or "mfqat_controller" in model.__dict__:
         raise ValueError(f"mfqat.mlx.prepare: {type(model).__name__} is already prepared ({len(found)} MF-QAT "
                          "layers); use set_format to change formats, or unprepare(model) before preparing again")
+    from mlx_lm.models.switch_layers import SwitchLinear
+
     swaps, schedules, skipped = [], {}, []
+    family = _family(model)
     for name, m in model.named_modules():
-        if type(m) is not nn.Linear or not config.selects(name):
+        if type(m) not in (nn.Linear, SwitchLinear) or not config.selects(name) or family.kept_high(f"{name}.weight"):
             continue
-        width = m.weight.shape[1]
+        width = m.weight.shape[-1]
         if width % config.group_multiple():
             skipped.append(f"{name} ({width} not a multiple of {config.group_multiple()})")
             continue
         anchor = config.anchor_format if config.through_anchor else None
-        layer = MFQATLinear.from_linear(m, config.block_size, config.scale_rule, anchor, config.affine_group_size)
+        make = MFQATSwitchLinear.from_switch if isinstance(m, SwitchLinear) else MFQATLinear.from_linear
+        layer = make(m, config.block_size, config.scale_rule, anchor, config.affine_group_size)
         layer.scale_rules = MappingProxyType(resolve_scale_rules(config.scale_rule, config.scale_rules))
         if config.activation_observer:
             layer.act_observer = WindowMinMaxObserver(width, config.observer_window)

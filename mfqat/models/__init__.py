@@ -21,8 +21,10 @@ _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 
 def family_for(model_type: Optional[str]) -> Family:
-    """The family of a config's ``model_type`` (the dense rules when mfqat has no file for it)."""
-    return _BY_TYPE.get(model_type or "", DENSE)
+    """The family of a config's ``model_type`` (the dense rules when mfqat has no file for it). mlx-lm's
+    name of a text model whose transformers type ends in ``_text`` (``qwen3_5`` for ``qwen3_5_text``, as an
+    export's config.json says) finds the same family."""
+    return _BY_TYPE.get(model_type or "") or _BY_TYPE.get(f"{model_type}_text", DENSE)
 
 
 def family_of(model) -> Family:

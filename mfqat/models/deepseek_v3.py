@@ -15,5 +15,6 @@ KV_B = (r"\.self_attn\.kv_b_proj\.weight$",
 
 FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), experts=FUSED_EXPERTS, keep_high=(ROUTER, KV_B),
                 keep_float32=(r"e_score_correction_bias$",), tested=True,
+                mlx_anchor_refusal="mlx-lm splits kv_b_proj into per-head embed_q / unembed_out matrices",
                 awq_groups=(("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
                             ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",))))

@@ -17,19 +17,26 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class ExpertParam:
     """A fused 3-D expert parameter that is a quantization target.
 
-    ``pattern`` matches the parameter's full name (``...mlp.experts.gate_up_proj``); ``mlx`` gives
-    the mlx-lm weight names that replace ``pattern``'s match, the rows (axis -2) split equally among
-    them in order (gate_up -> gate, up)."""
+    ``hf`` ends the parameter's full name (``...mlp.experts.gate_up_proj``); ``mlx`` gives the mlx-lm
+    weight names that replace that ending, the rows (axis -2) split equally among them in order
+    (gate_up -> gate, up)."""
 
-    pattern: str
+    hf: str
     mlx: Tuple[str, ...]
+
+    @property
+    def pattern(self) -> str:
+        return re.escape(self.hf) + "$"
 
 
 def _copy_rope(cfg: dict) -> dict:
@@ -55,9 +62,11 @@ class Family:
     experts: Tuple[ExpertParam, ...] = ()
     keep_high: Tuple[Tuple[str, str], ...] = ()  # (regex on the weight name, why it stays high precision)
     mlx_renames: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) on every tensor name, in order
+    hf_renames: Tuple[Tuple[str, str], ...] = ()  # the inverse of mlx_renames (MLX names back to transformers')
     keep_float32: Tuple[str, ...] = ()  # regexes of plain tensors written in float32, not bfloat16 (mlx-lm's cast_predicate)
     config_fixes: Tuple[Callable[[dict], dict], ...] = ()  # extra mlx-lm config rewrites after the rope ones
     export_refusal: Optional[str] = None  # why mlx-lm cannot load this family (export refused before writing)
+    mlx_anchor_refusal: Optional[str] = None  # why an MLX model of this family cannot be written back as an anchor
     # AWQ: (producer, consumers) module names inside a decoder layer. The consumers' input channels are
     # scaled up by s and the producer's outputs down by s; a norm computing x * (norm_offset + w) folds
     # 1/s as w' = (norm_offset + w) / s - norm_offset. Empty: AWQ is refused for the family, with why.
@@ -98,6 +107,39 @@ class Family:
             name = re.sub(pat, repl, name)
         return name
 
+    def hf_name(self, mlx_name: str) -> str:
+        """A transformers (in-memory) name for an mlx-lm weight name: a ``switch_mlp`` piece gives its fused
+        expert parameter (:meth:`hf_state_dict` joins the pieces)."""
+        for pat, repl in self.hf_renames:
+            mlx_name = re.sub(pat, repl, mlx_name)
+        for rule in self.experts:
+            for piece in rule.mlx:
+                if mlx_name.endswith(piece):
+                    return mlx_name[: -len(piece)] + rule.hf
+        return mlx_name
+
+    def hf_state_dict(self, weights: Dict[str, "torch.Tensor"]) -> Dict[str, "torch.Tensor"]:
+        """An MLX model's weights under transformers' names, ``switch_mlp`` pieces joined back into the
+        fused expert parameters (rows in the order of ``ExpertParam.mlx``)."""
+        import torch
+
+        out: Dict[str, "torch.Tensor"] = {}
+        parts: Dict[str, Dict[int, "torch.Tensor"]] = {}
+        for name, value in weights.items():
+            hf = self.hf_name(name)
+            rule = self.expert_param(hf)
+            if rule is None or hf == name:
+                out[hf] = value
+                continue
+            index = next(i for i, piece in enumerate(rule.mlx) if name.endswith(piece))
+            parts.setdefault(hf, {})[index] = value
+        for hf, pieces in parts.items():
+            rule = self.expert_param(hf)
+            if sorted(pieces) != list(range(len(rule.mlx))):
+                raise ValueError(f"{hf}: the MLX weights hold {len(pieces)} of its {len(rule.mlx)} pieces {rule.mlx}")
+            out[hf] = torch.cat([pieces[i] for i in range(len(rule.mlx))], dim=-2)
+        return out
+
     def mlx_config(self, config: dict) -> dict:
         """The HF config as mlx-lm reads it: rope keys copied out of ``rope_parameters``, then this
         family's own fixes (a copy; ``config`` is not changed)."""
@@ -113,8 +155,8 @@ LLAMA_AWQ = (
     ("mlp.up_proj", ("mlp.down_proj",)),
     ("self_attn.v_proj", ("self_attn.o_proj",)),
 )
-ROUTER = (r"\.mlp\.gate\.weight$", "MoE router: a few values per token choose the experts; kept in bfloat16")
+ROUTER = (r"\.(mlp|block_sparse_moe)\.gate\.weight$", "MoE router: a few values per token choose the experts; kept in bfloat16")
 FUSED_EXPERTS = (
-    ExpertParam(r"\.experts\.gate_up_proj$", (".switch_mlp.gate_proj.weight", ".switch_mlp.up_proj.weight")),
-    ExpertParam(r"\.experts\.down_proj$", (".switch_mlp.down_proj.weight",)),
+    ExpertParam(".experts.gate_up_proj", (".switch_mlp.gate_proj.weight", ".switch_mlp.up_proj.weight")),
+    ExpertParam(".experts.down_proj", (".switch_mlp.down_proj.weight",)),
 )

@@ -12,4 +12,5 @@ AWQ = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v
        ("self_attn.v_proj", ("self_attn.o_proj",)))
 
 FAMILY = Family(name="mixtral", model_types=("mixtral",), experts=FUSED_EXPERTS, keep_high=(ROUTER,), awq_groups=AWQ,
-                mlx_renames=((r"\.mlp\.", ".block_sparse_moe."),), tested=True)
+                mlx_renames=((r"\.mlp\.", ".block_sparse_moe."),), hf_renames=((r"\.block_sparse_moe\.", ".mlp."),),
+                tested=True)

@@ -45,6 +45,7 @@ AWQ = (("input_layernorm", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", 
        ("self_attn.v_proj", ("self_attn.o_proj",)))
 COMMON = dict(mlx_renames=((r"^model\.", "language_model.model."), (r"^lm_head\.", "language_model.lm_head.")),
               keep_float32=(r"\.A_log$",), config_fixes=(_qwen3_5_config,), norm_offset=1.0, awq_groups=AWQ,
+              mlx_anchor_refusal="mlx-lm's sanitize adds 1 to its norms and moves conv1d's axes",
               tested=True)
 
 FAMILY = Family(name="qwen3_5", model_types=("qwen3_5_text",), keep_high=(LINEAR_ATTN_GATES, CONV), **COMMON)
