@@ -184,7 +184,7 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
 
 
 def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: Dict[str, float],
-                    slack_bits: float, max_states: int = 4_000_000) -> Optional[Dict[str, str]]:
+                    slack_bits: float, max_states: int = 50_000_000) -> Optional[Dict[str, str]]:
     """The minimum of the summed estimated KL with at most ``slack_bits`` above the all-lowest plan:
     dynamic programming over the extra bits in units of their greatest common divisor; None when
     the table would exceed ``max_states`` entries or a width is not a multiple of 1/64 bit."""
@@ -206,7 +206,7 @@ def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: 
     best = np.zeros(cap + 1)  # least cost of the tensors so far within s units
     choices = []
     for n in names:
-        new, pick = np.full(cap + 1, np.inf), np.zeros(cap + 1, dtype=np.int64)
+        new, pick = np.full(cap + 1, np.inf), np.zeros(cap + 1, dtype=np.int8)
         for j, f in enumerate(levels):
             w = extra[n][j] // unit
             if w > cap:
