@@ -153,7 +153,7 @@ def _mlx(cmd: str = "") -> None:
 
 
 def _bench(rest: List[str]) -> NoReturn:
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_quant.py"
     if not script.is_file():
         sys.exit(f"mfqat bench: {script} is missing: the benchmark scripts live in the source repository, "
                  "not in the installed package; clone the repository and run `python scripts/bench_quant.py`")

@@ -108,7 +108,11 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("give --text (plain text) or --dataset, not both")
         need_path(a.text, "--text")
         need_path(a.dataset, "--dataset")
-        need_path(a.resume, "--resume", "checkpoint folder")
+        from mfqat.integrations.train_args import check_resume  # argparse only: nothing heavy
+        try:
+            check_resume(a)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
         if a.anchor_format:
             need_formats([a.anchor_format], "--anchor-format")

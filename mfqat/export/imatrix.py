@@ -94,5 +94,8 @@ def imatrix_for_model(model: nn.Module, path, modules: Iterable[str]) -> Dict[st
         if table[key].numel() != width:
             raise ValueError(f"{path}: tensor {key}{SUMS} has {table[key].numel()} channels, {module} has {width} "
                              "input features; the imatrix is for a different model")
+        if not torch.isfinite(table[key]).all() or (table[key] < 0).any():
+            raise ValueError(f"{path}: tensor {key}{SUMS} (for {module}) holds negative, NaN or Inf values; a mean "
+                             "squared activation cannot: the imatrix is corrupt, compute it again")
         out[module] = table[key]
     return out

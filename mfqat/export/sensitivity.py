@@ -13,8 +13,10 @@ The ``affine`` family (``auto:BPW:affine``) plans MLX's affine widths derived fr
 and their cost includes the bfloat16 scale and bias of every group (4.5 bits/weight for affine4 at
 group 64), so a budget means the same bytes as an ``mlx_lm.convert`` file of that size.
 
-Allocation: every tensor starts at the lowest level; the upgrade with the largest sensitivity
-reduction per extra bit is taken while the bits-per-weight budget allows (greedy knapsack).
+Allocation: the per-tensor levels with the least summed estimated KL within the bits-per-weight
+budget, every width considered for every tensor (a multiple-choice knapsack, solved exactly by dynamic
+programming over the extra bits; when that table would be too large, greedily: from the lowest level,
+the upgrade with the largest sensitivity reduction per extra bit while the budget allows).
 """
 from __future__ import annotations
 
@@ -152,6 +154,10 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
         raise ValueError(f"auto:{budget_bpw}: the budget is below the smallest plan "
                          f"({bpw[levels[0]]:.2f} bits/weight with every tensor in {levels[0]})")
 
+    exact = _allocate_exact(sens, levels, bpw, cap - used)
+    if exact is not None:
+        return exact
+
     def gain(n: str):
         i = level[n]
         if i + 1 >= len(levels):
@@ -175,6 +181,48 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
         if g:
             heapq.heappush(heap, (-g[0], n, g[1]))
     return {n: levels[i] for n, i in level.items()}
+
+
+def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: Dict[str, float],
+                    slack_bits: float, max_states: int = 50_000_000) -> Optional[Dict[str, str]]:
+    """The minimum of the summed estimated KL with at most ``slack_bits`` above the all-lowest plan:
+    dynamic programming over the extra bits in units of their greatest common divisor; None when
+    the table would exceed ``max_states`` entries or a width is not a multiple of 1/64 bit."""
+    import math
+
+    import numpy as np
+
+    names = list(sens)
+    extra = {}  # extra bits over the lowest level, in 1/64 bit, per (tensor, level)
+    for n in names:
+        q = [(bpw[f] - bpw[levels[0]]) * 64 for f in levels]
+        if any(abs(v - round(v)) > 1e-9 for v in q):
+            return None
+        extra[n] = [int(round(v)) * sens[n].numel for v in q]
+    unit = math.gcd(*[e for row in extra.values() for e in row]) or 1
+    cap = int(math.floor(slack_bits * 64 / unit + 1e-6))
+    if (cap + 1) * len(names) * len(levels) > max_states:
+        return None
+    best = np.zeros(cap + 1)  # least cost of the tensors so far within s units
+    choices = []
+    for n in names:
+        new, pick = np.full(cap + 1, np.inf), np.zeros(cap + 1, dtype=np.int8)
+        for j, f in enumerate(levels):
+            w = extra[n][j] // unit
+            if w > cap:
+                continue
+            cand = np.full(cap + 1, np.inf)
+            cand[w:] = best[: cap + 1 - w] + sens[n].at(f)
+            better = cand < new
+            new[better], pick[better] = cand[better], j
+        best = new
+        choices.append(pick)
+    plan, s = {}, cap
+    for n, pick in zip(reversed(names), reversed(choices)):
+        j = int(pick[s])
+        plan[n] = levels[j]
+        s -= extra[n][j] // unit
+    return {n: plan[n] for n in names}
 
 
 def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib_text: Optional[str] = None,

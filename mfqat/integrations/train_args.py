@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from pathlib import Path
 
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.integrations.lora reads these
@@ -89,3 +92,36 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base", default="fp", choices=BASES,
                    help="frozen base under LoRA: fp, or bitsandbytes nf4 (double quant, bf16 compute) / "
                         "int8 (LLM.int8, outlier threshold 6)")
+
+
+# What a checkpoint must share with the run that resumes it (the model, the data and its order, the
+# batches per optimizer step, the recipe); recorded in checkpoint-N/mfqat_step.json under "run".
+RUN_KEYS = ("model", "text", "dataset", "qat_config", "formats", "schedule", "batch_size", "grad_accum",
+            "seq_len", "seed", "lora_rank", "base")
+
+
+def run_identity(args: argparse.Namespace) -> dict:
+    """{flag: value} of :data:`RUN_KEYS` (existing paths made absolute)."""
+    def norm(v):
+        return str(Path(v).resolve()) if isinstance(v, str) and os.path.exists(v) else v
+    return {k: norm(getattr(args, k, None)) for k in RUN_KEYS}
+
+
+def check_resume(args: argparse.Namespace) -> None:
+    """--resume must name a checkpoint folder of this run (ValueError naming --resume and the path);
+    cheap: runs before any model loads. Checkpoints written before the run was recorded pass."""
+    if not args.resume:
+        return
+    path = Path(args.resume)
+    if not path.is_dir():
+        raise ValueError(f"--resume {path}: no such checkpoint folder")
+    step_file = path / "mfqat_step.json"
+    if not step_file.is_file():
+        raise ValueError(f"--resume {path}: not a checkpoint of `mfqat train` (no mfqat_step.json; give a "
+                         "checkpoint-N folder that --save-every wrote)")
+    saved = json.loads(step_file.read_text()).get("run") or {}
+    now = run_identity(args)
+    diff = [f"--{k.replace('_', '-')} {saved[k]} there, {now[k]} here" for k in RUN_KEYS if k in saved and saved[k] != now[k]]
+    if diff:
+        raise ValueError(f"--resume {path}: a checkpoint of another run ({'; '.join(diff)}); resume with the "
+                         "settings of the run that wrote it")

@@ -29,7 +29,7 @@ from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
 from mfqat.qat.observers import mean_clip_rate
 from mfqat.integrations.lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
 from mfqat.integrations.optim import make_optimizer
-from mfqat.integrations.train_args import build_parser
+from mfqat.integrations.train_args import build_parser, check_resume, run_identity
 from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
 from mfqat.integrations import fsdp, grad_compress
@@ -75,6 +75,10 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     from accelerate.utils import set_seed
 
     args = build_parser().parse_args(argv)
+    try:  # a missing or foreign checkpoint fails before any work
+        check_resume(args)
+    except ValueError as e:
+        raise SystemExit(f"mfqat train: {e}") from None
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
     out = Path(args.out)
@@ -179,7 +183,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                 importance_state.save_state(base, ckpt, acc.process_index)
             sd = full_state_dict(base) if cfg and is_sharded(base) else None  # every rank joins the gather
             if acc.is_main_process:
-                (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step}))
+                (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step, "run": run_identity(args)}))
                 if cfg:
                     save_anchor(merged_copy(base), ckpt / "mfqat_anchor", anchor_format, tok, step=step,
                                 schedule=cfg.to_dict(), overwrite=True, state_dict=sd)

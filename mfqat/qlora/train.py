@@ -3,7 +3,7 @@
     mfqat mx-qlora runs/mfqat/anchor --formats mxint8,mxint6,mxint4 --steps 30 --out runs/mxqlora
 
 Each step runs the base in the schedule's format (``cyclic``: one format per step in turn;
-``joint``: the losses of all formats summed, one backward each; ``fixed``: the first format only)
+``joint``: the mean of all formats' losses, one backward each; ``fixed``: the first format only)
 and updates only the adapters (AdamW). Ends with the adapter in PEFT's format (OUT/adapter; with
 --mlx-adapter-path also as an mlx-lm adapter folder for the anchor's MLX exports), a
 held-out perplexity per format and OUT/summary.json (s/step, peak memory).
