@@ -260,7 +260,8 @@ MUTATIONS: List[Mutation] = [
              '"bits": st.bits,', '"bits": get_format(plan.formats[name]).bits,',
              ("tests/test_semantics_export.py::test_export_report_group_size_and_bits_are_those_on_disk",)),
     Mutation("export-check-tolerates-rounding", "mfqat/export/verify.py",
-             "if not np.array_equal(got, expect):", "if not np.allclose(got, expect):",
+             "if got.shape != expect.shape or not np.array_equal(got, expect):",
+             "if got.shape != expect.shape or not np.allclose(got, expect):",
              ("tests/test_semantics_export.py::test_export_check_reports_one_flipped_code_or_a_scale_one_ulp_off",)),
 ]
 
