@@ -60,8 +60,9 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
             got = np.array(got.astype(mx.float32))
             if got.shape != expect.shape or not np.array_equal(got, expect):
                 bad = int((got != expect).sum()) if got.shape == expect.shape else got.size
-                raise RuntimeError(f"export check failed: {name} ({piece}): {bad} elements differ between MLX and "
-                                   f"PyTorch dequantization ({plan.formats[name]}); nothing was written")
+                where = "" if piece == name else f", in {piece}"
+                raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
+                                   f"dequantization ({plan.formats[name]}{where}); nothing was written")
             checked += got.size
     rep = {"weights_bit_exact": checked > 0, "weights_checked": checked, **compare_logits(out, anchor, plan, prompt)}
     if not rep["max_abs_logit_diff"] <= rep["logit_tolerance"]:
