@@ -197,6 +197,9 @@ def _own_parser(cmd: str) -> argparse.ArgumentParser:
     if cmd == "train":
         from mfqat.integrations.train_args import build_parser
         return build_parser(prog="mfqat train")
+    if cmd == "mx-qlora":
+        from mfqat.qlora.train import build_parser as qlora_parser
+        return qlora_parser()
     from mfqat.mlx.train import build_parser as mlx_parser
     return mlx_parser(argparse.ArgumentParser(prog="mfqat mlx-train", description=sys.modules[mlx_parser.__module__].__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -211,9 +214,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if cmd in ("mlx-train", "generate", "serve"):
         _mlx(cmd)
     checked = args
-    if cmd in ("train", "mlx-train"):
+    if cmd in ("train", "mlx-train", "mx-qlora"):
         checked = _own_parser(cmd).parse_args(rest)
-    elif rest and cmd not in ("serve", "mx-qlora"):
+    elif rest and cmd not in ("serve",):
         fail(cmd, f"unrecognized arguments: {' '.join(rest)}")
     try:
         check(cmd, checked)

@@ -89,3 +89,33 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--base", default="fp", choices=BASES,
                    help="frozen base under LoRA: fp, or bitsandbytes nf4 (double quant, bf16 compute) / "
                         "int8 (LLM.int8, outlier threshold 6)")
+
+
+def at_least(args, minimums: dict) -> None:
+    """Refuse a numeric flag below its minimum ({dest: minimum}; None values are skipped): ValueError
+    naming the flag, before any model loads (a negative --steps would save an untrained anchor, a
+    --seq-len of 1 has no next token to predict and reports perplexity 1)."""
+    for dest, low in minimums.items():
+        v = getattr(args, dest, None)
+        if v is not None and v < low:
+            flag = "--" + dest.replace("_", "-")
+            why = " (a block needs a token and the next one to predict)" if dest == "seq_len" else ""
+            raise ValueError(f"{flag} must be >= {low}, got {v}{why}")
+
+
+TRAIN_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "save_every": 0, "warmup_steps": 0,
+                  "eval_blocks": 1, "lora_rank": 0, "joint_sample": 0, "grad_clip": 0, "weight_decay": 0,
+                  "distill": 0, "lr": 0}
+
+
+def check_train_args(args) -> None:
+    """The checks of `mfqat train`'s own flags that need no file (ValueError names the flag)."""
+    at_least(args, TRAIN_MINIMUMS)
+    if args.distill >= 1:
+        raise ValueError(f"--distill must be below 1 (the weight of the KL term), got {args.distill}")
+    if args.base != "fp" and not args.lora_rank:
+        raise ValueError(f"--base {args.base} freezes a bitsandbytes base; add --lora-rank R (only adapters can "
+                         "train on it)")
+    if args.base != "fp" and not args.no_qat:
+        raise ValueError(f"--base {args.base} (a bitsandbytes base) and MF-QAT do not combine; add --no-qat "
+                         "(QLoRA baseline) or use --base fp")
