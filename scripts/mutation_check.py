@@ -229,6 +229,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("base-bits-unchecked", "mfqat/cli/checks.py",
              "            if not 2 <= a.base_bits <= 8:", "            if False:",
              ("tests/test_hostile_inputs.py::test_bad_numbers_are_one_line_exit_2_before_any_model_loads",)),
+    Mutation("recipe-mixing-families-per-layer-accepted", "mfqat/qat/config.py",
+             "        if per_layer and len(families | per_layer) > 1:", "        if False:",
+             ("tests/test_hostile_inputs.py::test_a_recipe_mixing_families_per_layer_is_refused",)),
 ]
 
 

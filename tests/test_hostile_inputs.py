@@ -239,3 +239,21 @@ def test_save_anchor_refuses_a_block_size_that_quantizes_no_tensor(tmp_path, blo
     with pytest.raises(ValueError, match=rf"block_size {block_size} quantizes no tensor \(model\.layers\.0\."):
         mfqat.save_anchor(model, tmp_path / "a", "mxint8", block_size=block_size)
     assert not (tmp_path / "a").exists()
+
+
+# --- item 14: a recipe mixing MXINT and MXFP per layer cannot be anchored: refused at validation -------------
+
+def test_a_recipe_mixing_families_per_layer_is_refused(tmp_path, capsys, monkeypatch):
+    with pytest.raises(ValueError, match="QATConfig.layer_formats: mixes the mxfp and mxint families"):
+        QATConfig(formats=["mxint4"], schedule="fixed", layer_formats={"mlp": ["mxfp4_e2m1"]})
+    with pytest.raises(ValueError, match="never anchored"):
+        QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic", through_anchor=False,
+                  layer_formats={"mlp": ["mxfp8_e4m3", "mxfp4_e2m1"]})
+    QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic", layer_formats={"mlp": ["mxint8", "mxint6"]})  # one family
+    yaml = tmp_path / "mixed.yaml"
+    yaml.write_text("formats: [mxint4]\nschedule: fixed\nlayer_formats:\n  mlp: [mxfp4_e2m1]\n")
+    from mfqat.integrations import train_loop
+
+    monkeypatch.setattr(train_loop, "tiny_llama", lambda **k: pytest.fail("the model loaded first"))
+    _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(yaml), "--out", str(tmp_path / "o")],
+                     capsys, "mixes the mxfp and mxint families")

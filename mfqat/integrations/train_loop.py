@@ -84,6 +84,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     # a resume trusts only a checkpoint mfqat sealed (no pickle from elsewhere is ever loaded): checked
     # before any model loads
     resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0
+    cfg = None if args.no_qat else load_qat_config(args)  # a recipe that cannot work fails before the model loads
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
     out = Path(args.out)
@@ -101,7 +102,6 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
     train, held = load_data(args, tok, acc.num_processes)
-    cfg = None if args.no_qat else load_qat_config(args)
     if cfg is not None:
         if args.distill and cfg.schedule == "joint":
             raise SystemExit("mfqat train: --distill (from the fp master) and the joint schedule do not combine; "
