@@ -232,6 +232,15 @@ MUTATIONS: List[Mutation] = [
     Mutation("recipe-mixing-families-per-layer-accepted", "mfqat/qat/config.py",
              "        if per_layer and len(families | per_layer) > 1:", "        if False:",
              ("tests/test_hostile_inputs.py::test_a_recipe_mixing_families_per_layer_is_refused",)),
+    Mutation("eval-plot-silently-overwritten", "mfqat/cli/checks.py",
+             "        if Path(a.plot).exists() and not a.overwrite:", "        if False:",
+             ("tests/test_hostile_inputs.py::test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten",)),
+    Mutation("mlx-train-outputs-silently-overwritten", "mfqat/mlx/train.py",
+             "    if found and not a.overwrite:", "    if False:",
+             ("tests/test_hostile_inputs.py::test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten",)),
+    Mutation("bench-looks-for-scripts-inside-the-package", "mfqat/cli/app.py",
+             "script = Path(__file__).resolve().parents[2]", "script = Path(__file__).resolve().parents[1]",
+             ("tests/test_hostile_inputs.py::test_bench_runs_from_a_checkout",)),
 ]
 
 

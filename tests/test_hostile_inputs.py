@@ -257,3 +257,40 @@ def test_a_recipe_mixing_families_per_layer_is_refused(tmp_path, capsys, monkeyp
     monkeypatch.setattr(train_loop, "tiny_llama", lambda **k: pytest.fail("the model loaded first"))
     _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(yaml), "--out", str(tmp_path / "o")],
                      capsys, "mixes the mxfp and mxint families")
+
+
+# --- item 9: outputs are replaced only with --overwrite (the anchors' rule) -----------------------------------
+
+def test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten(anchor, tmp_path, capsys, monkeypatch):
+    from mfqat.cli import app
+
+    ran = []
+    monkeypatch.setattr(app, "_run", lambda *a, **k: ran.append(a[0]))
+    plot = tmp_path / "mine.png"
+    plot.write_bytes(b"a user's plot")
+    _one_line_exit_2(["eval", str(anchor), "--plot", str(plot)], capsys, "pass --overwrite")
+    assert plot.read_bytes() == b"a user's plot"
+    main(["eval", str(anchor), "--plot", str(plot), "--overwrite"])
+    assert ran == ["eval"]
+    pytest.importorskip("mlx.core")
+    out = tmp_path / "mlx"
+    (out / "adapters").mkdir(parents=True)
+    (out / "adapters" / "adapters.safetensors").write_bytes(b"earlier adapters")
+    _one_line_exit_2(["mlx-train", "--out", str(out)], capsys, "adapters exists")
+    from mfqat.mlx.train import main as mlx_train
+
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        mlx_train(["--out", str(out)])
+    assert (out / "adapters" / "adapters.safetensors").read_bytes() == b"earlier adapters"
+    main(["mlx-train", "--out", str(out), "--overwrite"])
+    assert ran == ["eval", "mlx-train"]
+
+
+def test_bench_runs_from_a_checkout():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "mfqat", "bench", "--help"], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert run.returncode == 0 and "usage" in run.stdout.lower(), run.stderr[-500:]

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "output-aware per-block scale choice, calibrated on --calib-text (as export-mlx --scale-search)")
     e.add_argument("--calib-text", default=None, help="--scale-search: calibration text file or folder (default: the "
                    "pydoc training split, never the held-out text)")
-    e.add_argument("--plot", default="ppl_vs_bpw.png")
+    e.add_argument("--plot", default="ppl_vs_bpw.png", help="the perplexity-vs-bits PNG written")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")
     x.add_argument(*OUT_FLAGS, dest="out", required=True)
@@ -153,7 +154,7 @@ def _mlx(cmd: str = "") -> None:
 
 
 def _bench(rest: List[str]) -> NoReturn:
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_quant.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_quant.py"
     if not script.is_file():
         sys.exit(f"mfqat bench: {script} is missing: the benchmark scripts live in the source repository, "
                  "not in the installed package; clone the repository and run `python scripts/bench_quant.py`")

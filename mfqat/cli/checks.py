@@ -134,9 +134,13 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         need_path(a.text, "--text")
         need_path(getattr(a, "data", None), "--data", "folder")
         need_formats((a.formats or "").split(",") + (a.eval_formats or "").split(","), "--formats/--eval-formats")
-        from mfqat.mlx.train import MLX_MINIMUMS
+        from mfqat.mlx.train import MLX_MINIMUMS, check_outputs
 
         at_least(a, MLX_MINIMUMS)
+        try:
+            check_outputs(a)
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
         if a.resume:
             from mfqat.storage.train_checkpoint import verify_checkpoint
 
@@ -181,6 +185,10 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         need_formats(a.formats.split(","), "--formats")
         need_path(a.text, "--text")
         at_least(a, {"seq_len": 2, "blocks": 1})
+        if Path(a.plot).exists() and not a.overwrite:
+            raise UsageError(f"--plot {a.plot} exists; pass --overwrite to replace it, or choose another --plot")
+        if Path(a.plot).is_dir():
+            raise UsageError(f"--plot {a.plot} is a folder; give a .png file name")
         if a.compare and not (is_anchor(a.model) and a.fp_model):
             raise UsageError("--compare: give an anchor and --fp-model (the full-precision model whose direct "
                              "quantization is compared with Slice-and-Scale)")

@@ -212,7 +212,20 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--anchor-format", default=None, help="default: the QAT config's anchor_format")
     p.add_argument("--out", "--save-path", "--output-dir", dest="out", default="runs/mlx")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the adapters, anchor, summary.json and loss.png an earlier run wrote in --out")
     return p
+
+
+OUTPUTS = ("adapters", "anchor", "summary.json", "loss.png")  # what a run writes into --out
+
+
+def check_outputs(a: argparse.Namespace) -> None:
+    """An earlier run's outputs in --out are replaced only with --overwrite (the anchors' rule)."""
+    found = [n for n in OUTPUTS if (Path(a.out) / n).exists()]
+    if found and not a.overwrite:
+        raise FileExistsError(f"--out {a.out}: {found[0]} exists (an earlier run's); pass --overwrite to replace "
+                              f"{', '.join(found)}, or choose another --out")
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -221,6 +234,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for dest, low in MLX_MINIMUMS.items():  # before the model loads (the command line checks these first)
         if getattr(a, dest) < low:
             raise ValueError(f"--{dest.replace('_', '-')} must be >= {low}, got {getattr(a, dest)}")
+    check_outputs(a)
     quiet_dependency_logs()  # see mfqat.progress
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
