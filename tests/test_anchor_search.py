@@ -82,7 +82,7 @@ def test_eval_scale_search_changes_the_searched_formats_only(heavy, tmp_path, ca
     rows = {}
     for flag in ([], ["--scale-search"]):
         main(["eval", str(int8), "--formats", "mxint8,mxint4", "--blocks", "2", "--seq-len", "64",
-              "--plot", str(tmp_path / "p.png"), *flag])
+              "--plot", str(tmp_path / "p.png"), "--overwrite", *flag])
         out = capsys.readouterr().out
         rows[bool(flag)] = {line.split("|")[1].strip(): line for line in out.splitlines()
                             if line.startswith("|") and "mxint" in line}

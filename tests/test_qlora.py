@@ -44,9 +44,10 @@ def test_qlora_on_bnb_base_trains_only_adapters(tmp_path, base):
 
 
 def test_lora_flags_refuse_nonsense(tmp_path):
-    with pytest.raises(SystemExit, match="add --lora-rank"):
+    # refused before any model loads (issue 33: these were checked only after loading)
+    with pytest.raises(ValueError, match="add --lora-rank"):
         train_main(TINY + ["--steps", "1", "--no-qat", "--base", "nf4", "--out", str(tmp_path / "a")])
-    with pytest.raises(SystemExit, match="do not combine"):
+    with pytest.raises(ValueError, match="do not combine"):
         train_main(TINY + ["--steps", "1", "--lora-rank", "4", "--base", "nf4", "--out", str(tmp_path / "b")])
 
 

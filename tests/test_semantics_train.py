@@ -163,7 +163,7 @@ def test_resume_from_a_missing_or_foreign_folder_fails_before_any_work(tmp_path)
              (ck, "--seed", ["--seed", "1"]), (ck, "mxint_2468", ["--qat-config", "mxint_2468"])]
     for path, why, *extra in cases:
         argv = common + (extra[0] if extra else []) + ["--out", str(tmp_path / "out"), "--resume", str(path)]
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(ValueError) as e:  # the API: a ValueError (AnchorError for a bad folder)
             train_main(argv)
         assert f"--resume {path}" in str(e.value) and why in str(e.value), (why, str(e.value))
         assert not (tmp_path / "out").exists(), why

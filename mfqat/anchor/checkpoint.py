@@ -30,7 +30,8 @@ from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, TENSO
 from mfqat.formats import canonical_name, get_format
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
 from mfqat.anchor.config import model_config, write_anchor_config
-from mfqat.anchor.tensors import default_targets, full_precision, quantize_targets, recorded_importance  # noqa: F401
+from mfqat.anchor.tensors import (default_targets, full_precision, quantize_targets,  # noqa: F401
+                                 recorded_importance, unblockable)
 from mfqat.storage.manifest import AnchorError, Snapshot, load_meta, retry_read, seal
 from mfqat.storage.model_card import write_model_card
 from mfqat.qat.prepare import qat_modules
@@ -120,6 +121,11 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     missing = [t for t in targets if t not in entries and t not in tied]
     if missing:
         raise ValueError(f"targets not found in the model's state dict: {missing[:5]}")
+    if not entries:  # an anchor of no quantized tensor would still be labelled with its formats everywhere
+        odd = next(iter(unblockable(model, block_size).items()), None)
+        raise ValueError(f"save_anchor: block_size {block_size} quantizes no tensor" + (f" ({odd[0]}: {odd[1]})"
+                         if odd else " (the model has no decoder-block Linear to quantize)") + "; refusing an anchor "
+                         "that would be labelled " + f.name + " while holding only full-precision weights")
     fp = full_precision(model, sd, entries, block_size)
     with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
         config = getattr(model, "config", None)

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "output-aware per-block scale choice, calibrated on --calib-text (as export-mlx --scale-search)")
     e.add_argument("--calib-text", default=None, help="--scale-search: calibration text file or folder (default: the "
                    "pydoc training split, never the held-out text)")
-    e.add_argument("--plot", default="ppl_vs_bpw.png")
+    e.add_argument("--plot", default="ppl_vs_bpw.png", help="the perplexity-vs-bits PNG written")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")
     x.add_argument(*OUT_FLAGS, dest="out", required=True)
@@ -197,6 +198,9 @@ def _own_parser(cmd: str) -> argparse.ArgumentParser:
     if cmd == "train":
         from mfqat.integrations.train_args import build_parser
         return build_parser(prog="mfqat train")
+    if cmd == "mx-qlora":
+        from mfqat.qlora.train import build_parser as qlora_parser
+        return qlora_parser()
     from mfqat.mlx.train import build_parser as mlx_parser
     return mlx_parser(argparse.ArgumentParser(prog="mfqat mlx-train", description=sys.modules[mlx_parser.__module__].__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -211,9 +215,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if cmd in ("mlx-train", "generate", "serve"):
         _mlx(cmd)
     checked = args
-    if cmd in ("train", "mlx-train"):
+    if cmd in ("train", "mlx-train", "mx-qlora"):
         checked = _own_parser(cmd).parse_args(rest)
-    elif rest and cmd not in ("serve", "mx-qlora"):
+    elif rest and cmd not in ("serve",):
         fail(cmd, f"unrecognized arguments: {' '.join(rest)}")
     try:
         check(cmd, checked)

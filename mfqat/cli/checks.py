@@ -100,9 +100,22 @@ def positional_or_model(a: argparse.Namespace, dest: str, cmd: str) -> None:
         raise UsageError(f"the model is missing: mfqat {cmd} MODEL (or --model MODEL)")
 
 
+def at_least(a: argparse.Namespace, minimums: dict) -> None:
+    """Numeric flags below their minimum ({dest: minimum}) fail here, before any model loads."""
+    from mfqat.integrations.train_args import at_least as check_minimums
+
+    try:
+        check_minimums(a, minimums)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def check(cmd: str, a: argparse.Namespace) -> None:
     """The up-front checks of one subcommand's parsed arguments."""
     if cmd == "train":
+        from mfqat.integrations.train_args import check_train_args
+
+        check_train_args(a)
         need_model(a.model, "--model")
         if a.text and a.dataset:
             raise UsageError("give --text (plain text) or --dataset, not both")
@@ -125,6 +138,28 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         need_path(a.text, "--text")
         need_path(getattr(a, "data", None), "--data", "folder")
         need_formats((a.formats or "").split(",") + (a.eval_formats or "").split(","), "--formats/--eval-formats")
+        from mfqat.mlx.train import MLX_MINIMUMS, check_outputs
+
+        at_least(a, MLX_MINIMUMS)
+        try:
+            check_outputs(a)
+        except FileExistsError as e:
+            raise UsageError(str(e)) from None
+        if a.resume:
+            from mfqat.storage.train_checkpoint import verify_checkpoint
+
+            verify_checkpoint(a.resume, "mlx_step.json", a.steps)
+    elif cmd == "mx-qlora":
+        if not is_anchor(a.anchor):
+            raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); mx-qlora trains on an anchor")
+        if not has_tokenizer(a.anchor):
+            raise UsageError(f"{a.anchor}: the anchor has no tokenizer; mx-qlora tokenizes with it (save the anchor "
+                             "with its tokenizer)")
+        from mfqat.qlora.train import QLORA_MINIMUMS
+
+        at_least(a, QLORA_MINIMUMS)
+        need_path(a.text, "--text")
+        need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
     elif cmd in ("convert", "export-mlx"):
         positional_or_model(a, "anchor", cmd)
         if cmd == "convert":
@@ -144,12 +179,20 @@ def check(cmd: str, a: argparse.Namespace) -> None:
                 raise UsageError("--recipe auto:BPW calibrates with the anchor's own tokenizer; this anchor has "
                                  "none: use uniform:FMT or seed with --tokenizer")
             need_path(a.calib_text, "--calib-text")
+            if not 2 <= a.base_bits <= 8:
+                raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
+                                 f"got {a.base_bits}")
     elif cmd == "eval":
         positional_or_model(a, "model", cmd)
         need_model(a.model, "MODEL")
         need_tokenizer(a.model, a.tokenizer, cmd)
         need_formats(a.formats.split(","), "--formats")
         need_path(a.text, "--text")
+        at_least(a, {"seq_len": 2, "blocks": 1})
+        if Path(a.plot).exists() and not a.overwrite:
+            raise UsageError(f"--plot {a.plot} exists; pass --overwrite to replace it, or choose another --plot")
+        if Path(a.plot).is_dir():
+            raise UsageError(f"--plot {a.plot} is a folder; give a .png file name")
         if a.compare and not (is_anchor(a.model) and a.fp_model):
             raise UsageError("--compare: give an anchor and --fp-model (the full-precision model whose direct "
                              "quantization is compared with Slice-and-Scale)")

@@ -65,6 +65,15 @@ class MFQATCallback(TrainerCallback):
         find_controller(model).set_step(model, state.global_step, max(state.max_steps, 1))
 
     def on_train_begin(self, args, state, control, model=None, **kw):
+        if model is not None and not getattr(self, "driven_by_trainer", False):
+            ctl = find_controller(model)
+            several = ctl.step_formats(state.global_step, max(state.max_steps, 1))
+            if len(several) > 1:  # a plain Trainer runs one forward per step: it would train only the first
+                raise ValueError(
+                    f"MFQATCallback: the QAT config's '{ctl.config.schedule}' schedule trains several formats per "
+                    f"step ({', '.join(several)}); a plain transformers.Trainer runs one forward per step and would "
+                    f"train only {several[0]}. Use mfqat.MFQATTrainer in place of Trainer (same arguments; it adds "
+                    "this callback itself)")
         if model is None or not state.global_step or not importance_state.uses_search(model):
             return  # a resumed run (global_step > 0) continues the search rule's importance statistic
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -150,6 +159,7 @@ class MFQATTrainer(Trainer):
         else:
             cbs.remove(cb)
         cbs.insert(0, cb)  # before the reporters: they log what its on_log adds
+        cb.driven_by_trainer = True  # runs the joint step (a plain Trainer + the callback refuses it)
         self.eval_formats = [canonical_name(f) for f in (eval_formats or cb.eval_formats)]
         cb.eval_formats = []  # evaluated here, inside the Trainer's own log() call
         self.mfqat_callback = cb

@@ -113,15 +113,42 @@ def check_resume(args: argparse.Namespace) -> None:
     if not args.resume:
         return
     path = Path(args.resume)
-    if not path.is_dir():
-        raise ValueError(f"--resume {path}: no such checkpoint folder")
     step_file = path / "mfqat_step.json"
-    if not step_file.is_file():
-        raise ValueError(f"--resume {path}: not a checkpoint of `mfqat train` (no mfqat_step.json; give a "
-                         "checkpoint-N folder that --save-every wrote)")
+    if not step_file.is_file():  # mfqat.storage.train_checkpoint.verify_checkpoint says what is missing
+        return
     saved = json.loads(step_file.read_text()).get("run") or {}
     now = run_identity(args)
     diff = [f"--{k.replace('_', '-')} {saved[k]} there, {now[k]} here" for k in RUN_KEYS if k in saved and saved[k] != now[k]]
     if diff:
         raise ValueError(f"--resume {path}: a checkpoint of another run ({'; '.join(diff)}); resume with the "
                          "settings of the run that wrote it")
+
+
+def at_least(args, minimums: dict) -> None:
+    """Refuse a numeric flag below its minimum ({dest: minimum}; None values are skipped): ValueError
+    naming the flag, before any model loads (a negative --steps would save an untrained anchor, a
+    --seq-len of 1 has no next token to predict and reports perplexity 1)."""
+    for dest, low in minimums.items():
+        v = getattr(args, dest, None)
+        if v is not None and v < low:
+            flag = "--" + dest.replace("_", "-")
+            why = " (a block needs a token and the next one to predict)" if dest == "seq_len" else ""
+            raise ValueError(f"{flag} must be >= {low}, got {v}{why}")
+
+
+TRAIN_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "save_every": 0, "warmup_steps": 0,
+                  "eval_blocks": 1, "lora_rank": 0, "joint_sample": 0, "grad_clip": 0, "weight_decay": 0,
+                  "distill": 0, "lr": 0}
+
+
+def check_train_args(args) -> None:
+    """The checks of `mfqat train`'s own flags that need no file (ValueError names the flag)."""
+    at_least(args, TRAIN_MINIMUMS)
+    if args.distill >= 1:
+        raise ValueError(f"--distill must be below 1 (the weight of the KL term), got {args.distill}")
+    if args.base != "fp" and not args.lora_rank:
+        raise ValueError(f"--base {args.base} freezes a bitsandbytes base; add --lora-rank R (only adapters can "
+                         "train on it)")
+    if args.base != "fp" and not args.no_qat:
+        raise ValueError(f"--base {args.base} (a bitsandbytes base) and MF-QAT do not combine; add --no-qat "
+                         "(QLoRA baseline) or use --base fp")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -29,14 +30,18 @@ from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
 from mfqat.qat.observers import mean_clip_rate
 from mfqat.integrations.lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
 from mfqat.integrations.optim import make_optimizer
-from mfqat.integrations.train_args import build_parser, check_resume, run_identity
+from mfqat.integrations.train_args import build_parser, check_resume, check_train_args, run_identity
 from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
 from mfqat.integrations import fsdp, grad_compress
 from mfqat.storage.sharded import full_state_dict, is_sharded
+from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
 from mfqat.qat import importance_state
 from mfqat.qat.importance_state import ImportanceStatistic, uses_search
 from mfqat.qat.prepare import prepare, set_format
+
+
+SCHEDULER_FILE = "mfqat_scheduler.json"  # the LR scheduler's state_dict (JSON, never a pickle)
 
 
 def distillation_loss(model, base, ctl, batch: torch.Tensor, step: int, total: int, alpha: float) -> torch.Tensor:
@@ -75,10 +80,12 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     from accelerate.utils import set_seed
 
     args = build_parser().parse_args(argv)
-    try:  # a missing or foreign checkpoint fails before any work
-        check_resume(args)
-    except ValueError as e:
-        raise SystemExit(f"mfqat train: {e}") from None
+    check_train_args(args)
+    # a resume trusts only a checkpoint mfqat sealed (no pickle from elsewhere is ever loaded) and written by
+    # a run with these settings: checked before any model loads
+    resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0
+    check_resume(args)
+    cfg = None if args.no_qat else load_qat_config(args)  # a recipe that cannot work fails before the model loads
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
     out = Path(args.out)
@@ -96,7 +103,6 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
     train, held = load_data(args, tok, acc.num_processes)
-    cfg = None if args.no_qat else load_qat_config(args)
     if cfg is not None:
         if args.distill and cfg.schedule == "joint":
             raise SystemExit("mfqat train: --distill (from the fp master) and the joint schedule do not combine; "
@@ -128,16 +134,26 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         opt, loader = acc.prepare(opt, loader)
     else:
         model, opt, loader = acc.prepare(model, opt, loader)
-    acc.register_for_checkpointing(sched)  # not prepared: accelerate would step it once per rank
+    # the LR scheduler is not prepared (accelerate would step it once per rank), nor registered with
+    # accelerate's checkpointing (which unpickles it with weights_only=False): its state is JSON
     base = acc.unwrap_model(model)
     importance = ImportanceStatistic(base) if uses_search(base) else None  # the search rule's sums, per rank
     gc = grad_compress.setup(acc, model, args.grad_compress, not args.no_error_feedback)
     start = 0
     if args.resume:
-        acc.load_state(args.resume)
-        start = json.loads((Path(args.resume) / "mfqat_step.json").read_text())["step"]
+        try:  # safetensors, and torch.load(weights_only=True) for the optimizer / RNG: no pickled code runs
+            acc.load_state(args.resume)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"--resume {args.resume}: refused: a state file holds more than tensors and plain data "
+                             f"(torch.load weights_only=True: {str(e).strip().splitlines()[0][:200]})") from None
+        except (RuntimeError, KeyError, EOFError) as e:
+            raise ValueError(f"--resume {args.resume}: the checkpoint does not fit this run "
+                             f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None
+        start = resume_step
+        sched.load_state_dict(json.loads((Path(args.resume) / SCHEDULER_FILE).read_text()))
         if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
-            gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index)))
+            gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index),
+                                          weights_only=True))
         if importance and not importance_state.load_state(base, args.resume, acc.process_index):
             warnings.warn(f"{args.resume} holds no importance sums (mfqat_importance_rank*.pt); the search "
                           "rule's importance statistic restarts from this step")
@@ -173,7 +189,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
             acc.log({"train/loss": losses[-1], "train/lr": sched.get_last_lr()[0],
                      **{f"train/loss_{f}": v for f, v in per_fmt.items()}}, step=step)
         bar.update(1)
-        if args.save_every and step % args.save_every == 0 and step < args.steps:
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):  # the last step too
             ckpt = out / f"checkpoint-{step}"
             acc.save_state(str(ckpt))
             if gc:  # each rank's own residuals
@@ -182,11 +198,13 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
             if importance:  # and its own importance sums
                 importance_state.save_state(base, ckpt, acc.process_index)
             sd = full_state_dict(base) if cfg and is_sharded(base) else None  # every rank joins the gather
+            acc.wait_for_everyone()  # every rank's files are written before rank 0 seals the folder
             if acc.is_main_process:
-                (ckpt / "mfqat_step.json").write_text(json.dumps({"step": step, "run": run_identity(args)}))
+                (ckpt / SCHEDULER_FILE).write_text(json.dumps(sched.state_dict()))
                 if cfg:
                     save_anchor(merged_copy(base), ckpt / "mfqat_anchor", anchor_format, tok, step=step,
                                 schedule=cfg.to_dict(), overwrite=True, state_dict=sd)
+                seal_checkpoint(ckpt, step, extra={"run": run_identity(args)})  # last: --resume refuses a folder without it
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()

@@ -4,12 +4,12 @@ Real MLX APIs only: ``mx.set_memory_limit`` / ``mx.set_cache_limit`` / ``mx.get_
 ``mx.checkpoint`` (recompute a block's activations in the backward pass).
 
 A checkpoint folder (``OUT/checkpoint-STEP``) holds ``model.safetensors`` (every parameter),
-``optimizer.safetensors`` (the optimizer state, step counter included) and ``mlx_step.json``; a
+``optimizer.safetensors`` (the optimizer state, step counter included) and ``mlx_step.json`` (the
+step and a sha256 manifest of both, mfqat.storage.train_checkpoint); a resume verifies it first, and a
 run resumed from it skips the batches already seen, so it gives the uninterrupted run's losses.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -19,6 +19,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mfqat.storage.io import atomic_directory
+from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
 
 GIB = 1024 ** 3
 
@@ -71,7 +72,7 @@ def save_checkpoint(folder: Path, model: nn.Module, opt: optim.Optimizer, step: 
     with atomic_directory(folder, overwrite=True, kind="mlx-checkpoint") as tmp:
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-        (tmp / "mlx_step.json").write_text(json.dumps({"step": step}))
+        seal_checkpoint(tmp, step, "mlx_step.json")
     return folder
 
 
@@ -83,10 +84,14 @@ def load_checkpoint(folder: Path, model: nn.Module, opt: optim.Optimizer) -> int
     if missing:
         raise FileNotFoundError(f"--resume {folder}: not an mlx-train checkpoint (missing {', '.join(missing)}); "
                                 "give an OUT/checkpoint-STEP folder written with --save-every")
-    model.load_weights(str(need[0]), strict=True)
+    step = verify_checkpoint(folder, "mlx_step.json")
+    try:
+        model.load_weights(str(need[0]), strict=True)
+    except ValueError as e:
+        raise ValueError(f"--resume {folder}: the checkpoint does not fit this model ({str(e).splitlines()[0]})") from None
     opt.state = tree_unflatten(list(mx.load(str(need[1])).items()))
     mx.eval(model.parameters(), opt.state)
-    return int(json.loads(need[2].read_text())["step"])
+    return step
 
 
 def summary_memory(limits: Dict[str, float]) -> Tuple[str, Dict[str, float]]:

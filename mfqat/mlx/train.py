@@ -34,6 +34,10 @@ from mfqat.mlx.observers import clip_rates
 from mfqat.mlx.qat import prepare, set_format
 
 
+MLX_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 0, "lora_rank": 0, "eval_blocks": 1,
+                "grad_clip": 0, "weight_decay": 0, "lr": 0}
+
+
 def loss_fn(model: nn.Module, batch: mx.array) -> mx.array:
     """Mean next-token cross-entropy over every position (as HF's ``labels=input_ids`` loss)."""
     return loss_and_logits(model, batch)[0]
@@ -208,12 +212,29 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
     p.add_argument("--eval-blocks", type=int, default=16)
     p.add_argument("--anchor-format", default=None, help="default: the QAT config's anchor_format")
     p.add_argument("--out", "--save-path", "--output-dir", dest="out", default="runs/mlx")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the adapters, anchor, summary.json and loss.png an earlier run wrote in --out")
     return p
+
+
+OUTPUTS = ("adapters", "anchor", "summary.json", "loss.png")  # what a run writes into --out
+
+
+def check_outputs(a: argparse.Namespace) -> None:
+    """An earlier run's outputs in --out are replaced only with --overwrite (the anchors' rule)."""
+    found = [n for n in OUTPUTS if (Path(a.out) / n).exists()]
+    if found and not a.overwrite:
+        raise FileExistsError(f"--out {a.out}: {found[0]} exists (an earlier run's); pass --overwrite to replace "
+                              f"{', '.join(found)}, or choose another --out")
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
     """Train on MLX; return the summary (also OUT/summary.json)."""
     a = build_parser().parse_args(argv)
+    for dest, low in MLX_MINIMUMS.items():  # before the model loads (the command line checks these first)
+        if getattr(a, dest) < low:
+            raise ValueError(f"--{dest.replace('_', '-')} must be >= {low}, got {getattr(a, dest)}")
+    check_outputs(a)
     quiet_dependency_logs()  # see mfqat.progress
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +271,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         next(batches)
 
     def on_step(step: int, o: optim.Optimizer) -> None:
-        if a.save_every and step % a.save_every == 0 and step < a.steps:
+        if a.save_every and (step % a.save_every == 0 or step == a.steps):  # the last step too
             runtime.save_checkpoint(out / f"checkpoint-{step}", model, o, step)
     mx.reset_peak_memory()
     t = time.perf_counter()

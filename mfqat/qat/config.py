@@ -150,6 +150,11 @@ class QATConfig:
         if self.schedule == "joint" and self.layer_formats:
             raise ValueError("QATConfig: schedule 'joint' takes one global format set; layer_formats is not supported with it")
         families = {get_format(f).family for f in self.formats} - {"affine"}
+        per_layer = {get_format(f).family for v in self.layer_formats.values() for f in v} - {"affine"}
+        if per_layer and len(families | per_layer) > 1:  # no anchor holds two families (issue 33)
+            raise ValueError(f"QATConfig.layer_formats: mixes the {' and '.join(sorted(families | per_layer))} "
+                             "families across layers; an anchor holds one family (Slice-and-Scale stays inside one), "
+                             "so this recipe could be trained but never anchored: train one family")
         if self.anchor_format is None and len(families) <= 1:  # only derived affine formats: an MXINT8 anchor
             self.anchor_format = "mxfp8_e4m3" if families == {"mxfp"} else "mxint8"
         if self.anchor_format is not None:

@@ -23,12 +23,15 @@ from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.formats import canonical_name, get_format
 from mfqat.integrations.lora import DEFAULT_TARGETS
+from mfqat.integrations.train_args import at_least
 from mfqat.integrations.train_setup import peak_memory_mib
 from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
 from mfqat.qlora.mlx_adapter import peft_to_mlx
 from mfqat.progress import progress
 
 SCHEDULES = ("cyclic", "joint", "fixed")
+QLORA_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "lora_rank": 1, "eval_blocks": 1, "lr": 0,
+                  "lora_dropout": 0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +85,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     from transformers import AutoTokenizer
 
     a = build_parser().parse_args(argv)
+    at_least(a, QLORA_MINIMUMS)  # before the anchor loads
     torch.manual_seed(a.seed)
     model = mx_qlora_model(a.anchor, a.lora_rank, a.lora_alpha, a.lora_dropout, a.lora_targets.split(","))
     anchor_fmt = model.mx_qlora["anchor_format"]

@@ -1,0 +1,296 @@
+"""Hostile inputs, resumes and a newcomer's first hour (issue 33): no traceback, no silent wrong result.
+
+Every bad input ends in one line ``mfqat <cmd>: error: ...`` with exit status 2, before any model loads
+where the input alone shows the mistake; a resume loads only what mfqat wrote and can verify.
+"""
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import mfqat
+from mfqat.cli import main
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.integrations.train_loop import main as train_main
+from mfqat.qat import QATConfig
+from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
+
+TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1", "--no-qat"]
+
+
+def _one_line_exit_2(argv, capsys, expect):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2, err
+    assert err.startswith(f"mfqat {argv[0]}: error: ") and "\n" not in err and expect in err, err
+    return err
+
+
+# --- item 6 / 8: numbers a run cannot mean fail before any model loads ---------------------------------------
+
+BAD_NUMBERS = [
+    (["train", "--model", "tiny", "--steps", "-1"], "--steps must be >= 1"),
+    (["train", "--model", "tiny", "--steps", "-2"], "--steps must be >= 1"),
+    (["train", "--model", "tiny", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--model", "tiny", "--seq-len", "1"], "--seq-len must be >= 2"),
+    (["train", "--model", "tiny", "--seq-len", "-4"], "--seq-len must be >= 2"),
+    (["train", "--model", "tiny", "--save-every", "-1"], "--save-every must be >= 0"),
+    (["train", "--model", "tiny", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["train", "--model", "tiny", "--grad-accum", "0"], "--grad-accum must be >= 1"),
+    (["train", "--model", "tiny", "--lora-rank", "-2"], "--lora-rank must be >= 0"),
+    (["train", "--model", "tiny", "--lora-rank", "4", "--base", "nf4"], "do not combine; add --no-qat"),
+    (["train", "--model", "tiny", "--base", "nf4", "--no-qat"], "add --lora-rank"),
+    (["mx-qlora", "{anchor}", "--lora-rank", "0"], "--lora-rank must be >= 1"),
+    (["mx-qlora", "{anchor}", "--steps", "-1"], "--steps must be >= 1"),
+    (["mx-qlora", "{anchor}", "--seq-len", "1"], "--seq-len must be >= 2"),
+    (["mx-qlora", "{d}/nope"], "not an mfqat anchor"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--base-bits", "-3"], "--base-bits must be between 2 and 8"),
+    (["eval", "{anchor}", "--seq-len", "1"], "--seq-len must be >= 2"),
+    (["eval", "{anchor}", "--blocks", "0"], "--blocks must be >= 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def anchor(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    tok = tiny_tokenizer()
+    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), d / "anchor", "mxint8", tok)
+
+
+@pytest.mark.parametrize("argv,expect", BAD_NUMBERS, ids=[" ".join(a[0]) for a in BAD_NUMBERS])
+def test_bad_numbers_are_one_line_exit_2_before_any_model_loads(anchor, tmp_path, capsys, monkeypatch, argv, expect):
+    from mfqat.cli import app
+
+    def ran(*a, **k):
+        raise AssertionError("the command ran: the mistake was not caught up front")
+    monkeypatch.setattr(app, "_run", ran)
+    _one_line_exit_2([a.format(d=tmp_path, anchor=anchor) for a in argv], capsys, expect)
+
+
+def test_mlx_train_bad_numbers_and_a_negative_step_in_mlx_step_json(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mlx.core")
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("ran"))
+    _one_line_exit_2(["mlx-train", "--steps", "-2"], capsys, "--steps must be >= 1")
+    _one_line_exit_2(["mlx-train", "--seq-len", "1"], capsys, "--seq-len must be >= 2")
+    _one_line_exit_2(["mlx-train", "--save-every", "-1"], capsys, "--save-every must be >= 0")
+    ck = tmp_path / "checkpoint-2"
+    ck.mkdir()
+    for n in ("model.safetensors", "optimizer.safetensors"):
+        (ck / n).write_bytes(b"x")
+    seal_checkpoint(ck, 2, "mlx_step.json")
+    meta = json.loads((ck / "mlx_step.json").read_text())
+    meta["step"] = -2  # edited by hand: the digest no longer matches
+    (ck / "mlx_step.json").write_text(json.dumps(meta))
+    _one_line_exit_2(["mlx-train", "--resume", str(ck)], capsys, "digest mismatch")
+    seal_checkpoint(ck, -2, "mlx_step.json")  # a foreign tool that re-seals a negative step
+    _one_line_exit_2(["mlx-train", "--resume", str(ck)], capsys, "step must be a positive integer")
+
+
+def test_mlx_load_checkpoint_verifies_before_loading(tmp_path):
+    pytest.importorskip("mlx.core")
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from mfqat.mlx import runtime
+    from mfqat.storage.manifest import AnchorError
+
+    model, opt = nn.Linear(4, 4), optim.AdamW(learning_rate=1e-3)
+    ck = runtime.save_checkpoint(tmp_path / "checkpoint-3", model, opt, 3)
+    assert runtime.load_checkpoint(ck, nn.Linear(4, 4), optim.AdamW(learning_rate=1e-3)) == 3
+    (ck / "extra.npz").write_bytes(b"planted")
+    with pytest.raises(AnchorError, match="not in its manifest"):
+        runtime.load_checkpoint(ck, nn.Linear(4, 4), optim.AdamW(learning_rate=1e-3))
+    (ck / "extra.npz").unlink()
+    data = (ck / "optimizer.safetensors").read_bytes()
+    (ck / "optimizer.safetensors").write_bytes(data[:-8])
+    with pytest.raises(AnchorError, match="sha256 mismatch"):
+        runtime.load_checkpoint(ck, nn.Linear(4, 4), optim.AdamW(learning_rate=1e-3))
+
+
+def test_train_api_refuses_bad_numbers_too():
+    with pytest.raises(ValueError, match="--steps must be >= 1"):
+        train_main(["--model", "tiny", "--steps", "-1"])
+
+
+# --- item 1 / 8: a resume loads only what mfqat wrote and can verify ----------------------------------------
+
+class Payload:
+    """A pickle that runs code when loaded (here: it makes a folder)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    train_main(TINY + ["--steps", "2", "--save-every", "1", "--out", str(out)])
+    return out / "checkpoint-1"
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "optimizer.bin", "random_states_0.pkl"])
+def test_resume_never_unpickles_a_planted_file(checkpoint, tmp_path, capsys, name):
+    ck = _copy(checkpoint, tmp_path / "downloaded")
+    marker = tmp_path / "code-ran"
+    with open(ck / name, "wb") as f:
+        pickle.dump(Payload(marker), f)
+    _one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume", str(ck)],
+                     capsys, "refused")
+    assert not marker.exists(), "the checkpoint's pickle ran"
+
+
+@pytest.mark.parametrize("name", ["custom_checkpoint_0.pkl", "optimizer.bin"])
+def test_resume_never_unpickles_even_a_resealed_checkpoint(checkpoint, tmp_path, capsys, name):
+    """The digest is no signature: whoever plants a pickle can re-seal the manifest. Still no code runs."""
+    ck = _copy(checkpoint, tmp_path / "resealed")
+    marker = tmp_path / "code-ran"
+    with open(ck / name, "wb") as f:
+        pickle.dump(Payload(marker), f)
+    seal_checkpoint(ck, 1)
+    _one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume", str(ck)],
+                     capsys, "refused")
+    assert not marker.exists(), "the checkpoint's pickle ran"
+
+
+def test_resume_refuses_truncated_foreign_and_unsealed_checkpoints(checkpoint, tmp_path, capsys, anchor):
+    ck = _copy(checkpoint, tmp_path / "cut")
+    data = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
+    argv = ["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume"]
+    _one_line_exit_2(argv + [str(ck)], capsys, "sha256 mismatch")
+    _one_line_exit_2(argv + [str(anchor)], capsys, "mfqat_step.json is missing")
+    old = _copy(checkpoint, tmp_path / "old")
+    (old / "mfqat_step.json").write_text(json.dumps({"step": 1}))  # what mfqat wrote before the manifest
+    _one_line_exit_2(argv + [str(old)], capsys, "has no manifest")
+    _one_line_exit_2(["train", *TINY, "--steps", "0", "--resume", str(checkpoint)], capsys, "--steps must be >= 1")
+
+
+def test_resume_of_an_untouched_checkpoint_continues(checkpoint, tmp_path):
+    assert verify_checkpoint(checkpoint) == 1
+    s = train_main(TINY + ["--steps", "2", "--out", str(tmp_path / "r"), "--resume", str(checkpoint)])
+    assert len(s["losses"]) == 1
+    assert not list(checkpoint.glob("*.pkl")) or not (checkpoint / "custom_checkpoint_0.pkl").exists()
+
+
+# --- item 7: the last step is checkpointed even when --save-every does not divide --steps -------------------
+
+def test_save_every_checkpoints_the_final_step(tmp_path):
+    out = tmp_path / "run"
+    train_main(TINY + ["--steps", "3", "--save-every", "2", "--out", str(out)])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert verify_checkpoint(out / "checkpoint-3") == 3
+
+
+def test_mlx_save_every_checkpoints_the_final_step(tmp_path):
+    pytest.importorskip("mlx.core")
+    from mfqat.mlx.train import main as mlx_train
+
+    d = tmp_path / "tiny"
+    tok = tiny_tokenizer()
+    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    out = tmp_path / "mlx"
+    mlx_train([str(d), "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-blocks", "1", "--no-qat",
+               "--save-every", "2", "--out", str(out)])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert verify_checkpoint(out / "checkpoint-3", "mlx_step.json") == 3
+
+
+# --- item 2: a plain Trainer cannot run a joint recipe ------------------------------------------------------
+
+def test_plain_trainer_with_the_callback_refuses_a_joint_recipe(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from mfqat.integrations.hf import MFQATCallback, MFQATTrainer
+
+    tok = tiny_tokenizer()
+    ids = torch.randint(0, len(tok), (4, 16), generator=torch.Generator().manual_seed(0))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    cfg = QATConfig(formats=["mxint8", "mxint4"], schedule="joint")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                             save_strategy="no", report_to=[], use_cpu=True)
+    model = mfqat.prepare(tiny_llama(vocab_size=len(tok)), cfg)
+    with pytest.raises(ValueError, match="MFQATTrainer"):
+        Trainer(model=model, args=args, train_dataset=ds, callbacks=[MFQATCallback(anchor_format=None)]).train()
+    # the trainer that runs the joint step accepts it
+    MFQATTrainer(model=model, args=args, train_dataset=ds, callbacks=[MFQATCallback(anchor_format=None)]).train()
+
+
+# --- item 3: an anchor that quantizes nothing is refused -----------------------------------------------------
+
+@pytest.mark.parametrize("block_size", [7, 33, 48])
+def test_save_anchor_refuses_a_block_size_that_quantizes_no_tensor(tmp_path, block_size):
+    model = tiny_llama(vocab_size=320)
+    with pytest.raises(ValueError, match=rf"block_size {block_size} quantizes no tensor \(model\.layers\.0\."):
+        mfqat.save_anchor(model, tmp_path / "a", "mxint8", block_size=block_size)
+    assert not (tmp_path / "a").exists()
+
+
+# --- item 14: a recipe mixing MXINT and MXFP per layer cannot be anchored: refused at validation -------------
+
+def test_a_recipe_mixing_families_per_layer_is_refused(tmp_path, capsys, monkeypatch):
+    with pytest.raises(ValueError, match="QATConfig.layer_formats: mixes the mxfp and mxint families"):
+        QATConfig(formats=["mxint4"], schedule="fixed", layer_formats={"mlp": ["mxfp4_e2m1"]})
+    with pytest.raises(ValueError, match="never anchored"):
+        QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic", through_anchor=False,
+                  layer_formats={"mlp": ["mxfp8_e4m3", "mxfp4_e2m1"]})
+    QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic", layer_formats={"mlp": ["mxint8", "mxint6"]})  # one family
+    yaml = tmp_path / "mixed.yaml"
+    yaml.write_text("formats: [mxint4]\nschedule: fixed\nlayer_formats:\n  mlp: [mxfp4_e2m1]\n")
+    from mfqat.integrations import train_loop
+
+    monkeypatch.setattr(train_loop, "tiny_llama", lambda **k: pytest.fail("the model loaded first"))
+    _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(yaml), "--out", str(tmp_path / "o")],
+                     capsys, "mixes the mxfp and mxint families")
+
+
+# --- item 9: outputs are replaced only with --overwrite (the anchors' rule) -----------------------------------
+
+def test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten(anchor, tmp_path, capsys, monkeypatch):
+    from mfqat.cli import app
+
+    ran = []
+    monkeypatch.setattr(app, "_run", lambda *a, **k: ran.append(a[0]))
+    plot = tmp_path / "mine.png"
+    plot.write_bytes(b"a user's plot")
+    _one_line_exit_2(["eval", str(anchor), "--plot", str(plot)], capsys, "pass --overwrite")
+    assert plot.read_bytes() == b"a user's plot"
+    main(["eval", str(anchor), "--plot", str(plot), "--overwrite"])
+    assert ran == ["eval"]
+    pytest.importorskip("mlx.core")
+    out = tmp_path / "mlx"
+    (out / "adapters").mkdir(parents=True)
+    (out / "adapters" / "adapters.safetensors").write_bytes(b"earlier adapters")
+    _one_line_exit_2(["mlx-train", "--out", str(out)], capsys, "adapters exists")
+    from mfqat.mlx.train import main as mlx_train
+
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        mlx_train(["--out", str(out)])
+    assert (out / "adapters" / "adapters.safetensors").read_bytes() == b"earlier adapters"
+    main(["mlx-train", "--out", str(out), "--overwrite"])
+    assert ran == ["eval", "mlx-train"]
+
+
+def test_bench_runs_from_a_checkout():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "mfqat", "bench", "--help"], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert run.returncode == 0 and "usage" in run.stdout.lower(), run.stderr[-500:]
