@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import mfqat
 from mfqat.formats import get_format
-from mfqat.quant.nvfp4 import (LUT, e4m3_decode, e4m3_encode, nvfp4_dequantize_blocks, nvfp4_quantize_blocks,
-                               quantize_nvfp4)
+from mfqat.quant.api import quantize_nvfp4
+from mfqat.quant.nvfp4 import LUT, e4m3_decode, e4m3_encode, nvfp4_dequantize_blocks, nvfp4_quantize_blocks
 
 mx = pytest.importorskip("mlx.core")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -8,6 +8,7 @@ import torch
 
 from mfqat.formats import ElementFormat, FormatLike, get_format
 from mfqat.quant.packing import pack_codes, unpack_codes
+from mfqat.quant.nvfp4 import nvfp4_dequantize_blocks
 from mfqat.quant.reference import dequantize_blocks
 
 
@@ -52,7 +53,10 @@ class MXTensor:
         """Decode to a float tensor (the original dtype unless ``dtype`` is given)."""
         bs = self.block_size
         codes = self.codes.reshape(*self.shape[:-1], self.shape[-1] // bs, bs)
-        out = dequantize_blocks(codes, self.scales, self.biases, self.fmt, self.dtype, self.global_scale)
+        if self.fmt.family == "nvfp4":
+            out = nvfp4_dequantize_blocks(codes, self.scales, self.global_scale)
+        else:
+            out = dequantize_blocks(codes, self.scales, self.biases, self.fmt, self.dtype)
         return out.reshape(self.shape).to(dtype or self.dtype)
 
     def pack(self) -> torch.Tensor:

@@ -134,16 +134,3 @@ def nvfp4_fake_quantize_blocks(blocks: torch.Tensor, global_scale: Optional[torc
     that saturated at +-6 x scale; only a block whose scale saturated at 448 has them)."""
     codes, scales, saturated = _quantize_nvidia(blocks, global_scale)
     return nvfp4_dequantize_blocks(codes, scales, global_scale), saturated
-
-
-def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, rule: str = "nvidia"):
-    """An :class:`~mfqat.quant.mxtensor.MXTensor` in nvfp4 of ``x`` (last axis a multiple of 16), with
-    its ``global_scale`` (None: single-level, what ``mfqat.quantize(x, "nvfp4")`` gives)."""
-    from mfqat.quant.api import validate
-    from mfqat.quant.mxtensor import MXTensor
-
-    f, bs = validate(x, "nvfp4", NVFP4_BLOCK)
-    blocks = x.detach().to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // bs, bs)
-    codes, scales = nvfp4_quantize_blocks(blocks, global_scale, rule, x.dtype)
-    g = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32).reshape(())
-    return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, global_scale=g)

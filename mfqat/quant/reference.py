@@ -245,23 +245,24 @@ def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = 
     if fmt.family == "absmax":
         codes, absmax = int8_absmax_quantize_blocks(blocks)
         return codes, absmax, None
-    if fmt.family == "nvfp4":
-        from mfqat.quant.nvfp4 import nvfp4_quantize_blocks
-        codes, scales = nvfp4_quantize_blocks(blocks, dtype=dtype)
-        return codes, scales, None
+    _refuse_nvfp4(fmt)
     return affine_quantize_blocks(blocks, fmt, dtype)
 
 
+def _refuse_nvfp4(fmt: ElementFormat) -> None:
+    """nvfp4 has its own reference (mfqat.quant.nvfp4, which builds on this module's helpers; callers
+    dispatch to it: api.quantize, MXTensor.dequantize, the kernels' fake-quant dispatch)."""
+    if fmt.family == "nvfp4":
+        raise ValueError("nvfp4 is quantized by mfqat.quant.nvfp4 (nvfp4_quantize_blocks), not here")
+
+
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optional[torch.Tensor],
-                      fmt: ElementFormat, dtype: torch.dtype = torch.float32,
-                      global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      fmt: ElementFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dispatch on the family: float32 blocks from stored codes (affine: in the arithmetic of the
-    ``dtype`` its scales were made for, as MLX dequantizes; nvfp4: with its optional ``global_scale``)."""
+    ``dtype`` its scales were made for, as MLX dequantizes)."""
     if fmt.is_mx:
         return mx_dequantize_blocks(codes, scales, fmt)
-    if fmt.family == "nvfp4":
-        from mfqat.quant.nvfp4 import nvfp4_dequantize_blocks
-        return nvfp4_dequantize_blocks(codes, scales, global_scale)
+    _refuse_nvfp4(fmt)
     if fmt.family == "nf4":
         return nf4_dequantize_blocks(codes, scales)
     if fmt.family == "absmax":
@@ -275,9 +276,6 @@ def fake_quantize_reference(x: torch.Tensor, fmt: ElementFormat, block_size: int
     blocks = to_blocks(x, block_size)
     if fmt.is_mx:
         out, saturated = mx_fake_quantize_blocks(blocks, fmt, scale_rule, dtype_max_exponent(x.dtype))
-    elif fmt.family == "nvfp4":
-        from mfqat.quant.nvfp4 import nvfp4_fake_quantize_blocks
-        out, saturated = nvfp4_fake_quantize_blocks(blocks)
     else:
         codes, scales, biases = quantize_blocks(blocks, fmt, scale_rule, x.dtype)
         out = dequantize_blocks(codes, scales, biases, fmt, x.dtype)
