@@ -1,8 +1,11 @@
-"""One registry of element formats: MXINT-k, MXFP ExMy (OCP Microscaling), NF4 and affine.
+"""One registry of element formats: MXINT-k, MXFP ExMy (OCP Microscaling), NVFP4, NF4 and affine.
 
 Also the bitsandbytes baselines: ``nf4_dq`` (NF4 with double quantization of the absmax, as
 ``quantize_4bit(compress_statistics=True)``) and ``int8_absmax`` (symmetric 127/absmax per block;
 any block size, so per row / per tensor by choosing the row / tensor length).
+
+``nvfp4`` is NVIDIA's 4-bit float: E2M1 elements (the mxfp4 grid), one E4M3 (float8_e4m3fn) scale per
+16 consecutive elements, an optional float32 per-tensor ``global_scale`` (mfqat.quant.nvfp4 has the rule).
 
 Every format knows its bit width, its family (Slice-and-Scale converts only inside a family),
 its largest element exponent ``emax``, its largest normal value and its code range. Names are
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Tuple, Union
 
 MX_BLOCK_SIZES: Tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+NVFP4_BLOCK = 16  # NVIDIA's block (MLX mode "nvfp4" takes group 16 only)
 NF4_BLOCK_SIZES: Tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 AFFINE_GROUP_SIZES: Tuple[int, ...] = (32, 64, 128)
 DQ_GROUP = 256  # double quantization: absmax values per 8-bit group (bitsandbytes)
@@ -33,7 +37,7 @@ class ElementFormat:
 
     Attributes:
         name: canonical lower-case name (``mxint4``, ``mxfp6_e2m3``, ``nf4``, ``affine4``).
-        family: ``mxint``, ``mxfp``, ``nf4`` or ``affine``.
+        family: ``mxint``, ``mxfp``, ``nvfp4``, ``nf4`` or ``affine``.
         bits: bits per stored element code.
         emax: exponent of the largest power of two below the max normal (0 for MXINT).
         max_normal: largest representable element magnitude.
@@ -76,7 +80,7 @@ class ElementFormat:
     def bits_per_weight(self, block_size: int | None = None) -> float:
         """Storage cost per element including the shared scales (and biases)."""
         bs = self.default_block_size if block_size is None else block_size
-        if self.is_mx:
+        if self.is_mx or self.family == "nvfp4":  # one 8-bit scale per block (E8M0; E4M3 for nvfp4)
             return self.bits + 8.0 / bs
         if self.family == "nf4" and self.double_quant:
             return self.bits + (8.0 + 32.0 / DQ_GROUP) / bs  # 8-bit absmax + fp32 per 256 of them
@@ -141,6 +145,11 @@ for _f in (
     _mxfp("mxfp4_e2m1", 2, 1, 1, 6.0, 2),
 ):
     FORMATS[_f.name] = _f
+# NVFP4: E2M1 elements (ebits/mbits/bias/emax/max_normal as mxfp4_e2m1), E4M3 block scales, block 16 only.
+FORMATS["nvfp4"] = ElementFormat(
+    name="nvfp4", family="nvfp4", bits=4, emax=2, max_normal=6.0, ebits=2, mbits=1, bias=1,
+    code_min=0, code_max=15, default_block_size=NVFP4_BLOCK, block_sizes=(NVFP4_BLOCK,),
+)
 FORMATS["nf4"] = ElementFormat(
     name="nf4", family="nf4", bits=4, max_normal=1.0, code_min=0, code_max=15,
     default_block_size=64, block_sizes=NF4_BLOCK_SIZES,

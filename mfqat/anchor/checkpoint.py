@@ -38,7 +38,7 @@ from mfqat.qat.prepare import qat_modules
 from mfqat.storage.shard_files import MAX_SHARD_BYTES, write_safetensors
 from mfqat.storage.sharded import unique_state_dict
 from mfqat.quant.mxtensor import MXTensor
-from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derive_affine, is_derived
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derive, is_derived
 from mfqat.quant.scale_rules import SEARCH_RULE, anchor_rules, anchor_scale_rules
 from mfqat.quant.slice import slice_and_scale
 
@@ -62,14 +62,14 @@ class Anchor:
 
     def in_format(self, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE) -> Dict[str, MXTensor]:
         """Every quantized tensor converted to ``fmt`` (None: the anchor's) by Slice-and-Scale, or
-        for a derived affine format by re-quantizing the dequantized anchor in groups of ``group_size``
-        (mfqat.quant.derive)."""
+        for a derived format by re-quantizing the dequantized anchor (affine: in groups of ``group_size``;
+        nvfp4: blocks of 16; mfqat.quant.derive)."""
         if fmt is None:
             return dict(self.quantized)
         fmt = canonical_name(fmt)
         check_reachable(self.format, fmt, name=str(self.path))
         if is_derived(fmt):
-            return {k: derive_affine(q.dequantize(torch.float32), fmt, group_size) for k, q in self.quantized.items()}
+            return {k: derive(q.dequantize(torch.float32), fmt, group_size) for k, q in self.quantized.items()}
         return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}  # the recorded scale rules
 
     def state_dict(self, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32,

@@ -11,6 +11,8 @@ Codes are carried over code-for-code, never re-quantized by MLX (docs/file-forma
 |                                        | q_u = q + 2^(k-1), scale = 2^(s-(k-2)),      |
 |                                        | bias = -2^(k-1) * scale                      |
 | mxfp8_e5m2                             | bfloat16 (exact: every E5M2 value fits)      |
+| nvfp4 (derived from an MX anchor)      | mode "nvfp4", group 16 (uint32 words, uint8  |
+|                                        | E4M3 scales), no global scale                |
 
 mxfp4 / mxfp8 modes take group 32 only; other block sizes are refused before writing (storage.py).
 Packing is done here in torch/numpy; MLX is only used afterwards to verify every tensor.
@@ -78,6 +80,10 @@ def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
         return MLXTensor(words, scale.numpy(), bias.numpy(), "affine", bits, True)
     if f.name == "mxfp4_e2m1":
         return MLXTensor(q.pack().numpy().view(np.uint32), q.scales.numpy(), None, "mxfp4", 4, True)
+    if f.family == "nvfp4":  # E2M1 nibbles (element 0 low) and E4M3 bytes, as mx.quantize(mode="nvfp4") lays them
+        if q.global_scale is not None:
+            raise ValueError("nvfp4 with a global_scale has no mlx_lm Linear layout (QuantizedLinear takes none)")
+        return MLXTensor(q.pack().numpy().view(np.uint32), q.scales.numpy(), None, "nvfp4", 4, True)
     if f.name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2"):
         vals = mx_codes_to_values(q.codes, f)
         e4m3 = mx_values_to_codes(vals, get_format("mxfp8_e4m3"))
@@ -113,7 +119,7 @@ def plan_from_report(report: dict) -> Plan:
     for name, t in report["tensors"].items():
         if "origin" in t:
             plan.formats[name], plan.origin[name] = t["source"], t["origin"]
-            if is_derived(t["source"]) and "group_size" in t:
+            if get_format(t["source"]).family == "affine" and "group_size" in t:
                 plan.derived_group = t["group_size"]
             elif "group_size" in t:
                 plan.group_size = t["group_size"]
@@ -170,7 +176,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
-        if all(is_derived(f) for f in plan.formats.values()):
+        if all(get_format(f).family == "affine" for f in plan.formats.values()):
             report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
         _write(anchor, plan, anchor.config, tok_dir, tmp, report, scale_dtype,
                max_shard_bytes)

@@ -2,7 +2,7 @@
 
 Tensors the anchor holds in MX codes are lowered by Slice-and-Scale (origin "anchor"), or for the
 derived affine formats (``uniform:affine4``, ``seed:affine``, ``auto:BPW:affine``) re-quantized from the anchor's values
-in MLX's own layout, groups of ``Plan.derived_group`` (mfqat.quant.derive); 2-D
+in MLX's own layout, groups of ``Plan.derived_group`` (``uniform:nvfp4``: blocks of 16; mfqat.quant.derive); 2-D
 weights the anchor keeps in full precision (embeddings, an untied lm_head) are quantized
 directly when the plan names a format for them (origin "ptq"), else kept in bfloat16.
 """
@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from mfqat.anchor.checkpoint import Anchor
-from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
 from mfqat.formats import canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for
 from mfqat.quant.mxtensor import MXTensor
@@ -41,6 +41,8 @@ def mlx_storage(fmt) -> Optional[Tuple[str, int]]:
         return "mxfp4", 4
     if f.name in ("mxfp8_e4m3", "mxfp6_e2m3", "mxfp6_e3m2"):
         return "mxfp8", 8
+    if f.family == "nvfp4":
+        return "nvfp4", 4
     return None
 
 
@@ -60,7 +62,7 @@ class Plan:
 
     def group_of(self, fmt: str) -> int:
         """MLX group size of a tensor in ``fmt``."""
-        return self.derived_group if is_derived(fmt) else self.group_size
+        return derived_group(fmt, self.derived_group) if is_derived(fmt) else self.group_size
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
         """Every planned tensor as an MXTensor in its planned format (sensitivity.in_format)."""
@@ -211,9 +213,9 @@ def ptq_anchor_format(recipe: str) -> str:
     kind, arg, family = parse_recipe(recipe)
     if kind == "uniform" and get_format(arg).bits == 8:
         return arg
-    if family not in (None, "mxint", "mxfp", "affine"):
+    if family not in (None, "mxint", "mxfp", "affine", "nvfp4"):
         raise ValueError(f"recipe '{recipe}': unknown family '{family}'; choose mxint, mxfp or affine")
-    return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3", "affine": "mxint8"}[family]
+    return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3", "affine": "mxint8", "nvfp4": "mxfp8_e4m3"}[family]
 
 
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None,
@@ -221,8 +223,10 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     """A per-tensor plan from a recipe name; checks everything before anything is written."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
-    if want == "affine":
-        family = "affine"  # derived from the anchor (mfqat.quant.derive), not sliced
+    if want == "nvfp4" and kind != "uniform":
+        raise ValueError(f"recipe '{recipe}': nvfp4 has one width; write uniform:nvfp4")
+    if want in ("affine", "nvfp4"):
+        family = want  # derived from the anchor (mfqat.quant.derive), not sliced
     elif want is not None and want != family:
         raise ValueError(f"recipe '{recipe}' asks for the {want} family but the anchor is {anchor.format} "
                          f"({family}): Slice-and-Scale stays inside one MX family")
@@ -263,12 +267,14 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
         if name not in plan.formats:
             plan.kept16.add(name)
     _check_group_size(anchor, [n for n, f in plan.formats.items() if not is_derived(f)])
-    _check_group_size(anchor, [n for n, f in plan.formats.items() if is_derived(f)], plan.derived_group)
+    for fmt in {f for f in plan.formats.values() if is_derived(f)}:
+        _check_group_size(anchor, [n for n, f in plan.formats.items() if f == fmt], plan.group_of(fmt))
     for name, fmt in plan.formats.items():
         if plan.origin[name] == "anchor":
             check_reachable(anchor.format, fmt, name=name)
     check_mlx_group_size(plan.group_size, [(n, mlx_storage(f)) for n, f in plan.formats.items() if not is_derived(f)])
-    check_mlx_group_size(plan.derived_group, [(n, mlx_storage(f)) for n, f in plan.formats.items() if is_derived(f)])
+    for fmt in {f for f in plan.formats.values() if is_derived(f)}:
+        check_mlx_group_size(plan.group_of(fmt), [(n, mlx_storage(f)) for n, f in plan.formats.items() if f == fmt])
     plan.base_mode, plan.base_bits = mlx_storage(top) or ("mxfp8", 8)
     plan.base_group = plan.group_of(top.name)
     return plan

@@ -28,7 +28,8 @@ import torch
 
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.load import load_anchor
-from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive_affine, is_derived
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive, is_derived
+from mfqat.quant.derive import derived_group as group_of_derived
 from mfqat.formats import canonical_name, get_format
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE
 from mfqat.progress import progress
@@ -69,7 +70,7 @@ def ladder(anchor_format: str, family: Optional[str] = None) -> List[str]:
 
 def level_group(anchor: Anchor, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> int:
     """The group size a level is stored with: the anchor's block size, or the derived group."""
-    return derived_group if is_derived(fmt) else anchor.meta.get("block_size", 32)
+    return group_of_derived(fmt, derived_group) if is_derived(fmt) else anchor.meta.get("block_size", 32)
 
 
 def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> MXTensor:
@@ -78,7 +79,7 @@ def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_
     if is_derived(fmt):
         src = anchor.quantized[name].dequantize(torch.float32) if name in anchor.quantized \
             else anchor.plain[name].float()
-        return derive_affine(src, fmt, derived_group)
+        return derive(src, fmt, derived_group)
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
     return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32),

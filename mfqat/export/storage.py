@@ -2,7 +2,7 @@
 would write for the same model, and the bytes on disk per weight (the honest size).
 
 MLX quantized modes and their group sizes (``mx.quantize``): affine 32/64/128; mxfp4 and mxfp8 32
-only. An anchor's block size becomes the MLX group size; a block size MLX cannot carry code-for-code
+only; nvfp4 16 only. An anchor's block size becomes the MLX group size; a block size MLX cannot carry code-for-code
 is refused before anything is written.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
-MLX_GROUP_SIZES: Dict[str, Tuple[int, ...]] = {"affine": (32, 64, 128), "mxfp4": (32,), "mxfp8": (32,)}
+MLX_GROUP_SIZES: Dict[str, Tuple[int, ...]] = {"affine": (32, 64, 128), "mxfp4": (32,), "mxfp8": (32,), "nvfp4": (16,)}
 SCALE_DTYPES = ("auto", "float32", "bfloat16")
 
 

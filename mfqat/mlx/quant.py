@@ -156,6 +156,9 @@ def _check_mlx_format(f: ElementFormat) -> None:
     if f.family == "absmax" or f.double_quant:
         raise ValueError(f"format '{f.name}' is a bitsandbytes baseline for PyTorch only; MLX takes "
                          f"MX, nf4 and affine formats")
+    if f.family == "nvfp4":
+        raise ValueError("format 'nvfp4' is not implemented in mfqat's MLX numerics (train and quantize it in "
+                         "PyTorch; export-mlx --recipe uniform:nvfp4 writes MLX's own nvfp4 layout)")
 
 
 def quantize(x: mx.array, fmt: FormatLike, block_size: Optional[int] = None, scale_rule: str = "floor"

@@ -11,7 +11,7 @@ import yaml
 
 import math
 
-from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, is_derived
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable
 from mfqat.formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
 from mfqat.quant.reference import SCALE_RULES
 from mfqat.quant.scale_rules import SEARCH_ANCHORS, SEARCH_RULE, check_scale_rules
@@ -149,14 +149,15 @@ class QATConfig:
             raise ValueError(f"QATConfig.anchor_warmup_steps must be >= 0, got {self.anchor_warmup_steps}")
         if self.schedule == "joint" and self.layer_formats:
             raise ValueError("QATConfig: schedule 'joint' takes one global format set; layer_formats is not supported with it")
-        families = {get_format(f).family for f in self.formats} - {"affine"}
-        per_layer = {get_format(f).family for v in self.layer_formats.values() for f in v} - {"affine"}
+        families = {get_format(f).family for f in self.formats} - {"affine", "nvfp4"}  # the derived ones
+        per_layer = {get_format(f).family for v in self.layer_formats.values() for f in v} - {"affine", "nvfp4"}
         if per_layer and len(families | per_layer) > 1:  # no anchor holds two families (issue 33)
             raise ValueError(f"QATConfig.layer_formats: mixes the {' and '.join(sorted(families | per_layer))} "
                              "families across layers; an anchor holds one family (Slice-and-Scale stays inside one), "
                              "so this recipe could be trained but never anchored: train one family")
-        if self.anchor_format is None and len(families) <= 1:  # only derived affine formats: an MXINT8 anchor
-            self.anchor_format = "mxfp8_e4m3" if families == {"mxfp"} else "mxint8"
+        if self.anchor_format is None and len(families) <= 1:  # only derived formats: MXINT8 (nvfp4: MXFP8)
+            nv = any(get_format(f).family == "nvfp4" for f in self.formats)
+            self.anchor_format = "mxfp8_e4m3" if families == {"mxfp"} or (nv and not families) else "mxint8"
         if self.anchor_format is not None:
             self.anchor_format = canonical_name(self.anchor_format)
         if self.through_anchor is None:
@@ -178,11 +179,13 @@ class QATConfig:
                              f"anchor_format {self.anchor_format}, through_anchor {self.through_anchor}")
 
     def group_multiple(self) -> int:
-        """What a layer's width must be a multiple of: the MX block size, and the affine group
-        size when a derived affine format is trained."""
-        if any(is_derived(f) for f in self.formats):
-            return self.block_size * self.affine_group_size // math.gcd(self.block_size, self.affine_group_size)
-        return self.block_size
+        """What a layer's width must be a multiple of: the MX block size, and the group of each derived
+        format trained (the affine group size; 16 for nvfp4)."""
+        m = self.block_size
+        families = {get_format(f).family for f in self.formats}
+        for group in ([self.affine_group_size] if "affine" in families else []) + ([16] if "nvfp4" in families else []):
+            m = m * group // math.gcd(m, group)
+        return m
 
     def weight_of(self, fmt: str) -> float:
         """The joint-loss weight of ``fmt`` (1.0 unless ``loss_weights`` says otherwise)."""

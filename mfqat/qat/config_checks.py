@@ -47,13 +47,14 @@ def _check_mx_formats(field_name: str, value: Any, block_size: int) -> None:
         _check_mx_format(field_name, f, block_size)
 
 
-AFFINE_NAMES = tuple(f"affine{k}" for k in range(2, 9))  # the derived formats a QATConfig may train
+AFFINE_NAMES = tuple(f"affine{k}" for k in range(2, 9))
+DERIVED_NAMES = AFFINE_NAMES + ("nvfp4",)  # the derived formats a QATConfig may train
 
 
 def _check_qat_formats(field_name: str, value: Any, block_size: int) -> None:
-    """Like _check_mx_formats, but the derived affine formats (affine2..8, mfqat.quant.derive) may join."""
+    """Like _check_mx_formats, but the derived formats (affine2..8, nvfp4; mfqat.quant.derive) may join."""
     if isinstance(value, (list, tuple)) and value:
-        value = [f for f in value if not (isinstance(f, str) and f.lower() in AFFINE_NAMES)]
+        value = [f for f in value if not (isinstance(f, str) and f.lower() in DERIVED_NAMES)]
         if not value:
             return
     _check_mx_formats(field_name, value, block_size)

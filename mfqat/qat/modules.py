@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mfqat.quant.derive import DERIVED_GROUP_SIZE, fake_derive_affine, is_derived
+from mfqat.quant.derive import DERIVED_GROUP_SIZE, fake_derive, is_derived
 from mfqat.quant.api import fake_quantize, fake_quantize_through
 from mfqat.quant.scale_rules import SEARCH_RULE, rule_of
 from mfqat.quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
@@ -180,9 +180,9 @@ class MFQATMixin:
 
     def _qdq(self, w: torch.Tensor, fmt: str, scale_rule: str) -> torch.Tensor:
         """One quantize-dequantize: MX in blocks of ``block_size``; a derived affine format as MLX
-        stores it (bfloat16 scale and bias per ``affine_group_size``, mfqat.quant.derive)."""
+        stores it (bfloat16 scale and bias per ``affine_group_size``, mfqat.quant.derive); nvfp4 in blocks of 16."""
         if is_derived(fmt):
-            return fake_derive_affine(w, fmt, self.affine_group_size)
+            return fake_derive(w, fmt, self.affine_group_size)
         return fake_quantize(w, fmt, self.block_size, scale_rule, self.mask_saturated)
 
 

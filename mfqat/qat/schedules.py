@@ -20,8 +20,8 @@ class Schedule:
             raise ValueError("a schedule needs at least one format")
         self.formats: List[str] = [canonical_name(f) for f in formats]
         for f in self.formats:
-            if not (get_format(f).is_mx or get_format(f).family == "affine"):
-                raise ValueError(f"MF-QAT schedules take MX formats and the derived affine ones; '{f}' is neither")
+            if not (get_format(f).is_mx or get_format(f).family in ("affine", "nvfp4")):
+                raise ValueError(f"MF-QAT schedules take MX formats and the derived ones (affine, nvfp4); '{f}' is neither")
 
     def format_at(self, step: int, total_steps: int) -> str:  # pragma: no cover - abstract
         raise NotImplementedError

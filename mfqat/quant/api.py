@@ -7,6 +7,7 @@ import torch
 
 from mfqat.formats import ElementFormat, FormatLike, get_format
 from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.nvfp4 import nvfp4_quantize_blocks
 from mfqat.quant.reference import SCALE_RULES, quantize_blocks, to_blocks
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,8 +57,20 @@ def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
 
         codes, scales = mx_quantize_dispatch(x.detach(), f, bs, scale_rule)
         return MXTensor(codes, scales, f, bs, x.dtype, None, scale_rule)
+    if f.family == "nvfp4":
+        return quantize_nvfp4(x)
     codes, scales, biases = quantize_blocks(to_blocks(x.detach(), bs), f, scale_rule, x.dtype)
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, biases, scale_rule)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None, rule: str = "nvidia") -> MXTensor:
+    """``x`` (last axis a multiple of 16) in nvfp4 (mfqat.quant.nvfp4), with its optional float32
+    ``global_scale`` (None: single-level, what ``quantize(x, "nvfp4")`` gives); ``rule`` "nvidia"
+    (mfqat's) or "mlx" (``mx.quantize``'s)."""
+    f, bs = validate(x, "nvfp4", 16)
+    codes, scales = nvfp4_quantize_blocks(to_blocks(x.detach(), bs), global_scale, rule, x.dtype)
+    g = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32).reshape(())
+    return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, global_scale=g)
 
 
 def dequantize(q: MXTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

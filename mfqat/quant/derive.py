@@ -1,4 +1,4 @@
-"""Derived affine formats: MLX's own affine layout, derived from an MX anchor.
+"""Derived formats: MLX's own affine layout and NVFP4, re-quantized from an MX anchor.
 
 MLX stores a k-bit affine weight as codes plus a bfloat16 scale and bias per group of 64 (what
 ``mlx_lm.convert`` writes for a bfloat16 model: 4.5 bits/weight at k = 4). An MXINT8 / MXFP8 anchor
@@ -11,12 +11,16 @@ mfqat.quant.reference) and the dequantization is MLX's too (``code * scale + bia
 arithmetic). The bfloat16 cast of an MXINT8 / MXFP8 value is exact. MF-QAT trains through this
 derivation (``formats: [mxint8, affine4, affine3]``), so the exported codes are the ones it learnt,
 stored at exactly mlx_lm's cost (docs/numerics.md, "Derived affine").
+
+``nvfp4`` is derived the same way (its E4M3 scale is no power of two, so no slicing reaches it):
+``W_nvfp4 = dequantize(quantize_nvfp4(dequantize(anchor)))`` in blocks of 16, mfqat's nvfp4 rule
+(mfqat.quant.nvfp4), float32 values (an MXFP8 / MXINT8 value is exact there); the group is always 16.
 """
 from __future__ import annotations
 
 import torch
 
-from mfqat.formats import FormatLike, check_sliceable, get_format
+from mfqat.formats import NVFP4_BLOCK, FormatLike, check_sliceable, get_format
 from mfqat.quant.api import fake_quantize, quantize
 from mfqat.quant.mxtensor import MXTensor
 
@@ -25,8 +29,13 @@ DERIVED_DTYPE = torch.bfloat16  # the scale / bias dtype mlx_lm.convert writes f
 
 
 def is_derived(fmt: FormatLike) -> bool:
-    """True for the affine formats, which an MX anchor reaches by re-quantization, not slicing."""
-    return get_format(fmt).family == "affine"
+    """True for the affine formats and nvfp4, which an MX anchor reaches by re-quantization, not slicing."""
+    return get_format(fmt).family in ("affine", "nvfp4")
+
+
+def derived_group(fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> int:
+    """The group a derived format is re-quantized in: ``group_size`` for affine, always 16 for nvfp4."""
+    return NVFP4_BLOCK if get_format(fmt).family == "nvfp4" else group_size
 
 
 def check_reachable(anchor_fmt: FormatLike, fmt: FormatLike, name: str = "tensor") -> None:
@@ -48,3 +57,18 @@ def derive_affine(values: torch.Tensor, fmt: FormatLike, group_size: int = DERIV
 def fake_derive_affine(w: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> torch.Tensor:
     """``derive_affine(w, fmt).dequantize()`` in w's dtype, straight-through gradient (for MF-QAT)."""
     return fake_quantize(w.to(DERIVED_DTYPE), fmt, group_size).to(w.dtype)
+
+
+def derive(values: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:
+    """A derived format of an anchor's dequantized values: affine (:func:`derive_affine`) or nvfp4
+    (float32 values, blocks of 16, mfqat's rule)."""
+    if get_format(fmt).family == "nvfp4":
+        return quantize(values.to(torch.float32), fmt, NVFP4_BLOCK)
+    return derive_affine(values, fmt, group_size)
+
+
+def fake_derive(w: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> torch.Tensor:
+    """``derive(w, fmt).dequantize()`` in w's dtype, straight-through gradient (for MF-QAT)."""
+    if get_format(fmt).family == "nvfp4":
+        return fake_quantize(w.to(torch.float32), fmt, NVFP4_BLOCK).to(w.dtype)
+    return fake_derive_affine(w, fmt, group_size)

@@ -8,6 +8,7 @@ import torch
 
 from mfqat.formats import ElementFormat, FormatLike, get_format
 from mfqat.quant.packing import pack_codes, unpack_codes
+from mfqat.quant.nvfp4 import nvfp4_dequantize_blocks
 from mfqat.quant.reference import dequantize_blocks
 
 
@@ -17,7 +18,7 @@ class MXTensor:
 
     Attributes:
         codes: unpacked integer codes with the original shape (int8 for MXINT, uint8 otherwise).
-        scales: per block: E8M0 bytes (uint8) for MX formats, float32 absmax (nf4, int8_absmax; for
+        scales: per block: E8M0 bytes (uint8) for MX formats, E4M3 bytes (uint8) for nvfp4, float32 absmax (nf4, int8_absmax; for
             nf4_dq the decoded double-quantized absmax) or scale (affine).
             Shape ``shape[:-1] + (shape[-1] // block_size,)``.
         fmt: the element format.
@@ -29,6 +30,7 @@ class MXTensor:
             Slice-and-Scale gives (mfqat.quant.scale_rules; read from the anchor); None = floor.
         importance: per input column (last axis), the weights of a ``search`` slice's error
             (mfqat.quant.scale_search; set by ``export-mlx --scale-search``); None = plain MSE.
+        global_scale: nvfp4 only: the optional float32 per-tensor scale (mfqat.quant.nvfp4); None = none.
     """
 
     codes: torch.Tensor
@@ -40,6 +42,7 @@ class MXTensor:
     scale_rule: str = "floor"
     slice_rules: Optional[Dict[str, str]] = None
     importance: Optional[torch.Tensor] = None
+    global_scale: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> torch.Size:
@@ -50,7 +53,10 @@ class MXTensor:
         """Decode to a float tensor (the original dtype unless ``dtype`` is given)."""
         bs = self.block_size
         codes = self.codes.reshape(*self.shape[:-1], self.shape[-1] // bs, bs)
-        out = dequantize_blocks(codes, self.scales, self.biases, self.fmt, self.dtype)
+        if self.fmt.family == "nvfp4":
+            out = nvfp4_dequantize_blocks(codes, self.scales, self.global_scale)
+        else:
+            out = dequantize_blocks(codes, self.scales, self.biases, self.fmt, self.dtype)
         return out.reshape(self.shape).to(dtype or self.dtype)
 
     def pack(self) -> torch.Tensor:
@@ -71,7 +77,8 @@ class MXTensor:
         b = None if self.biases is None else self.biases.to(device)
         return MXTensor(self.codes.to(device), self.scales.to(device), self.fmt, self.block_size,
                         self.dtype, b, self.scale_rule, self.slice_rules,
-                        None if self.importance is None else self.importance.to(device))
+                        None if self.importance is None else self.importance.to(device),
+                        None if self.global_scale is None else self.global_scale.to(device))
 
     def __repr__(self) -> str:
         return (f"MXTensor(fmt={self.fmt.name}, shape={tuple(self.shape)}, "

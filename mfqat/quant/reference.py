@@ -245,7 +245,15 @@ def quantize_blocks(blocks: torch.Tensor, fmt: ElementFormat, scale_rule: str = 
     if fmt.family == "absmax":
         codes, absmax = int8_absmax_quantize_blocks(blocks)
         return codes, absmax, None
+    _refuse_nvfp4(fmt)
     return affine_quantize_blocks(blocks, fmt, dtype)
+
+
+def _refuse_nvfp4(fmt: ElementFormat) -> None:
+    """nvfp4 has its own reference (mfqat.quant.nvfp4, which builds on this module's helpers; callers
+    dispatch to it: api.quantize, MXTensor.dequantize, the kernels' fake-quant dispatch)."""
+    if fmt.family == "nvfp4":
+        raise ValueError("nvfp4 is quantized by mfqat.quant.nvfp4 (nvfp4_quantize_blocks), not here")
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optional[torch.Tensor],
@@ -254,6 +262,7 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, biases: Optiona
     ``dtype`` its scales were made for, as MLX dequantizes)."""
     if fmt.is_mx:
         return mx_dequantize_blocks(codes, scales, fmt)
+    _refuse_nvfp4(fmt)
     if fmt.family == "nf4":
         return nf4_dequantize_blocks(codes, scales)
     if fmt.family == "absmax":

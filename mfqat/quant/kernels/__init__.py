@@ -10,7 +10,8 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 
 ``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
 environment variable ``MFQAT_BACKEND=reference|triton|cpp`` forces one (an error says so when the
-forced backend cannot run on the tensor's device). NF4 and affine formats always use the reference.
+forced backend cannot run on the tensor's device). NF4, affine and nvfp4 formats always use the
+reference (nvfp4's: mfqat.quant.nvfp4; there is no nvfp4 kernel, ``MFQAT_BACKEND`` does not change that).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Optional, Tuple
 import torch
 
 from mfqat.formats import ElementFormat
-from mfqat.quant.reference import fake_quantize_reference, quantize_reference
+from mfqat.quant.nvfp4 import nvfp4_fake_quantize_blocks
+from mfqat.quant.reference import fake_quantize_reference, quantize_reference, to_blocks
 from mfqat.quant.kernels import cpp, triton_mx, triton_search, triton_slice
 
 BACKENDS = ("reference", "cpp", "triton")
@@ -83,6 +85,9 @@ def _why_unavailable(name: str, device: torch.device) -> str:
 def fake_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
                            need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Quantize-dequantize with the selected backend -> (output in x's dtype, saturated mask or None)."""
+    if fmt.family == "nvfp4":
+        out, mask = nvfp4_fake_quantize_blocks(to_blocks(x, block_size))
+        return out.reshape(x.shape).to(x.dtype), (mask.reshape(x.shape) if need_mask else None)
     backend = select_backend(x, fmt)
     if backend == "cpp":
         return cpp.fake_quantize_cpp(x, fmt, block_size, scale_rule, need_mask)
