@@ -341,6 +341,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("nvfp4-export-scale-bytes-off-by-one", "mfqat/export/mlx_export.py",
              'q.scales.numpy(), None, "nvfp4", 4, True)', '(q.scales ^ 1).numpy(), None, "nvfp4", 4, True)',
              ("tests/test_nvfp4.py::test_export_mlx_uniform_nvfp4_is_code_for_code",)),
+    Mutation("export-version-never-checked", "mfqat/export/verify.py",
+             "    if v > EXPORT_FORMAT_VERSION:\n", "    if False:\n",
+             ("tests/test_semantics_export.py::test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify",)),
 ]
 
 

@@ -116,6 +116,33 @@ def test_an_anchor_one_version_newer_is_refused_naming_it_and_older_ones_load(co
     assert e.value.code == 2
 
 
+def test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify(anchor, tmp_path, capsys):
+    """mfqat_export.json carries its format version; `mfqat verify` refuses a newer one by name (exit 2)
+    and reads version 1 and exports written before the field existed."""
+    from mfqat.cli import main as cli_main
+    from mfqat.export import to_mlx
+    from mfqat.export.verify import EXPORT_FORMAT_VERSION
+
+    out = tmp_path / "mlx"
+    to_mlx(anchor, out, recipe="uniform:mxint4", verify=False)
+    meta = json.loads((out / "mfqat_export.json").read_text())
+    assert meta["format_version"] == EXPORT_FORMAT_VERSION
+    newer = EXPORT_FORMAT_VERSION + 1
+    for version, ok in ((newer, False), (EXPORT_FORMAT_VERSION, True), (None, True)):
+        body = {k: v for k, v in meta.items() if k not in ("manifest", "digest", "format_version")}
+        if version is not None:
+            body["format_version"] = version
+        (out / "mfqat_export.json").write_text(json.dumps(seal(body, out, "mfqat_export.json")))
+        if ok:
+            cli_main(["verify", str(out)])
+            assert "MLX export" in capsys.readouterr().out
+        else:
+            with pytest.raises(SystemExit) as e:
+                cli_main(["verify", str(out)])
+            assert e.value.code == 2
+            assert f"format version {newer} is newer than this mfqat supports" in capsys.readouterr().err
+
+
 # 6. auto:BPW allocation against a brute force ----------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,9 @@ def verify(a: argparse.Namespace) -> None:
             if what == "anchor":
                 read_anchor(path, verify=True)
             meta = verify_folder(path, meta_name)
+            if what == "MLX export":
+                from mfqat.export.verify import check_export_version
+                check_export_version(meta, str(path / meta_name))
             print(f"OK {path}: {what}, {len(meta['manifest']) + 1} files match the manifest")
             return
     raise ValueError(f"{path} is not an mfqat anchor, MLX export or converted checkpoint")

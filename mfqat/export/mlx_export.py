@@ -41,7 +41,8 @@ from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_value
 from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, ptq_anchor_format
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from mfqat.export.storage import anchor_parameters, resolve_scale_dtype, stored_size
-from mfqat.export.verify import LOGIT_RTOL, reference_state, verify_export  # noqa: F401 (public here since 0.1)
+from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_state,  # noqa: F401 (public since 0.1)
+                                 verify_export)
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
     import mlx.core as mx
@@ -157,7 +158,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                          "(rescaling an anchor would re-quantize the codes MF-QAT trained)")
     if imatrix_path is not None and not awq:
         raise ValueError(f"{imatrix_path}: an imatrix is only used by AWQ; add --awq (awq=True) or drop it")
-    report = {"source": str(source), "recipe": recipe, "tensors": {}}
+    report = {"format_version": EXPORT_FORMAT_VERSION, "source": str(source), "recipe": recipe, "tensors": {}}
     with atomic_directory(out_dir, overwrite=overwrite, kind="mlx-export", protect=[src]) as tmp:
         if not is_anchor:
             src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe),

@@ -23,6 +23,20 @@ LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
 # The logits are compared at every position of the check prompt, repeated to at least this many tokens:
 # a port that differs only past a short context (a sliding window mlx-lm ignores, rope scaling) shows.
 CHECK_TOKENS = 64
+# mfqat_export.json's layout; an export declaring a newer one is refused (written since mfqat 0.1.0: 1;
+# exports without the field are version 1).
+EXPORT_FORMAT_VERSION = 1
+
+
+def check_export_version(meta: dict, where: str) -> int:
+    """The export's format version; ValueError naming ``where`` when it is newer than this mfqat reads."""
+    v = meta.get("format_version", 1)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{where}: field 'format_version' must be a positive integer, got {v!r}")
+    if v > EXPORT_FORMAT_VERSION:
+        raise ValueError(f"{where}: format version {v} is newer than this mfqat supports ({EXPORT_FORMAT_VERSION}); "
+                         "upgrade mfqat to read it")
+    return v
 
 def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
     """The PyTorch weights that the export must reproduce (float32)."""
