@@ -344,6 +344,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("export-version-never-checked", "mfqat/export/verify.py",
              "    if v > EXPORT_FORMAT_VERSION:\n", "    if False:\n",
              ("tests/test_semantics_export.py::test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify",)),
+    Mutation("dynamic2-quantizes-attention-outputs", "mfqat/export/recipes.py",
+             "    if re.search(ATTENTION_OUTPUTS, name):\n        return None\n",
+             "    if re.search(ATTENTION_OUTPUTS, name):\n        return base\n",
+             ("tests/test_families.py::test_dynamic2_recipe_on_qwen3_5[dynamic2]",)),
 ]
 
 

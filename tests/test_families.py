@@ -262,3 +262,25 @@ def test_mlx_anchor_write_back_refused_where_mlx_lm_rewrites_weights(name, tok, 
     with pytest.raises(ValueError, match="cannot be written back as an anchor yet"):
         mlx_save_anchor(model, tmp_path / "back", "mxint8", source_dir=src)
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("recipe", ["dynamic2", "dynamic2:affine"])
+def test_dynamic2_recipe_on_qwen3_5(recipe, tok, tmp_path):
+    """dynamic2 on Qwen3.5: attention outputs (o_proj, linear_attn.out_proj) in bfloat16, embeddings and
+    lm_head 8 bits, the rest 4 bits, the router-like gates kept high: mixed bits in one MLX file that
+    mlx_lm loads and the export check accepts."""
+    model_type, extra = SUPPORTED["qwen3_5_moe"]
+    extra = {**extra, "intermediate_size": 128, "moe_intermediate_size": 64}
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxint8", tokenizer=tok)
+    rep = to_mlx(anchor, tmp_path / "mlx", recipe=recipe)
+    assert rep["verify"]["weights_bit_exact"]
+    quant = json.loads((tmp_path / "mlx" / "config.json").read_text())["quantization"]
+    assert quant["bits"] == 4
+    outs = [k for k in quant if k.endswith((".o_proj", ".out_proj"))]
+    assert outs and all(quant[k] is False for k in outs)
+    assert any(".self_attn.o_proj" in k for k in outs) and any(".linear_attn.out_proj" in k for k in outs)
+    assert quant["language_model.lm_head"]["bits"] == 8 and quant["language_model.model.embed_tokens"]["bits"] == 8
+    kept = [n for n, t in rep["tensors"].items() if t["mlx"] == "bfloat16"]
+    assert sorted(kept) == sorted(n for n in rep["tensors"] if n.endswith(("o_proj.weight", "out_proj.weight")))
+    model_mlx, tok_mlx = mlx_lm.load(str(tmp_path / "mlx"))
+    assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)

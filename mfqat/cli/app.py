@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")
     x.add_argument(*OUT_FLAGS, dest="out", required=True)
     x.add_argument("--recipe", default="uniform:mxint4",
-                   help="uniform:FMT | seed[:FAMILY] | auto:BPW[:FAMILY] (e.g. auto:4.5, uniform:affine4, seed:affine)")
+                   help="uniform:FMT | seed[:FAMILY] | dynamic2[:FAMILY] | auto:BPW[:FAMILY] (e.g. auto:4.5, "
+                        "uniform:affine4, seed:affine, dynamic2)")
     x.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
                    help="group of the affine formats derived from the anchor (uniform:affineK, seed:affine); "
                         "MX formats keep the anchor's block size")

@@ -27,7 +27,7 @@ FAMILY_BY_BITS = {
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
     "affine": {b: f"affine{b}" for b in (2, 3, 4, 5, 6, 8)},
 }
-RECIPES = ("uniform:FMT", "seed[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
+RECIPES = ("uniform:FMT", "seed[:FAMILY]", "dynamic2[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
 AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
 
 
@@ -174,6 +174,19 @@ def seed_bits(name: str, base: int, tied: bool) -> Optional[int]:
     return base
 
 
+def dynamic2_bits(name: str, base: int) -> Optional[int]:
+    """The ``dynamic2`` recipe (the per-tensor rules of Unsloth's Dynamic 2.0 quants as ported to MLX for
+    Qwen3.5, over every family's names): attention outputs (``o_proj``, ``linear_attn.out_proj``,
+    GPT-NeoX's ``attention.dense``) stay in bfloat16 (None: no norm precedes them, so AWQ cannot protect
+    their inputs); embeddings and lm_head 8 bits; everything else (q/k/v, Gated DeltaNet projections, MLPs,
+    experts) ``base`` bits. Routers and gates stay high precision by their family's rule."""
+    if re.search(ATTENTION_OUTPUTS, name):
+        return None
+    if "embed" in name or "lm_head" in name:
+        return 8
+    return base
+
+
 def _shape(anchor: Anchor, name: str) -> tuple:
     return tuple(anchor.quantized[name].shape if name in anchor.quantized else anchor.plain[name].shape)
 
@@ -191,7 +204,7 @@ def parse_recipe(recipe: str) -> Tuple[str, Optional[str], Optional[str]]:
     kind, _, rest = recipe.partition(":")
     if kind == "uniform" and rest:
         return kind, canonical_name(rest), get_format(rest).family
-    if kind == "seed":
+    if kind in ("seed", "dynamic2"):
         return kind, None, rest or None
     if kind == "auto" and rest:
         budget, _, family = rest.partition(":")
@@ -244,6 +257,15 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     elif kind == "seed":
         for name in list(anchor.quantized) + _matrix_weights(anchor):
             bits = seed_bits(name, base_bits, tied)
+            plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
+            plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
+        top = get_format(_fmt_for_bits(family, base_bits, 8))
+    elif kind == "dynamic2":
+        for name in list(anchor.quantized) + _matrix_weights(anchor):
+            bits = dynamic2_bits(name, base_bits)
+            if bits is None:
+                plan.kept16.add(name)
+                continue
             plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))
