@@ -42,22 +42,26 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
-# Settings per method: calibration size is cut to what 2 shared CPU cores finish (mlx-lm's CLI
-# defaults in the comments); everything else at mlx-lm's defaults unless noted. Group 64 and a
-# 4-bit embedding put GPTQ, AWQ and DWQ at exactly mlx_lm.convert -q (q4 g64)'s stored size.
+# Settings per method. Calibration is cut to what 2 shared CPU cores finish: MLX's CPU quantized
+# matmul runs ~1 GFLOP/s in float32 (OpenBLAS does not help it), and AWQ (two passes of every
+# quantized block over the calibration tokens) and DWQ (forward and backward through the quantized
+# model every step) spend their time there. mlx-lm's CLI defaults are in the comments; everything
+# else is at them unless noted. Group 64 and a 4-bit group-64 embedding put GPTQ, AWQ and DWQ at
+# exactly mlx_lm.convert -q (q4 g64)'s stored size.
 METHODS: Dict[str, dict] = {
-    # CLI defaults: all 512-token chunks of its calibration file; fallback (embedding) 6 bits
+    # CLI: every 512-token chunk of its calibration file; fallback (the embedding here) 6 bits
     "gptq": dict(bits=4, group_size=64, fallback_bits=4, fallback_group_size=64,
                  num_samples=32, sequence_length=512, batch_size=8, seed=123),
-    # CLI defaults: 128 x 512 tokens, n_grid 20, embedding 4 bits in groups of 32
+    # CLI: 128 x 512 tokens, n_grid 20 (its docs: 32 samples, n_grid 10), embedding 4 bits in groups of 32
     "awq": dict(bits=4, group_size=64, embed_bits=4, embed_group_size=64,
-                num_samples=16, sequence_length=512, n_grid=10, seed=123),
-    # CLI defaults: every 512-token chunk of its file (sensitivities and threshold), target 5.0
+                num_samples=8, sequence_length=256, n_grid=10, seed=123),
+    # CLI: every 512-token chunk of its file, target 5.0 bits (4.7: mixed_4_6's size)
     "dynamic": dict(low_bits=4, low_group_size=64, high_bits=5, high_group_size=64, target_bpw=4.7,
-                    num_samples=32, sequence_length=512, batch_size=4, seed=123),
-    # CLI defaults: 2048 samples x 1025 tokens (512 steps of batch 4), lr 1e-6, 32 validation samples
-    "dwq": dict(bits=4, group_size=64, num_samples=64, max_seq_length=257, batch_size=4,
-                learning_rate=1e-6, num_valid_samples=8, temperature=2.0, seed=123),
+                    num_samples=16, sequence_length=512, batch_size=4, seed=123),
+    # CLI: 2048 samples x 1025 tokens (512 steps of batch 4), lr 1e-6, 32 validation samples; here
+    # 8 steps of 4 x 128 tokens, so the learning rate is 10x the default
+    "dwq": dict(bits=4, group_size=64, num_samples=32, max_seq_length=129, batch_size=4,
+                learning_rate=1e-5, num_valid_samples=4, temperature=2.0, seed=123),
 }
 SLOW = ("awq", "dwq")  # the two that refuse the reference BLAS without --allow-slow
 FAST_GFLOPS = 10.0     # below this the process is on the reference BLAS
