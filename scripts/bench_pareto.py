@@ -12,7 +12,14 @@ PyTorch (float32 activations) and tokens/s the quantized model with float32 scal
 (perplexity vs stored bits/weight, every method a line), and the Pareto verdict: for each mlx_lm
 point, the best mfqat point of the same run at equal or fewer bytes.
 
+--mlx-lm-methods adds mlx-lm's learned quantizers on the same master (gptq, awq, dwq, dynamic; each
+``NAME[:setting=value...]``, settings in scripts/mlx_lm_learned.py's METHODS and recorded in every
+row): run offline through their own functions on the pydoc *training* split, in a child process
+with Debian's OpenBLAS preloaded after a BLAS check (AWQ and DWQ refuse MLX's reference BLAS unless
+--allow-slow); their rows are the exact weights of the folder mlx-lm saved, scored like every other.
+
     python scripts/bench_pareto.py --run out/joint/joint-affine:uniform:affine8,uniform:affine6,uniform:affine4,uniform:affine3
+    python scripts/bench_pareto.py --mlx-lm "q4 g64" --mlx-lm-methods gptq,dynamic --run out/joint-affine:uniform:affine4
 """
 from __future__ import annotations
 
@@ -29,6 +36,8 @@ from mfqat.data.sources import licence_text, load_model, load_text, split_text, 
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.export import to_mlx
 from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert as convert_with_mlx_lm, stored_bits as stored_bpw
+
+import mlx_lm_learned  # scripts/ (this script's folder) is on sys.path
 
 MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
                   + [("mxfp4", dict(q_mode="mxfp4", q_bits=4, q_group_size=32)),
@@ -91,11 +100,18 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,
-                options: List[str], speed: List[str] = ()) -> List[dict]:
-    """Rows for one run: every mlx_lm option on its master, every mfqat recipe on its anchor."""
+                options: List[str], speed: List[str] = (), methods: List[str] = (), preload=None) -> List[dict]:
+    """Rows for one run: every mlx_lm option on its master, every mfqat recipe on its anchor, every
+    mlx-lm learned method (``methods``) on its master."""
     rows = []
     jobs = [("mlx_lm", name, lambda d, o=opts: mlx_lm_convert(run / "master", d, o))
             for name, opts in MLX_LM_OPTIONS if not options or name in options]
+    learned = {}
+
+    def learn(dest: Path, spec: str) -> None:
+        learned[spec] = mlx_lm_learned.quantize_in_child(spec, run / "master", dest, preload,
+                                                         log=out / run.name / "mlx_lm_learned.log")
+    jobs += [("mlx_lm", spec, lambda d, m=spec: learn(d, m)) for spec in methods]
     jobs += [("mfqat", r, lambda d, r=r: mfqat_export(run / "anchor", d, r)) for r in recipes]
     for method, name, make in jobs:
         key = f"{run.name}|{method}|{name}"
@@ -106,6 +122,8 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
             make(dest)
             row = cache.get(key) or {"run": run.name, "method": method, "option": name,
                                      "stored bits/w": stored_bpw(dest, n_params), **evaluate(dest, model, held)}
+            if name in learned:  # what mlx-lm ran: settings, seconds, BLAS, DWQ's validation KL
+                row["learned"] = {k: v for k, v in learned[name].items() if k not in ("calibration",)}
             if method == "mfqat":  # the plan: how many weights each format holds
                 tensors = json.loads((dest / "mfqat_export.json").read_text())["tensors"]
                 row["plan"] = {f: sum(1 for t in tensors.values() if t.get("source") == f)
@@ -141,9 +159,22 @@ def main() -> None:
     p.add_argument("--out", default="out/pareto")
     p.add_argument("--speed", default="", help="comma list of options / recipes to time generation for")
     p.add_argument("--mlx-lm", default="", help="comma list of mlx_lm options to run (default: all), e.g. 'q4 g64,mxfp4'")
+    p.add_argument("--mlx-lm-methods", default="",
+                   help="comma list of mlx-lm learned quantizers to add: gptq, awq, dwq, dynamic, each "
+                        "NAME[:setting=value...] (scripts/mlx_lm_learned.py METHODS), e.g. 'gptq,dynamic:target_bpw=5.0'")
+    p.add_argument("--allow-slow", action="store_true",
+                   help="run awq/dwq on MLX's reference BLAS when OpenBLAS is missing (hours)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    methods = [m for m in a.mlx_lm_methods.split(",") if m]
+    preload = None
+    if methods:
+        names = [mlx_lm_learned.parse_spec(m)[0] for m in methods]
+        check = mlx_lm_learned.blas_check()
+        print(f"[pareto] BLAS check: {json.dumps(check)}")
+        mlx_lm_learned.require_fast_blas(names, check, a.allow_slow)
+        preload = check["preload"]
     measure_each_probe_once()
     model, tok = load_model(None)
     n_params = sum(t.numel() for t in model.parameters())
@@ -156,10 +187,12 @@ def main() -> None:
     for spec in a.run:
         run, _, recipes = spec.partition(":")
         rows += measure_run(Path(run), [r for r in recipes.split(",") if r], out, model, held, n_params, cache, save,
-                            [o for o in a.mlx_lm.split(",") if o], [o for o in a.speed.split(",") if o])
+                            [o for o in a.mlx_lm.split(",") if o], [o for o in a.speed.split(",") if o], methods, preload)
     rows.sort(key=lambda r: (r["run"], r["stored bits/w"]))
     cols = ["run", "method", "option", "stored bits/w", "pydoc", "licence", "tokens/s"]
     print(format_table([{c: r.get(c, "") for c in cols} for r in rows], cols))
+    for r in [r for r in rows if "learned" in r]:
+        print(f"{r['run']} {r['option']}: {json.dumps(r['learned'])}")
     for text in ("pydoc", "licence"):
         v = verdict(rows, text)
         print(f"\nPareto verdict, {text}: mfqat wins {sum(x['win'] for x in v)}/{len(v)} mlx_lm points")
@@ -176,6 +209,8 @@ def main() -> None:
 def line_of(row: dict) -> str:
     """The plot line a point belongs to: one per mlx_lm kind, one per mfqat anchor family."""
     opt = row["option"]
+    if row["method"] == "mlx_lm" and opt.split(":")[0] in mlx_lm_learned.METHODS:
+        return "mlx_lm " + opt.split(":")[0]
     if row["method"] == "mlx_lm":
         return "mlx_lm " + ("mixed" if "mixed" in opt else "mxfp" if "mxfp" in opt else "affine " + opt.split()[-1])
     return "mfqat " + ("seed/auto" if not opt.startswith("uniform") else opt.split(":")[1].rstrip("0123456789_e"))
