@@ -93,10 +93,17 @@ def measure_each_probe_once() -> None:
 
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
-    """``RECIPE[@gN]``: @gN sets the group of derived affine formats (default 64)."""
+    """``RECIPE[@gN][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
+    +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64)."""
+    recipe, refined, steps = recipe.partition("+refine")
     recipe, _, group = recipe.partition("@g")
+    refine = None
+    if refined:
+        from mfqat.export.refine import RefineConfig
+        refine = RefineConfig(steps=int(steps or 64))
     if not (dest / "mfqat_export.json").is_file():
-        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64))
+        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
+               refine=refine)
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,

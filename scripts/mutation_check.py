@@ -348,6 +348,15 @@ MUTATIONS: List[Mutation] = [
              "    if re.search(ATTENTION_OUTPUTS, name):\n        return None\n",
              "    if re.search(ATTENTION_OUTPUTS, name):\n        return base\n",
              ("tests/test_families.py::test_dynamic2_recipe_on_qwen3_5[dynamic2]",)),
+    Mutation("refine-learned-scales-never-written", "mfqat/export/recipes.py",
+             "self.refined[name] if name in self.refined else ", "",
+             ("tests/test_refine.py::test_refine_keeps_every_code_and_byte_and_moves_the_scales",)),
+    Mutation("refine-keeps-a-worse-result", "mfqat/export/refine.py",
+             "    kept = after < before\n", "    kept = True\n",
+             ("tests/test_refine.py::test_a_refine_that_raises_the_kl_is_not_kept",)),
+    Mutation("refine-codes-relearnt", "mfqat/export/refine.py",
+             "        return MXTensor(q.codes, s,", "        return MXTensor(q.codes.flip(-1), s,",
+             ("tests/test_refine.py::test_refine_keeps_every_code_and_byte_and_moves_the_scales",)),
 ]
 
 

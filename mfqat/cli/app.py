@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--scale-search", action="store_true", help="output-aware per-block MX scale choice when "
                    "lowering the anchor to mxint6..mxint3 (importance-weighted error, calibrated on --calib-text; "
                    "docs/numerics.md)")
+    x.add_argument("--refine", action="store_true", help="learn the affine tensors' group scales and biases (codes "
+                   "and bytes unchanged) so the export's next-token distribution matches the anchor's on --calib-text "
+                   "(KL, Adam; mlx-lm DWQ's lever, run in PyTorch; mfqat.export.refine.RefineConfig)")
+    x.add_argument("--refine-steps", type=int, default=64, help="--refine: Adam steps of 4 x 128 calibration tokens")
+    x.add_argument("--refine-lr", type=float, default=1e-3, help="--refine: learning rate of the relative scale / bias")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="MLX affine scales/biases; auto: as mlx_lm.convert writes for the model (bfloat16 for a "
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")

@@ -47,6 +47,8 @@ from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_st
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
     import mlx.core as mx
 
+    from mfqat.export.refine import RefineConfig
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
@@ -133,7 +135,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
            group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
-           imatrix_path: Optional[str] = None, scale_search: bool = False) -> dict:
+           imatrix_path: Optional[str] = None, scale_search: bool = False,
+           refine: Optional["RefineConfig"] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -146,7 +149,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     folder whose tokenizer files are copied instead of the source's (for an anchor saved without one).
     ``imatrix_path``: with ``awq``, a llama.cpp imatrix GGUF used instead of calibrating on ``calib_text``.
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
-    ``calib_text`` (mfqat.export.scale_search). Returns the report.
+    ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
+    against the anchor on ``calib_text`` (mfqat.export.refine.RefineConfig, DWQ's lever; codes and
+    bytes unchanged). Returns the report.
     """
     import time
 
@@ -174,6 +179,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
+        if refine is not None:
+            from mfqat.export.refine import apply_refine
+            report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, refine)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())

@@ -59,6 +59,7 @@ class Plan:
     derived_group: int = DERIVED_GROUP_SIZE  # group of the derived affine formats
     base_group: int = 32  # the config's top-level group size (that of the top-level format)
     family: Family = DENSE  # the model family's rules (mfqat.models): mlx-lm names, what stays high precision
+    refined: Dict[str, MXTensor] = field(default_factory=dict)  # export --refine: learned scales/biases, same codes
 
     def group_of(self, fmt: str) -> int:
         """MLX group size of a tensor in ``fmt``."""
@@ -66,7 +67,8 @@ class Plan:
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
         """Every planned tensor as an MXTensor in its planned format (sensitivity.in_format)."""
-        return {name: in_format(anchor, name, fmt, self.derived_group) for name, fmt in self.formats.items()}
+        return {name: self.refined[name] if name in self.refined else in_format(anchor, name, fmt, self.derived_group)
+                for name, fmt in self.formats.items()}
 
     def mlx_modules(self, name: str, shape: tuple) -> List[str]:
         """The mlx-lm module paths that hold the tensor ``name`` (several for a split expert parameter)."""

@@ -1,0 +1,170 @@
+"""``export-mlx --refine``: learned group scales and biases for the affine tensors of an export.
+
+The lever of mlx-lm's DWQ (distilled weight quantization), run in PyTorch on the export's own
+plan: every affine tensor keeps its codes ``q`` and learns its bfloat16 scale ``s`` and bias ``b``
+per group so that the exported model's next-token distribution matches the anchor's own (the
+teacher: the anchor in its format, MXINT8/MXFP8, what MF-QAT trained) on calibration text.
+The result is still MLX's plain affine layout (same bytes, stock ``mlx_lm.load``), and the
+export check still compares it bit for bit with PyTorch's dequantization.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mfqat.anchor.checkpoint import Anchor, anchor_model
+from mfqat.export.recipes import Plan
+from mfqat.export.verify import reference_state
+from mfqat.progress import progress
+from mfqat.quant.mxtensor import MXTensor
+
+
+@dataclass
+class RefineConfig:
+    """Distil the affine scales and biases of an export against its anchor (codes fixed).
+
+    For every affine tensor of the plan, with codes ``q`` and the derived scale ``s0`` and bias
+    ``b0`` of each group, two parameters per group ``a``, ``c`` (both 0 at the start) give::
+
+        s = bf16(s0 * (1 + a))      b = bf16(b0 + s0 * c)      W = q * s + b
+
+    (bfloat16 rounding straight-through), so one learning rate suits every tensor whatever its
+    magnitude. ``a`` and ``c`` minimise, with Adam, on ``n_blocks`` blocks of ``seq_len``
+    calibration tokens (``batch`` blocks a step)::
+
+        T^2 * KL( softmax(z_anchor / T) || softmax(z_export / T) )     per token, averaged
+
+    ``n_valid`` further blocks measure the same KL before and after; the learned values are kept
+    only when they lower it (else the export keeps the derived ones and says so).
+    """
+
+    steps: int = 64
+    lr: float = 1e-3
+    batch: int = 4
+    seq_len: int = 128
+    n_blocks: int = 32
+    n_valid: int = 4
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq_len", "n_blocks", "n_valid"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"refine: {name} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0 or not self.temperature > 0:
+            raise ValueError(f"refine: lr and temperature must be positive, got {self.lr}, {self.temperature}")
+
+
+def _ste_bf16(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 rounding in the forward pass, identity in the backward pass."""
+    return x + (x.to(torch.bfloat16).float() - x).detach()
+
+
+class _Groups(nn.Module):
+    """The learned (a, c) of one affine tensor and the weights they give."""
+
+    def __init__(self, q: MXTensor):
+        super().__init__()
+        self.q = q
+        self.codes = q.codes.float().reshape(*q.shape[:-1], q.shape[-1] // q.block_size, q.block_size)
+        self.s0, self.b0 = q.scales.float(), q.biases.float()
+        self.a = nn.Parameter(torch.zeros_like(self.s0))
+        self.c = nn.Parameter(torch.zeros_like(self.s0))
+
+    def scales_biases(self, straight_through: bool = True):
+        s, b = self.s0 * (1 + self.a), self.b0 + self.s0 * self.c
+        if straight_through:
+            return _ste_bf16(s), _ste_bf16(b)
+        return s.detach().to(torch.bfloat16).float(), b.detach().to(torch.bfloat16).float()
+
+    def weight(self) -> torch.Tensor:
+        s, b = self.scales_biases()
+        return (self.codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(self.q.shape)
+
+    def learned(self) -> MXTensor:
+        """The tensor with its learned bfloat16 scales and biases (same codes)."""
+        s, b = self.scales_biases(straight_through=False)
+        q = self.q
+        return MXTensor(q.codes, s, q.fmt, q.block_size, q.dtype, b, q.scale_rule)
+
+
+def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
+    log_s = F.log_softmax(student.float() / t, dim=-1)
+    log_t = F.log_softmax(teacher.float() / t, dim=-1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
+
+
+def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None) -> dict:
+    """Learn the scales and biases of ``plan``'s affine tensors on ``calib`` token blocks
+    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.refined`` when the validation KL drops.
+    Returns the report entry (tensors, steps, KL before / after, seconds)."""
+    cfg = cfg or RefineConfig()
+    t0 = time.perf_counter()
+    targets = {n: q for n, q in plan.tensors(anchor).items() if q.fmt.family == "affine"}
+    if not targets:
+        raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, and recipe plan has no affine "
+                         "tensor: use uniform:affineK, auto:BPW:affine or seed:affine")
+    if calib.shape[0] < cfg.n_blocks + cfg.n_valid:
+        raise ValueError(f"refine: the calibration text gives {calib.shape[0]} blocks of {calib.shape[1]} tokens, "
+                         f"{cfg.n_blocks + cfg.n_valid} needed (n_blocks + n_valid): pass a longer --calib-text "
+                         "or fewer blocks")
+    train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
+    teacher = anchor_model(anchor)
+    student = anchor_model(anchor)
+    student.load_state_dict(reference_state(anchor, plan), strict=False)
+    student.tie_weights()
+    for p in list(teacher.parameters()) + list(student.parameters()):
+        p.requires_grad_(False)
+    groups = {n: _Groups(q) for n, q in targets.items()}
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        weights = {n: g.weight() for n, g in groups.items()}
+        return torch.func.functional_call(student, weights, (ids,), tie_weights=True).logits
+
+    def valid_kl() -> float:
+        with torch.no_grad():
+            return float(sum(_kl(logits(ids[None]), teacher(ids[None]).logits, cfg.temperature) for ids in valid)
+                         / len(valid))
+
+    before = valid_kl()
+    opt = torch.optim.Adam([p for g in groups.values() for p in (g.a, g.c)], lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses = []
+    bar = progress(range(cfg.steps), desc="refine scales/biases", unit="step")
+    for _ in bar:
+        ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
+        with torch.no_grad():
+            target = teacher(ids).logits
+        loss = _kl(logits(ids), target, cfg.temperature)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(kl=f"{losses[-1]:.4f}")
+    after = valid_kl()
+    kept = after < before
+    if kept:
+        plan.refined = {n: g.learned() for n, g in groups.items()}
+    return {"tensors": len(groups), "steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
+            "calibration_blocks": cfg.n_blocks, "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
+            "validation_kl_before": before, "validation_kl_after": after, "kept": kept,
+            "train_kl_first_last": [losses[0], losses[-1]], "seconds": time.perf_counter() - t0}
+
+
+def apply_refine(anchor: Anchor, plan: Plan, tokenizer_dir: Path, calib_text: Optional[str],
+                 cfg: Optional[RefineConfig] = None) -> dict:
+    """Tokenize the calibration text (default: the pydoc training split) and :func:`refine`."""
+    from transformers import AutoTokenizer
+
+    from mfqat.data.sources import calibration_blocks
+
+    cfg = cfg or RefineConfig()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    calib = calibration_blocks(tok, calib_text, n_blocks=cfg.n_blocks + cfg.n_valid, seq_len=cfg.seq_len)
+    return {**refine(anchor, plan, calib, cfg), "calibration": calib_text or "pydoc training split"}
