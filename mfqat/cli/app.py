@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "MX formats keep the anchor's block size")
     x.add_argument("--tokenizer", default=None, help="tokenizer folder copied into the export (needed when the "
                    "anchor was saved without a tokenizer)")
-    x.add_argument("--calib-text", default=None, help="auto/AWQ: calibration text file or folder (default: pydoc)")
+    x.add_argument("--calib-text", default=None, help="auto/AWQ/--refine: calibration text file or folder (default: pydoc)")
     x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
     x.add_argument("--imatrix-path", default=None, help="with --awq: a llama.cpp importance-matrix GGUF "
                    "(llama-imatrix -o imatrix.gguf, as Unsloth publishes) instead of calibrating on --calib-text")
