@@ -66,11 +66,14 @@ def load_bnb_base(model: nn.Module, base: str) -> nn.Module:
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str) -> nn.Module:
-    """peft LoRA adapters on ``targets`` (comma list); only the adapters train."""
+    """peft LoRA adapters on ``targets`` (comma list of module names, or ``all-linear``: every Linear but
+    the output layer, peft's rule); only the adapters train."""
     from peft import LoraConfig, get_peft_model
 
     names = [t.strip() for t in targets.split(",") if t.strip()]
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=names, task_type="CAUSAL_LM")
+    target_modules = "all-linear" if names == ["all-linear"] else names  # peft's own family-independent rule
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                     task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:

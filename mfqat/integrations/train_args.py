@@ -6,7 +6,8 @@ import json
 import os
 from pathlib import Path
 
-LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+LORA_TARGETS = "all-linear"  # peft's rule: every nn.Linear except the output layer, in any model family
+LLAMA_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # what all-linear gives on Llama
 BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.integrations.lora reads these
 
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
@@ -88,7 +89,11 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-rank", type=int, default=0, help="train peft LoRA adapters of this rank (0: off)")
     g.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling numerator (scale = alpha / rank)")
     g.add_argument("--lora-dropout", type=float, default=0.0)
-    g.add_argument("--lora-targets", default=LORA_TARGETS, help="comma list of module names to adapt")
+    g.add_argument("--lora-targets", default=LORA_TARGETS,
+                   help="comma list of module names to adapt, or all-linear (default: peft's rule, every Linear "
+                        "but the output layer, whatever the family: q/k/v/o/gate/up/down on Llama, qkv_proj/"
+                        "gate_up_proj on Phi-3, query_key_value/dense_* on GPT-NeoX; fused MoE experts are "
+                        "not Linears and get none)")
     g.add_argument("--base", default="fp", choices=BASES,
                    help="frozen base under LoRA: fp, or bitsandbytes nf4 (double quant, bf16 compute) / "
                         "int8 (LLM.int8, outlier threshold 6)")

@@ -109,10 +109,10 @@ def _empty_model(a: Anchor) -> nn.Module:
 
 
 def mx_qlora_model(anchor: str | Path, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
-                   targets: Iterable[str] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj")) -> nn.Module:
+                   targets: Iterable[str] = ("all-linear",)) -> nn.Module:
     """The anchor's model with every targeted quantized Linear replaced by a frozen MX layer plus a
-    LoRA adapter; all other parameters frozen. ``model.mx_qlora`` records the settings.
+    LoRA adapter; all other parameters frozen. ``targets``: module names (last path component), or
+    ``all-linear`` (every quantized Linear, whatever the family). ``model.mx_qlora`` records the settings.
 
     No full-precision copy of a target weight is ever made: the model is built on the meta device,
     the targets become packed MX layers straight from the anchor's codes, and only the other
@@ -128,7 +128,7 @@ def mx_qlora_model(anchor: str | Path, rank: int = 8, alpha: float = 16.0, dropo
         if type(m) is nn.Linear and key in a.quantized:  # every quantized Linear runs in the base format
             bias = a.plain.pop(f"{name}.bias", None) if m.bias is not None else None
             base = MXFrozenLinear(a.quantized.pop(key), None if bias is None else bias.float())
-            if name.rsplit(".", 1)[-1] in targets:
+            if targets == ["all-linear"] or name.rsplit(".", 1)[-1] in targets:
                 _set(model, name, LoRALinear(base, rank, alpha, dropout))
                 adapted.append(name)
             else:

@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
     p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--lora-targets", default=DEFAULT_TARGETS)
+    p.add_argument("--lora-targets", default=DEFAULT_TARGETS,
+                   help="comma list of Linear names to adapt, or all-linear (default: every quantized Linear)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)

@@ -1,0 +1,51 @@
+"""LoRA's default targets work for every model family: `mfqat train --lora-rank` (peft, ``all-linear``)
+and `mfqat mx-qlora` (every quantized Linear), never only Llama's module names."""
+import pytest
+import torch
+
+import mfqat
+from mfqat.data.sources import tiny_tokenizer
+from mfqat.integrations.lora import DEFAULT_TARGETS, apply_lora
+from mfqat.integrations.train_args import LLAMA_LORA_TARGETS
+from mfqat.qlora.model import mx_qlora_model
+
+from tests.test_families import SUPPORTED, build  # the tiny family models
+
+EXPECTED = {  # module names every family's default must adapt (its attention and MLP Linears)
+    "llama": set(LLAMA_LORA_TARGETS.split(",")),
+    "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+    "qwen3_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},
+    "qwen3_5": {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "gate_proj", "down_proj"},
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def adapted(model) -> set:
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_default_lora_targets_adapt_every_familys_linears(name, tok):
+    model_type, extra = SUPPORTED[name]
+    model = apply_lora(build(model_type, extra, len(tok)), 4, 8.0, 0.0, DEFAULT_TARGETS)
+    got = adapted(model)
+    assert EXPECTED[name] <= got, f"{name}: {sorted(EXPECTED[name] - got)} not adapted"
+    assert "lm_head" not in got and "embed_out" not in got
+    if name == "llama":
+        assert got == EXPECTED["llama"]  # the default before all-linear, unchanged on Llama
+    ids = torch.randint(0, len(tok), (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox"])
+def test_mx_qlora_default_targets_adapt_every_quantized_linear(name, tok, tmp_path):
+    model_type, extra = SUPPORTED[name]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxint8", tok)
+    model = mx_qlora_model(anchor, rank=4)
+    assert set(model.mx_qlora["targets"]) == EXPECTED[name]
