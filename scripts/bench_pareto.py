@@ -41,7 +41,8 @@ import mlx_lm_learned  # scripts/ (this script's folder) is on sys.path
 
 MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
                   + [("mxfp4", dict(q_mode="mxfp4", q_bits=4, q_group_size=32)),
-                     ("mxfp8", dict(q_mode="mxfp8", q_bits=8, q_group_size=32))]
+                     ("mxfp8", dict(q_mode="mxfp8", q_bits=8, q_group_size=32)),
+                     ("nvfp4", dict(q_mode="nvfp4", q_bits=4, q_group_size=16))]
                   + [(r, dict(quant_predicate=r)) for r in ("mixed_3_4", "mixed_3_6", "mixed_4_6")])
 PROMPT = "The Python language is"
 SAME_SIZE = 1e-3  # bits/weight (17 KB on 135M weights): the same tensors, safetensors headers differ
