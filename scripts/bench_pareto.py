@@ -220,8 +220,11 @@ def line_of(row: dict) -> str:
     if row["method"] == "mlx_lm" and opt.split(":")[0] in mlx_lm_learned.METHODS:
         return "mlx_lm " + opt.split(":")[0]
     if row["method"] == "mlx_lm":
-        return "mlx_lm " + ("mixed" if "mixed" in opt else "mxfp" if "mxfp" in opt else "affine " + opt.split()[-1])
-    return "mfqat " + ("seed/auto" if not opt.startswith("uniform") else opt.split(":")[1].rstrip("0123456789_e"))
+        return "mlx_lm " + ("mixed" if "mixed" in opt else "mxfp" if "mxfp" in opt else "nvfp4" if opt == "nvfp4"
+                            else "affine " + opt.split()[-1])
+    if "+refine" in opt:
+        return "mfqat refined (" + ("auto" if opt.startswith("auto") else "uniform") + ")"
+    return "mfqat " + ("seed/auto" if not opt.startswith("uniform") else opt.split(":")[1].split("@")[0].rstrip("0123456789_e"))
 
 
 if __name__ == "__main__":
