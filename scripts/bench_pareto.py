@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Dict, List
@@ -224,7 +225,7 @@ def line_of(row: dict) -> str:
                             else "affine " + opt.split()[-1])
     if "+refine" in opt:
         return "mfqat refined (" + ("auto" if opt.startswith("auto") else "uniform") + ")"
-    return "mfqat " + ("seed/auto" if not opt.startswith("uniform") else opt.split(":")[1].split("@")[0].rstrip("0123456789_e"))
+    return "mfqat " + ("seed/auto" if not opt.startswith("uniform") else re.sub(r"\d.*$", "", opt.split(":")[1]))
 
 
 if __name__ == "__main__":
