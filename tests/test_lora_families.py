@@ -49,3 +49,34 @@ def test_mx_qlora_default_targets_adapt_every_quantized_linear(name, tok, tmp_pa
     anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxint8", tok)
     model = mx_qlora_model(anchor, rank=4)
     assert set(model.mx_qlora["targets"]) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "phi3", "gpt_neox"])
+def test_from_pretrained_of_a_family_anchor_is_load_anchor(name, tok, tmp_path):
+    """transformers 5 loads an anchor's fused-expert names as they are: AutoModelForCausalLM.from_pretrained
+    (mfqat's HfQuantizer) gives load_anchor's model, with no weight reported missing or unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    mfqat.register_hf_quantizer()
+    model_type, extra = SUPPORTED[name]
+    cfg = mfqat.QATConfig(formats=["mxint8", "mxint4"], schedule="joint", scale_rules={"mxint4": "search"})
+    model = mfqat.prepare(build(model_type, extra, len(tok)), cfg)
+    model(torch.randint(0, len(tok), (2, 16)))  # records the input importance the anchor stores
+    mfqat.sync_importance(model)
+    anchor = mfqat.save_anchor(model, tmp_path / "a", "mxint8", tok)
+    assert any(k.endswith(".importance") for k in safe_open_keys(anchor))
+    hf, info = AutoModelForCausalLM.from_pretrained(anchor, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    ids = torch.randint(0, len(tok), (1, 12))
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, mfqat.load_anchor(anchor)(ids).logits)
+
+
+def safe_open_keys(folder):
+    from safetensors import safe_open
+
+    keys = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            keys += list(fh.keys())
+    return keys

@@ -44,10 +44,10 @@ class MFQATHfQuantizer(HfQuantizer):
         if not checkpoint_files:
             raise ValueError("mfqat anchors load from a local folder (no checkpoint files were found)")
         self.folder = Path(checkpoint_files[0]).parent
-        # the anchor stores codes + scales under other names: transformers' report of them would be noise
+        # the anchor stores codes + scales (+ importance) under other names: transformers' report of them would be noise
         # (the weights are checked in _process_model_after_weight_loading instead)
         self._ignored = (model._keys_to_ignore_on_load_unexpected, model._keys_to_ignore_on_load_missing)
-        model._keys_to_ignore_on_load_unexpected = {r"\.codes$", r"\.scales$"}
+        model._keys_to_ignore_on_load_unexpected = {r"\.codes$", r"\.scales$", r"\.importance$"}
         model._keys_to_ignore_on_load_missing = {r".*"}
         return model
 
