@@ -33,6 +33,9 @@ class CommandError(SystemExit):
         return self.message
 
 
+CALIB_HELP = ("calibration text: FILE, FOLDER or pydoc, or a mix PATH:WEIGHT,... interleaved in proportion "
+              "from the first token (pydoc: its training split, never the held-out text; default: pydoc)")
+
 def fail(cmd: str, message: str) -> NoReturn:
     """Print ``mfqat <cmd>: error: message`` on stderr and exit with status 2."""
     line = f"mfqat {cmd}: error: {message}" if cmd else f"mfqat: error: {message}"
@@ -73,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace an earlier convert output at --out")
     c.add_argument("--scale-search", action="store_true", help="lower to mxint6..mxint3 with the output-aware "
                    "per-block scale choice, calibrated on --calib-text with the anchor's tokenizer (docs/numerics.md)")
-    c.add_argument("--calib-text", default=None, help="--scale-search: calibration text file or folder (default: pydoc)")
+    c.add_argument("--calib-text", default=None, help="--scale-search: " + CALIB_HELP)
     e = sub.add_parser("eval", help="perplexity table + PNG over formats")
     _model_arg(e, "model", "anchor directory, HF folder, .gguf, or 'smollm2'")
     e.add_argument("--formats", default="mxint8,mxint6,mxint5,mxint4,mxint3,mxint2")
@@ -87,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "quant, bf16 compute), int8 (LLM.int8, threshold 6.0); of MODEL, or of --fp-model for an anchor")
     e.add_argument("--scale-search", action="store_true", help="anchor: lower to mxint6..mxint3 with the "
                    "output-aware per-block scale choice, calibrated on --calib-text (as export-mlx --scale-search)")
-    e.add_argument("--calib-text", default=None, help="--scale-search: calibration text file or folder (default: the "
-                   "pydoc training split, never the held-out text)")
+    e.add_argument("--calib-text", default=None, help="--scale-search: " + CALIB_HELP)
     e.add_argument("--plot", default="ppl_vs_bpw.png", help="the perplexity-vs-bits PNG written")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "MX formats keep the anchor's block size")
     x.add_argument("--tokenizer", default=None, help="tokenizer folder copied into the export (needed when the "
                    "anchor was saved without a tokenizer)")
-    x.add_argument("--calib-text", default=None, help="auto/AWQ/--refine: calibration text file or folder (default: pydoc)")
+    x.add_argument("--calib-text", default=None, help="auto/AWQ/--refine/--scale-search: " + CALIB_HELP)
     x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
     x.add_argument("--imatrix-path", default=None, help="with --awq: a llama.cpp importance-matrix GGUF "
                    "(llama-imatrix -o imatrix.gguf, as Unsloth publishes) instead of calibrating on --calib-text")

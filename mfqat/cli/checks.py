@@ -46,11 +46,26 @@ def need_searched_format(fmt: Optional[str]) -> None:
                          f"{', '.join(SEARCH_RULE_FORMATS)} (other formats keep their scale rule)")
 
 
+def need_calib_sources(spec: Optional[str]) -> None:
+    """``--calib-text PATH[:WEIGHT],...``: every source exists ('pydoc' is built in), weights positive."""
+    if not spec:
+        return
+    from mfqat.data.mix import parse_mix
+
+    try:
+        sources = parse_mix(spec)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for path, _ in sources:
+        if path != "pydoc":
+            need_path(path, "--calib-text")
+
+
 def need_calib_text(a) -> None:
     """``--calib-text`` (of eval / convert) goes with ``--scale-search`` and must exist."""
     if a.calib_text and not a.scale_search:
         raise UsageError("--calib-text calibrates the scale search: add --scale-search")
-    need_path(a.calib_text, "--calib-text")
+    need_calib_sources(a.calib_text)
 
 
 def need_model(path: Optional[str], flag: str) -> None:
@@ -178,7 +193,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             if a.tokenizer and a.recipe.startswith("auto") and not has_tokenizer(a.anchor):
                 raise UsageError("--recipe auto:BPW calibrates with the anchor's own tokenizer; this anchor has "
                                  "none: use uniform:FMT or seed with --tokenizer")
-            need_path(a.calib_text, "--calib-text")
+            need_calib_sources(a.calib_text)
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")

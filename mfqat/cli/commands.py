@@ -109,10 +109,10 @@ def evaluate(a: argparse.Namespace) -> None:
 
 def export(a: argparse.Namespace) -> None:
     """Anchor (or HF model) -> MLX model directory."""
-    from mfqat.data.sources import load_text
+    from mfqat.data.mix import mixed_text
     from mfqat.export import to_mlx
 
-    calib = load_text(a.calib_text) if a.calib_text else None
+    calib = mixed_text(a.calib_text) if a.calib_text else None
     refine = None
     if a.refine:
         from mfqat.export.refine import RefineConfig
@@ -136,9 +136,10 @@ def export(a: argparse.Namespace) -> None:
 def calibration_ids(tok, calib_text: Optional[str]):
     """``--scale-search``'s calibration token ids: 8 x 128 tokens of ``--calib-text`` (a file or
     folder), else of the pydoc training split (never the held-out text)."""
-    from mfqat.data.sources import calibration_blocks, load_text
+    from mfqat.data.mix import mixed_text
+    from mfqat.data.sources import calibration_blocks
 
-    return calibration_blocks(tok, load_text(calib_text) if calib_text else None, n_blocks=8)
+    return calibration_blocks(tok, mixed_text(calib_text) if calib_text else None, n_blocks=8)
 
 
 def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> None:

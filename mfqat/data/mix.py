@@ -1,0 +1,84 @@
+"""Calibration text mixed from several sources with weights: ``--calib-text a.txt:2,notes/,pydoc``.
+
+Every calibration consumer (``auto:BPW``'s sensitivity, AWQ, ``--refine``, the scale search) takes
+the *first* blocks of its text, so a mix must be in proportion from its first token on. The sources
+are therefore interleaved in rounds: each round takes from source ``i`` the next ``chunk * w_i /
+max(w)`` characters (cut after a whitespace so that no word is split), until every source is used
+up; a source that ends early simply drops out of later rounds.
+
+``pydoc`` in a mix means the pydoc *training* split (never its held-out part, which the benchmarks
+score); a file or folder is read as ``mfqat.data.sources.load_text`` reads it. A single source
+without a weight is returned exactly as ``load_text`` / the default calibration gives it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Tuple
+
+from mfqat.data.sources import load_text, split_text
+
+CHUNK_CHARS = 4096  # characters per round of the heaviest source
+
+
+def parse_mix(spec: str) -> List[Tuple[str, float]]:
+    """``PATH[:WEIGHT],...`` -> [(path, weight)]; weights default to 1 and must be positive numbers."""
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        path, sep, w = part.rpartition(":")
+        if not sep or not _is_number(w):
+            path, w = part, "1"
+        weight = float(w)
+        if not weight > 0:
+            raise ValueError(f"--calib-text {spec!r}: the weight of {path} must be a positive number, got {w}")
+        out.append((path, weight))
+    if not out:
+        raise ValueError(f"--calib-text {spec!r}: no source given")
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def source_text(path: str) -> str:
+    """One source of a mix: ``pydoc`` is its training split, else a file or folder (load_text)."""
+    if path == "pydoc":
+        return split_text(load_text(None))[0]
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--calib-text: {path}: no such file or folder (give files, folders or 'pydoc', "
+                                "each optionally :WEIGHT)")
+    return load_text(path)
+
+
+def _cut(text: str, start: int, size: int) -> int:
+    """The end of the chunk of about ``size`` characters from ``start``: after the next whitespace."""
+    end = start + size
+    if end >= len(text):
+        return len(text)
+    space = next((i for i in range(end, min(len(text), end + 256)) if text[i].isspace()), end)
+    return space + 1
+
+
+def mixed_text(spec: str, chunk: int = CHUNK_CHARS) -> str:
+    """The calibration text of ``spec`` (see the module docstring)."""
+    sources = parse_mix(spec)
+    if len(sources) == 1 and ":" not in spec:
+        path = sources[0][0]
+        return load_text(path) if path != "pydoc" else source_text(path)
+    texts = [source_text(p) for p, _ in sources]
+    top = max(w for _, w in sources)
+    sizes = [max(1, int(chunk * w / top)) for _, w in sources]
+    pos, parts = [0] * len(texts), []
+    while any(p < len(t) for p, t in zip(pos, texts)):
+        for i, text in enumerate(texts):
+            if pos[i] < len(text):
+                end = _cut(text, pos[i], sizes[i])
+                parts.append(text[pos[i]:end])
+                pos[i] = end
+    return "".join(parts)
