@@ -21,12 +21,19 @@ LAUNCHES = triton_aot.launches() if WHY is None else []
 # (scripts/bench_kernels_static.py --unaligned has them all: every x-taking kernel spills somewhere).
 CASES = LAUNCHES + [triton_aot.unaligned(l) for l in LAUNCHES if l.kernel == "_fake_quant_kernel"
                     and l.config.startswith("mxint4 fp32")]
+# The search at its largest block (256: float64 errors of 16 x 256 elements per program) is the one
+# aligned launch that spills on sm_80/sm_90 (the script's --full: bs128 on sm_90 too).
+CASES += [l for l in (triton_aot.launches(full=True) if WHY is None else [])
+          if l.kernel == "_search_kernel" and " bs256 weighted" in l.config]
 # Measured spills (Triton 3.9.0's ptxas), (launch id, sm) -> bytes: expected failures with the number,
 # not hidden; not strict, as the numbers move with the toolchain (the script prints the current ones).
 KNOWN_SPILLS = {
     ("_search_kernel[mxfp4_e2m1-fp32-bs32-weighted]", 100): 8,
     ("_fake_quant_kernel[mxint4-fp32-bs32-ceil-mask-unaligned]", 80): 392,
     ("_fake_quant_kernel[mxint4-fp32-bs32-ceil-mask-unaligned]", 90): 8,
+    ("_search_kernel[mxint4-fp32-bs256-weighted]", 80): 224,
+    ("_search_kernel[mxfp4_e2m1-fp32-bs256-weighted]", 80): 200,
+    ("_search_kernel[mxfp4_e2m1-fp32-bs256-weighted]", 90): 32,
 }
 
 
@@ -56,7 +63,7 @@ def test_every_module_with_a_kernel_is_compiled():
 
 def test_every_kernel_has_launches_per_family_and_dtype():
     import importlib
-    kernels = {n for m in triton_aot.KERNEL_MODULES for n in triton_aot._kernel_names(importlib.import_module(m))}
+    kernels = {n for m in triton_aot.KERNEL_MODULES for n in triton_aot.kernel_names(importlib.import_module(m))}
     assert {l.kernel for l in LAUNCHES} == kernels
     for k in kernels - {"_slice_kernel"}:
         configs = [l.config for l in LAUNCHES if l.kernel == k]

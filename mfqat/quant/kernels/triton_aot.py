@@ -113,7 +113,7 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((self, args, kwargs))
 
 
-def _kernel_names(module: ModuleType) -> List[str]:
+def kernel_names(module: ModuleType) -> List[str]:
     """Names of the module's launched kernels (``@triton.jit`` functions named ``*_kernel``)."""
     return [n for n, v in vars(module).items() if n.endswith("_kernel") and hasattr(v, "arg_names")]
 
@@ -121,7 +121,7 @@ def _kernel_names(module: ModuleType) -> List[str]:
 @contextlib.contextmanager
 def _recording(calls: List[Tuple]) -> Iterator[None]:
     mods = [importlib.import_module(m) for m in KERNEL_MODULES]
-    saved = [(m, n, getattr(m, n)) for m in mods for n in _kernel_names(m)]
+    saved = [(m, n, getattr(m, n)) for m in mods for n in kernel_names(m)]
     try:
         for m, n, k in saved:
             setattr(m, n, _Recorder(m.__name__, n, list(k.arg_names), calls))
@@ -314,6 +314,8 @@ def available() -> Optional[str]:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
         from triton import knobs  # noqa: F401
-    except Exception as e:  # pragma: no cover - an older or newer Triton
-        return f"this Triton has no ASTSource/GPUTarget/knobs API ({e})"
-    return None
+        from triton.backends.nvidia.compiler import get_ptxas
+        missing = [a for a in TARGETS if not os.access(get_ptxas(a).path or "", os.X_OK)]
+    except Exception as e:  # pragma: no cover - an older or newer Triton, no NVIDIA backend
+        return f"this Triton has no ASTSource/GPUTarget/knobs/NVIDIA backend ({type(e).__name__}: {e})"
+    return f"no ptxas for sm_{missing[0]} (the triton wheel ships one)" if missing else None
