@@ -7,6 +7,8 @@ interpreter off (mfqat.quant.kernels.triton_aot), so a compile error fails here.
 
 The same launches and numbers: scripts/bench_kernels_static.py.
 """
+import importlib
+
 import pytest
 import torch
 
@@ -17,8 +19,8 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no ahead-of-time Trito
 
 LAUNCHES = triton_aot.launches() if WHY is None else []
 # Pointers not 16-byte aligned (a view at an odd offset) compile to another variant: Triton cannot
-# vectorize, every element keeps a 64-bit address and the registers run out. One kernel's worth here
-# (scripts/bench_kernels_static.py --unaligned has them all: every x-taking kernel spills somewhere).
+# vectorize the accesses and the registers run out. One kernel's worth here (scripts/bench_kernels_static.py
+# --unaligned has them all: the fake-quant, through, search and MXINT slice kernels spill somewhere).
 CASES = LAUNCHES + [triton_aot.unaligned(l) for l in LAUNCHES if l.kernel == "_fake_quant_kernel"
                     and l.config.startswith("mxint4 fp32")]
 # The search at its largest block (256: float64 errors of 16 x 256 elements per program) is the one
@@ -62,7 +64,6 @@ def test_every_module_with_a_kernel_is_compiled():
 
 
 def test_every_kernel_has_launches_per_family_and_dtype():
-    import importlib
     kernels = {n for m in triton_aot.KERNEL_MODULES for n in triton_aot.kernel_names(importlib.import_module(m))}
     assert {l.kernel for l in LAUNCHES} == kernels
     for k in kernels - {"_slice_kernel"}:
@@ -89,6 +90,6 @@ def test_launches_are_the_wrappers_own():
     assert _launch("_slice_kernel", "mxfp8_e4m3>mxfp4_e2m1").bytes_per_element == 2 * (1 + 1 / 32)
     through = _launch("_fake_quant_through_kernel", "mxint8>mxint4 fp32").constexprs
     assert through["A_STEP"] == 64.0 and through["STEP"] == 4.0
-    unweighted = triton_aot.record("x", __import__("mfqat.quant.kernels.triton_search", fromlist=["x"]).search_triton,
-                                   torch.zeros(4, 64), triton_aot.FORMATS["mxint4"], 32, None)
+    from mfqat.quant.kernels.triton_search import search_triton
+    unweighted = triton_aot.record("x", search_triton, torch.zeros(4, 64), triton_aot.FORMATS["mxint4"], 32, None)
     assert unweighted.signature["w_ptr"] == "*i32" and unweighted.constexprs["WEIGHTED"] is False
