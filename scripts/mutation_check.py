@@ -372,6 +372,16 @@ MUTATIONS: List[Mutation] = [
     Mutation("refine-codes-relearnt", "mfqat/export/refine.py",
              "        return MXTensor(q.codes, s,", "        return MXTensor(q.codes.flip(-1), s,",
              ("tests/test_refine.py::test_refine_keeps_every_code_and_byte_and_moves_the_scales",)),
+    # A type error in a Triton kernel (float mantissa into bit operations): the compiler rejects it.
+    Mutation("triton-aot-mantissa-left-float", "mfqat/quant/kernels/triton_mx.py",
+             "        mant = (a * _exp2i_normal(MBITS - e)).to(tl.int32)\n",
+             "        mant = a * _exp2i_normal(MBITS - e)\n",
+             ("tests/test_triton_aot.py::test_kernel_compiles_without_spills[_quantize_kernel[mxfp4_e2m1-fp32-bs32-ceil]-sm_90]",)),
+    # A kernel reading a plain Python global: TRITON_INTERPRET=1 runs it (same value, the interpreted
+    # bit-exactness tests pass), the compiler refuses it, so only the AOT test can catch it without a GPU.
+    Mutation("triton-aot-kernel-reads-python-global", "mfqat/quant/kernels/triton_mx.py",
+             "        r = (t + 12582912.0) - 12582912.0\n", "        r = (t + ROUND_MAGIC) - ROUND_MAGIC\n",
+             ("tests/test_triton_aot.py::test_kernel_compiles_without_spills[_fake_quant_kernel[mxint4-fp32-bs32-ceil-mask]-sm_80]",)),
 ]
 
 
