@@ -357,6 +357,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("refine-codes-relearnt", "mfqat/export/refine.py",
              "        return MXTensor(q.codes, s,", "        return MXTensor(q.codes.flip(-1), s,",
              ("tests/test_refine.py::test_refine_keeps_every_code_and_byte_and_moves_the_scales",)),
+    Mutation("export-seals-files-the-anchor-manifest-lacks", "mfqat/export/mlx_export.py",
+             'manifest = anchor.meta.get("manifest") if not explicit else None', "manifest = None",
+             ("tests/test_safety_export.py::test_files_the_anchor_manifest_lacks_are_not_sealed_into_the_export",)),
 ]
 
 
