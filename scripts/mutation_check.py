@@ -360,6 +360,15 @@ MUTATIONS: List[Mutation] = [
     Mutation("export-seals-files-the-anchor-manifest-lacks", "mfqat/export/mlx_export.py",
              'manifest = anchor.meta.get("manifest") if not explicit else None', "manifest = None",
              ("tests/test_safety_export.py::test_files_the_anchor_manifest_lacks_are_not_sealed_into_the_export",)),
+    Mutation("token-blocks-tokenizes-the-whole-text", "mfqat/data/sources.py",
+             "    for piece in text_pieces(text, TOKENIZE_CHARS) if exact else [text]:\n", "    for piece in [text]:\n",
+             ("tests/test_text_reader.py::test_one_huge_line_is_tokenized_in_bounded_memory",)),
+    Mutation("token-blocks-reads-past-max-blocks", "mfqat/data/sources.py",
+             "        if need is not None and have >= need:\n", "        if False:\n",
+             ("tests/test_text_reader.py::test_only_the_pieces_max_blocks_need_are_tokenized",)),
+    Mutation("text-pieces-cut-after-whitespace", "mfqat/data/sources.py",
+             "        while cut != -1 and text[cut - 1].isspace():\n", "        while False:\n",
+             ("tests/test_text_reader.py::test_text_pieces_cut_before_a_space_after_a_non_space_and_keep_every_character",)),
 ]
 
 
