@@ -369,6 +369,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("text-pieces-cut-after-whitespace", "mfqat/data/sources.py",
              "        while cut != -1 and text[cut - 1].isspace():\n", "        while False:\n",
              ("tests/test_text_reader.py::test_text_pieces_cut_before_a_space_after_a_non_space_and_keep_every_character",)),
+    Mutation("embedded-model-called-full-precision", "mfqat/data/sources.py",
+             'return f"embedded model ({EMBEDDED_MODEL})" if name in (None, "", DEFAULT_MODEL) else "full precision"',
+             'return "full precision"',
+             ("tests/test_demo.py::test_the_embedded_model_is_named_for_what_it_is",)),
 ]
 
 

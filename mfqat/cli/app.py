@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
     y = sub.add_parser("verify", help="check an anchor / MLX export / convert output against its manifest")
     y.add_argument("path")
-    d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")
+    d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M "
+                           "(Q4_1 GGUF, dequantized)")
     from mfqat.cli.demo_args import build_parser as demo_parser
     demo_parser(d)
     sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)

@@ -58,7 +58,7 @@ def verify(a: argparse.Namespace) -> None:
 def evaluate(a: argparse.Namespace) -> None:
     """Perplexity table + PNG over formats, from an anchor (Slice-and-Scale) or a model (PTQ)."""
     from mfqat.anchor.checkpoint import read_anchor
-    from mfqat.data.sources import load_model, load_text, split_text, token_blocks
+    from mfqat.data.sources import load_model, load_text, model_label, split_text, token_blocks
     from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
@@ -100,10 +100,11 @@ def evaluate(a: argparse.Namespace) -> None:
             r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
         rows += bnb
         series["bitsandbytes"] = [(r["bits/weight"], r["perplexity"], r["format"]) for r in bnb]
-    print(f"base ({'anchor format' if is_anchor else 'full precision'}) perplexity: {base_ppl:.3f}")
+    base = f"anchor format {model.mfqat_format}" if is_anchor else model_label(a.model)
+    print(f"base ({base}) perplexity: {base_ppl:.3f}")
     cols = ["format", "bits/weight", "perplexity", "delta vs base"] + (["direct ppl"] if a.compare else [])
     print(format_table(rows, cols))
-    png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl)
+    png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl, fp_label=f"base: {base.split(' (')[0]}")
     print(f"plot: {png}")
 
 

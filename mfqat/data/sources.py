@@ -10,6 +10,14 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2"
+# What the embedded model is: not the original bf16 weights but the Q4_1 GGUF, dequantized on load.
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32"
+
+
+def model_label(name: Optional[str]) -> str:
+    """How tables and plots name a model argument's unquantized reference: the embedded model says what
+    it is (its Q4_1 rounding is in every number measured on it); any other model is "full precision"."""
+    return f"embedded model ({EMBEDDED_MODEL})" if name in (None, "", DEFAULT_MODEL) else "full precision"
 
 
 def pydoc_text() -> str:
@@ -137,7 +145,8 @@ def smollm2_dir() -> str:
 
 
 def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): the embedded SmolLM2 by default, else a local HF folder or a .gguf file."""
+    """(model, tokenizer): the embedded SmolLM2 by default (:data:`EMBEDDED_MODEL`: the Q4_1 GGUF,
+    dequantized to ``dtype``), else a local HF folder or a .gguf file."""
     import transformers
 
     transformers.logging.set_verbosity_error()
