@@ -57,10 +57,19 @@ def _mlx_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-path", default=None, help="LoRA adapters (mfqat mlx-train --lora-rank, mlx_lm.lora)")
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and the backends (C++ kernels, Triton, MLX), found without importing them."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from mfqat.cli.backends import version_text
+        print(version_text(__version__))
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `mfqat` parser (train / mlx-train / bench take their own flags: see main)."""
     p = argparse.ArgumentParser(prog="mfqat", description="Multi-format QAT, anchors, Slice-and-Scale, MLX export")
-    p.add_argument("--version", action="version", version=f"mfqat {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0, help="the version and which backends are active")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("train", help="MF-QAT fine-tune with accelerate (mfqat train --help)", add_help=False)
     c = sub.add_parser("convert", help="anchor -> plain HF checkpoint holding one format's dequantized weights",
