@@ -373,6 +373,9 @@ MUTATIONS: List[Mutation] = [
              'return f"embedded model ({EMBEDDED_MODEL})" if name in (None, "", DEFAULT_MODEL) else "full precision"',
              'return "full precision"',
              ("tests/test_demo.py::test_the_embedded_model_is_named_for_what_it_is",)),
+    Mutation("version-claims-the-cpp-kernels-are-built", "mfqat/cli/backends.py",
+             '    so = _spec_origin("mfqat._C")\n', '    so = "mfqat/_C.so"\n',
+             ("tests/test_packaging.py::test_version_names_the_active_backends",)),
 ]
 
 
