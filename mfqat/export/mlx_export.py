@@ -173,7 +173,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                               imatrix_path)
         anchor = read_anchor(src)
         tok_dir = Path(tokenizer) if tokenizer else src
-        tok_files = tokenizer_files(anchor, tok_dir, explicit=tokenizer is not None)
+        tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None)
         if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise AnchorError(f"{tok_dir}: no tokenizer files" + (" the anchor's manifest lists" if tokenizer is None
                               and (tok_dir / "mfqat.json").is_file() else "") + "; mlx_lm.load needs them: pass a "
@@ -241,8 +241,9 @@ def _pieces(plan: Plan, name: str, parts: Dict[str, "mx.array"]) -> Dict[str, "m
     return out
 
 
-def tokenizer_files(anchor: Anchor, folder: Path, explicit: bool = False) -> Dict[str, bytes]:
-    """The tokenizer files an export ships, {name: bytes}.
+def tokenizer_files(meta: dict, folder: Path, explicit: bool = False,
+                    remedy: str = "pass --tokenizer DIR (tokenizer=...) to ship it") -> Dict[str, bytes]:
+    """The tokenizer files an export (or ``mfqat convert``) ships, {name: bytes}; ``meta``: the anchor's mfqat.json.
 
     From the anchor's own folder only the files its manifest lists, each checked against its sha256
     (a file added after the anchor was saved, e.g. a ``chat_template.jinja``, is left out with a
@@ -251,7 +252,7 @@ def tokenizer_files(anchor: Anchor, folder: Path, explicit: bool = False) -> Dic
     From a folder the user named (``explicit``, ``--tokenizer DIR``) every tokenizer file is taken as is.
     """
     present = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
-    manifest = anchor.meta.get("manifest") if not explicit else None
+    manifest = meta.get("manifest") if not explicit else None
     if explicit or manifest is None:
         if not explicit and present:
             warnings.warn(f"{folder}: version-1 anchor without a manifest: its tokenizer files {present} are copied "
@@ -260,7 +261,7 @@ def tokenizer_files(anchor: Anchor, folder: Path, explicit: bool = False) -> Dic
     unlisted = [f for f in present if f not in manifest]
     if unlisted:
         warnings.warn(f"{folder}: {', '.join(unlisted)} not in the anchor's manifest (added after the anchor was "
-                      "saved?): not copied into the export; pass --tokenizer DIR (tokenizer=...) to ship it",
+                      f"saved?): not copied into the output; {remedy}",
                       stacklevel=3)
     out = {}
     for f in present:
