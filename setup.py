@@ -7,17 +7,28 @@ from setuptools import find_packages, setup
 MLX = "mlx[cpu]>=0.32" if sys.platform.startswith("linux") else "mlx>=0.32"
 
 
+def skipped(why):
+    """Say on stderr (pip shows it with -v, and on failure) that the wheel carries no C++ kernels."""
+    print(f"WARNING: mfqat C++ extension skipped: {why}. The package still works on the pure-PyTorch "
+          "reference (slower on CPU); `mfqat --version` says which backends are active. To build the kernels: "
+          "install CPU torch first, then `pip install --no-build-isolation .`", file=sys.stderr)
+    return [], {}
+
+
 def cpp_extensions():
     """Build csrc/ as torch custom ops when torch and a compiler are present (never fatal)."""
-    if os.environ.get("MFQAT_NO_EXT") == "1" or not os.path.isdir("csrc"):
-        return [], {}
+    if os.environ.get("MFQAT_NO_EXT") == "1":
+        return skipped("MFQAT_NO_EXT=1")
+    if not os.path.isdir("csrc"):
+        return skipped("no csrc/ folder in this source tree")
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except Exception:  # torch not importable at build time: the pure-PyTorch path is used
-        return [], {}
+    except Exception as exc:  # torch not importable at build time: the pure-PyTorch path is used
+        return skipped(f"torch is not importable at build time ({type(exc).__name__}: {exc}; under pip's build "
+                       "isolation only pyproject.toml's build requirements are installed)")
     sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp"))
     if not sources:
-        return [], {}
+        return skipped("no .cpp file in csrc/")
     headers = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".h"))
     ext = CppExtension("mfqat._C", sources, depends=headers,
                        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-ffp-contract=off", "-std=c++20"],

@@ -56,3 +56,27 @@ def test_cli_convert_eval_export(tiny_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "mlx" / "mfqat_export.json").read_text())["verify"]["weights_bit_exact"]
     rep = json.loads((tmp_path / "mlx" / "mfqat_export.json").read_text())
     assert f"stored {rep['stored_bits_per_weight']:.3f} bits/weight on disk" in capsys.readouterr().out
+
+
+def test_the_embedded_model_is_named_for_what_it_is(tiny_dir, tmp_path, capsys, monkeypatch):
+    """Issue 33 item 15: the embedded model is SmolLM2-135M-Instruct's Q4_1 GGUF dequantized, not a
+    full-precision model; eval, the demo and --help say so (a tiny model stands in for its weights here)."""
+    import mfqat
+    from mfqat.data import sources
+
+    real = sources.load_model
+    monkeypatch.setattr(sources, "load_model", lambda name=None, **k: real(str(tiny_dir) if name in (None, "smollm2")
+                                                                           else name, **k))
+    cli(["eval", "smollm2", "--formats", "mxint8", "--blocks", "1", "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert "base (embedded model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32)) perplexity" in out
+    cli(["eval", str(tiny_dir), "--formats", "mxint8", "--blocks", "1", "--plot", str(tmp_path / "p2.png")])
+    assert "base (full precision) perplexity" in capsys.readouterr().out
+    anchor = mfqat.save_anchor(real(str(tiny_dir))[0], tmp_path / "a", "mxint8", tiny_tokenizer())
+    cli(["eval", str(anchor), "--formats", "mxint4", "--blocks", "1", "--plot", str(tmp_path / "p3.png")])
+    assert "base (anchor format mxint8) perplexity" in capsys.readouterr().out
+    assert sources.model_label(None) == sources.model_label("smollm2") != sources.model_label(str(tiny_dir))
+    for cmd in (["demo", "--help"], ["train", "--help"]):
+        with pytest.raises(SystemExit):
+            cli(cmd)
+        assert "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized" in " ".join(capsys.readouterr().out.split())

@@ -60,3 +60,53 @@ def test_wheel_ships_the_yaml_recipes(tmp_path):
     want |= {f"mfqat/configs/accelerate/{p.name}" for p in (CONFIGS_DIR / "accelerate").glob("*.yaml")}
     assert len(want) >= 11 and want <= names, sorted(want - names)
     assert "mfqat/cli/app.py" in names and not any(n.endswith(".so") for n in names)
+
+
+def test_version_names_the_active_backends(monkeypatch, capsys):
+    """Issue 33 item 12: `mfqat --version` says whether the C++ kernels were built, Triton, MLX."""
+    run = subprocess.run([sys.executable, "-m", "mfqat.cli", "--version"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("mfqat ") and len(lines) == 4, run.stdout
+    assert lines[1].strip().startswith("C++ CPU kernels: ") and lines[2].strip().startswith("Triton")
+    assert "MLX" in lines[3]
+    from mfqat.cli import backends
+    from mfqat.quant.kernels import cpp
+    assert ("C++ CPU kernels: built" in run.stdout) == cpp.AVAILABLE  # what --version says is what loads
+    if "Triton: not installed" not in run.stdout:
+        assert "TRITON_INTERPRET=1: interpreting" in run.stdout
+    real = backends._spec_origin
+    monkeypatch.setattr(backends, "_spec_origin", lambda name: None if name == "mfqat._C" else real(name))
+    assert "C++ CPU kernels: NOT built" in backends.version_text("0")
+    monkeypatch.setattr(backends, "_spec_origin", lambda name: None)
+    text = backends.version_text("0")
+    assert "Triton: not installed" in text and "MLX: not installed" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="needs a git checkout")
+def test_wheel_from_a_clean_checkout_ships_the_cpp_kernels(tmp_path):
+    """Issue 33 item 12: `pip wheel --no-build-isolation .` of the tracked files (what a fresh clone has)
+    compiles csrc/ into the wheel (a few minutes on 2 cores); pyproject.toml declares the build requirements."""
+    torch_version = pytest.importorskip("torch").__version__
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    src = tmp_path / "src"
+    for name in filter(None, (f.decode() for f in files)):
+        if name.startswith("tests/") or not (ROOT / name).is_file():
+            continue
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, src / name)
+    assert (src / "pyproject.toml").is_file() and not list(src.glob("mfqat/_C*"))
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "MAX_JOBS": "2"}
+    env.pop("MFQAT_NO_EXT", None)
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
+                          "-w", str(tmp_path / "dist"), "."], env=env, cwd=src, capture_output=True, text=True,
+                         timeout=1500)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "WARNING: mfqat C++ extension" not in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
+    (whl,) = (tmp_path / "dist").glob("mfqat-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert [n for n in names if n.startswith("mfqat/_C") and n.endswith(".so")], (torch_version, names[:20])
+    requires = (src / "pyproject.toml").read_text()
+    assert '"torch==' + torch_version.split("+")[0] + '"' in requires  # built against the torch it runs with

@@ -69,3 +69,20 @@ def test_ptq_temporary_anchor_lives_in_the_partial_output(tmp_path, monkeypatch)
     to_mlx(src, tmp_path / "m", recipe="uniform:mxint4", verify=False)
     assert seen[0].parent.name.startswith(".m.") and seen[0].parent.name.endswith(".partial")
     assert not any(p.name.startswith(".") for p in (tmp_path / "m").iterdir())
+
+
+def test_files_the_anchor_manifest_lacks_are_not_sealed_into_the_export(anchor, tmp_path):
+    """Issue 33 item 4: a chat_template.jinja dropped into the anchor after saving is not in its manifest:
+    the export leaves it out with a warning naming it (not sealed as if verified); --tokenizer DIR ships it."""
+    import shutil
+    planted = tmp_path / "a"
+    shutil.copytree(anchor, planted)
+    (planted / "chat_template.jinja").write_text("{{ 'planted' }}")
+    mfqat.read_anchor(planted)  # the anchor itself still reads: its own files are intact
+    with pytest.warns(UserWarning, match="chat_template.jinja not in the anchor's manifest"):
+        to_mlx(planted, tmp_path / "m", verify=False)
+    meta = json.loads((tmp_path / "m" / "mfqat_export.json").read_text())
+    assert not (tmp_path / "m" / "chat_template.jinja").exists()
+    assert "chat_template.jinja" not in meta["manifest"] and "tokenizer.json" in meta["manifest"]
+    to_mlx(planted, tmp_path / "t", verify=False, tokenizer=str(planted))  # the user's explicit choice
+    assert (tmp_path / "t" / "chat_template.jinja").read_text() == "{{ 'planted' }}"

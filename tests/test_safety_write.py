@@ -218,3 +218,17 @@ def test_artifacts_follow_the_umask(model, tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o755
     for f in path.iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+def test_convert_leaves_out_files_the_anchor_manifest_lacks(model, tmp_path):
+    """Issue 33 item 4 for `mfqat convert`: a chat_template.jinja dropped into the anchor after saving is
+    not sealed into the converted checkpoint as if verified; the listed tokenizer files are."""
+    from mfqat.data.sources import tiny_tokenizer
+    anchor = mfqat.save_anchor(model, tmp_path / "a", tokenizer=tiny_tokenizer())
+    (anchor / "chat_template.jinja").write_text("{{ 'planted' }}")
+    with pytest.warns(UserWarning, match="chat_template.jinja not in the anchor's manifest"):
+        cli_main(["convert", str(anchor), "--to", "mxint4", "--out", str(tmp_path / "hf4")])
+    manifest = json.loads((tmp_path / "hf4" / "mfqat_convert.json").read_text())["manifest"]
+    assert "tokenizer.json" in manifest and "chat_template.jinja" not in manifest
+    assert "planted" not in "".join(p.read_text(errors="replace") for p in (tmp_path / "hf4").iterdir()
+                                    if p.suffix in (".json", ".jinja"))

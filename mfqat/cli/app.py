@@ -60,10 +60,19 @@ def _mlx_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-path", default=None, help="LoRA adapters (mfqat mlx-train --lora-rank, mlx_lm.lora)")
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and the backends (C++ kernels, Triton, MLX), found without importing them."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from mfqat.cli.backends import version_text
+        print(version_text(__version__))
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `mfqat` parser (train / mlx-train / bench take their own flags: see main)."""
     p = argparse.ArgumentParser(prog="mfqat", description="Multi-format QAT, anchors, Slice-and-Scale, MLX export")
-    p.add_argument("--version", action="version", version=f"mfqat {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0, help="the version and which backends are active")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("train", help="MF-QAT fine-tune with accelerate (mfqat train --help)", add_help=False)
     c = sub.add_parser("convert", help="anchor -> plain HF checkpoint holding one format's dequantized weights",
@@ -124,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
     y = sub.add_parser("verify", help="check an anchor / MLX export / convert output against its manifest")
     y.add_argument("path")
-    d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M")
+    d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M "
+                           "(Q4_1 GGUF, dequantized)")
     from mfqat.cli.demo_args import build_parser as demo_parser
     demo_parser(d)
     sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)

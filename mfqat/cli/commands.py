@@ -19,10 +19,7 @@ def convert(a: argparse.Namespace) -> None:
     model = load_anchor(a.anchor, a.to, calib=calib)
     with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
         model.save_pretrained(tmp)
-        try:
-            AutoTokenizer.from_pretrained(a.anchor).save_pretrained(tmp)
-        except Exception:
-            print(f"[mfqat] {a.anchor}: no tokenizer saved with the anchor; wrote weights only")
+        _save_listed_tokenizer(a.anchor, tmp)
         fmt = model.mfqat_format
         searched = bool(model.mfqat_scale_search and model.mfqat_scale_search["formats"])
         write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
@@ -33,6 +30,26 @@ def convert(a: argparse.Namespace) -> None:
         write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
     print(f"wrote {a.out}: {model.mfqat_format} values as dequantized float32 weights (a plain from_pretrained "
           "checkpoint, not smaller than full precision; for packed low-bit weights use mfqat export-mlx)")
+
+
+def _save_listed_tokenizer(anchor: str, out: Path) -> None:
+    """The anchor's tokenizer, from the files its manifest lists only (checked; a file added after the
+    anchor was saved is left out with a warning, never sealed into the output as verified)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from mfqat.anchor.checkpoint import read_meta
+    from mfqat.export.mlx_export import tokenizer_files
+
+    files = tokenizer_files(read_meta(anchor), Path(anchor), remedy="copy it into the output by hand if you trust it")
+    with tempfile.TemporaryDirectory() as staged:
+        for name, data in files.items():
+            (Path(staged) / name).write_bytes(data)
+        try:
+            AutoTokenizer.from_pretrained(staged).save_pretrained(out)
+        except Exception:
+            print(f"[mfqat] {anchor}: no tokenizer saved with the anchor; wrote weights only")
 
 
 def verify(a: argparse.Namespace) -> None:
@@ -58,7 +75,7 @@ def verify(a: argparse.Namespace) -> None:
 def evaluate(a: argparse.Namespace) -> None:
     """Perplexity table + PNG over formats, from an anchor (Slice-and-Scale) or a model (PTQ)."""
     from mfqat.anchor.checkpoint import read_anchor
-    from mfqat.data.sources import load_model, load_text, split_text, token_blocks
+    from mfqat.data.sources import load_model, load_text, model_label, split_text, token_blocks
     from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
@@ -100,10 +117,11 @@ def evaluate(a: argparse.Namespace) -> None:
             r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
         rows += bnb
         series["bitsandbytes"] = [(r["bits/weight"], r["perplexity"], r["format"]) for r in bnb]
-    print(f"base ({'anchor format' if is_anchor else 'full precision'}) perplexity: {base_ppl:.3f}")
+    base = f"anchor format {model.mfqat_format}" if is_anchor else model_label(a.model)
+    print(f"base ({base}) perplexity: {base_ppl:.3f}")
     cols = ["format", "bits/weight", "perplexity", "delta vs base"] + (["direct ppl"] if a.compare else [])
     print(format_table(rows, cols))
-    png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl)
+    png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl, fp_label=f"base: {base.split(' (')[0]}")
     print(f"plot: {png}")
 
 

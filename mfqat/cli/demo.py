@@ -13,7 +13,7 @@ from typing import List, Optional
 
 
 from mfqat.anchor.checkpoint import read_anchor
-from mfqat.data.sources import load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import load_model, load_text, model_label, split_text, token_blocks
 from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
@@ -103,12 +103,16 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
                                             for r in mfqat_rows["rows"]],
         "MF-QAT anchor + scale search": [(get_format(f).bits_per_weight(32), p, f) for f, p in search_ppl.items()],
     }
-    plot = plot_ppl_vs_bpw(series, out_dir / "ppl_vs_bpw.png", title="SmolLM2-135M on held-out pydoc text", fp_ppl=fp["perplexity"])
-    summary = {"fp_perplexity": fp["perplexity"], "rows": rows, "exports": exports, "plot": str(plot),
-               "steps": steps}
+    label = model_label(model_name)
+    embedded = label != "full precision"
+    title = ("SmolLM2-135M-Instruct (Q4_1 GGUF)" if embedded else Path(model_name).name) + " on held-out pydoc text"
+    plot = plot_ppl_vs_bpw(series, out_dir / "ppl_vs_bpw.png", title=title, fp_ppl=fp["perplexity"],
+                           fp_label="embedded model (Q4_1 GGUF -> float32)" if embedded else label)
+    summary = {"fp_perplexity": fp["perplexity"], "fp_model": label, "rows": rows, "exports": exports,
+               "plot": str(plot), "steps": steps}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print()
-    print(f"full precision perplexity: {fp['perplexity']:.3f}")
+    print(f"{label} perplexity: {fp['perplexity']:.3f}")
     print(format_table(rows, ["format", "bits/weight", "PTQ ppl", "MF-QAT ppl", "+ scale search", "MF-QAT vs PTQ"]))
     if exports:
         from mfqat.cli.demo_mac import print_mac

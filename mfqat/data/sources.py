@@ -4,12 +4,20 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "smollm2"
+# What the embedded model is: not the original bf16 weights but the Q4_1 GGUF, dequantized on load.
+EMBEDDED_MODEL = "SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32"
+
+
+def model_label(name: Optional[str]) -> str:
+    """How tables and plots name a model argument's unquantized reference: the embedded model says what
+    it is (its Q4_1 rounding is in every number measured on it); any other model is "full precision"."""
+    return f"embedded model ({EMBEDDED_MODEL})" if name in (None, "", DEFAULT_MODEL) else "full precision"
 
 
 def pydoc_text() -> str:
@@ -53,9 +61,66 @@ def split_text(text: str, heldout_fraction: float = 0.1) -> Tuple[str, str]:
     return text[:cut], text[cut:]
 
 
+TOKENIZE_CHARS = 1 << 16  # token_blocks tokenizes at most about this many characters at a time
+_CUT_PROBE = "The cat's 12 dogs ran.  Then: x=3;\n\nNew  paragraph\there, ok? Yes!  A 1.5e-3 (b) 'quoted' end"
+
+
+def text_pieces(text: str, size: int = TOKENIZE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``size`` characters, for tokenizing a long text in
+    bounded memory (a fast tokenizer holds a few hundred bytes per token while it encodes: one 20 MB
+    line took ~4.7 GB at once).
+
+    Each cut is just before a space that follows a non-space character, in the second half of the
+    window: no pre-tokenizer match of the byte-level regexes (GPT-2, Llama-3, SmolLM2) or of digit
+    splitting spans such a point, so the pieces tokenize to exactly the ids of the whole text (token_blocks
+    checks the tokenizer first, :func:`cuts_are_exact`). A
+    window with no such space (no spaces at all) is cut at ``size``; only there may the tokens differ.
+    A text of at most ``size`` characters is one piece (tokenized as before, whatever the tokenizer).
+    """
+    start, n = 0, len(text)
+    while n - start > size:
+        end, lo = start + size, start + size // 2
+        cut = text.rfind(" ", lo + 1, end)
+        while cut != -1 and text[cut - 1].isspace():
+            cut = text.rfind(" ", lo + 1, cut)
+        if cut == -1:
+            cut = end
+        yield text[start:cut]
+        start = cut
+    if start < n or n == 0:
+        yield text[start:]
+
+
+def _encode(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+
+
+def cuts_are_exact(tokenizer) -> bool:
+    """True when cutting before a space that follows a non-space character leaves this tokenizer's ids
+    unchanged (checked on a probe; False e.g. for a normalizer that prepends "▁" to every call)."""
+    whole = _encode(tokenizer, _CUT_PROBE).tolist()
+    cuts = [i for i in range(1, len(_CUT_PROBE)) if _CUT_PROBE[i] == " " and not _CUT_PROBE[i - 1].isspace()]
+    return all(_encode(tokenizer, _CUT_PROBE[:c]).tolist() + _encode(tokenizer, _CUT_PROBE[c:]).tolist() == whole
+               for c in cuts)
+
+
 def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: Optional[int] = None) -> torch.Tensor:
-    """Tokenize ``text`` and cut it into (n, seq_len) non-overlapping blocks of input ids."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    """Tokenize ``text`` and cut it into (n, seq_len) non-overlapping blocks of input ids.
+
+    The text is tokenized piece by piece (:func:`text_pieces`; the same ids as in one call) and only
+    as far as ``max_blocks`` blocks need, so a huge text or a single 20 MB line stays in bounded memory.
+    A tokenizer whose ids change at such cuts (:func:`cuts_are_exact` False) gets the whole text at once.
+    """
+    need = None if max_blocks is None else max_blocks * seq_len
+    parts, have = [], 0
+    exact = len(text) <= TOKENIZE_CHARS or cuts_are_exact(tokenizer)
+    for piece in text_pieces(text, TOKENIZE_CHARS) if exact else [text]:
+        ids = _encode(tokenizer, piece)
+        parts.append(ids)
+        have += ids.numel()
+        if need is not None and have >= need:
+            break
+    ids = torch.cat(parts) if len(parts) > 1 else parts[0]
     n = ids.numel() // seq_len
     if max_blocks is not None:
         n = min(n, max_blocks)
@@ -80,7 +145,8 @@ def smollm2_dir() -> str:
 
 
 def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): the embedded SmolLM2 by default, else a local HF folder or a .gguf file."""
+    """(model, tokenizer): the embedded SmolLM2 by default (:data:`EMBEDDED_MODEL`: the Q4_1 GGUF,
+    dequantized to ``dtype``), else a local HF folder or a .gguf file."""
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -24,7 +24,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 
 def plot_ppl_vs_bpw(series: Dict[str, List[tuple]], path: Path, title: str = "Perplexity vs bits per weight",
-                    fp_ppl: float | None = None) -> Path:
+                    fp_ppl: float | None = None, fp_label: str = "full precision") -> Path:
     """Plot {label: [(bits_per_weight, ppl, format_name), ...]} as lines; write a PNG."""
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for label, pts in series.items():
@@ -33,7 +33,7 @@ def plot_ppl_vs_bpw(series: Dict[str, List[tuple]], path: Path, title: str = "Pe
         for x, y, name in pts:
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
     if fp_ppl is not None:
-        ax.axhline(fp_ppl, color="gray", linestyle="--", label=f"full precision ({fp_ppl:.2f})")
+        ax.axhline(fp_ppl, color="gray", linestyle="--", label=f"{fp_label} ({fp_ppl:.2f})")
     ax.set_xlabel("bits per weight (incl. scales)")
     ax.set_ylabel("perplexity (log scale)")
     ax.set_yscale("log")

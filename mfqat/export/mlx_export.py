@@ -19,8 +19,10 @@ Packing is done here in torch/numpy; MLX is only used afterwards to verify every
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional
@@ -146,7 +148,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     ``out_dir`` is refused unless ``overwrite`` and it is an MLX export; the source never is.
     The PTQ path's temporary anchor lives inside the partial output, so a killed export leaves
     nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
-    folder whose tokenizer files are copied instead of the source's (for an anchor saved without one).
+    folder whose tokenizer files are copied instead of the source's (for an anchor saved without one);
+    from the anchor itself only the files its manifest lists are copied (:func:`tokenizer_files`).
     ``imatrix_path``: with ``awq``, a llama.cpp imatrix GGUF used instead of calibrating on ``calib_text``.
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
     ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
@@ -170,9 +173,11 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                               imatrix_path)
         anchor = read_anchor(src)
         tok_dir = Path(tokenizer) if tokenizer else src
-        if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-            raise AnchorError(f"{tok_dir}: no tokenizer files; mlx_lm.load needs them: pass a folder that has them "
-                              "(tokenizer=..., mfqat export-mlx --tokenizer DIR)")
+        tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None)
+        if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise AnchorError(f"{tok_dir}: no tokenizer files" + (" the anchor's manifest lists" if tokenizer is None
+                              and (tok_dir / "mfqat.json").is_file() else "") + "; mlx_lm.load needs them: pass a "
+                              "folder that has them (tokenizer=..., mfqat export-mlx --tokenizer DIR)")
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
         if scale_search:
@@ -187,7 +192,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
         if all(get_format(f).family == "affine" for f in plan.formats.values()):
             report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
-        _write(anchor, plan, anchor.config, tok_dir, tmp, report, scale_dtype,
+        _write(anchor, plan, anchor.config, tok_files, tmp, report, scale_dtype,
                max_shard_bytes)
         write_model_card(tmp, "mlx", str(source), sorted(set(plan.formats.values())),
                          note=f"Recipe `{recipe}`: codes stored as MLX quantized weights, bit-exact with PyTorch.",
@@ -236,7 +241,40 @@ def _pieces(plan: Plan, name: str, parts: Dict[str, "mx.array"]) -> Dict[str, "m
     return out
 
 
-def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, report: dict,
+def tokenizer_files(meta: dict, folder: Path, explicit: bool = False,
+                    remedy: str = "pass --tokenizer DIR (tokenizer=...) to ship it") -> Dict[str, bytes]:
+    """The tokenizer files an export (or ``mfqat convert``) ships, {name: bytes}; ``meta``: the anchor's mfqat.json.
+
+    From the anchor's own folder only the files its manifest lists, each checked against its sha256
+    (a file added after the anchor was saved, e.g. a ``chat_template.jinja``, is left out with a
+    warning naming it: the export's manifest would otherwise seal it as if it had been verified). A
+    version-1 anchor has no manifest: its files are copied with a warning that nothing checked them.
+    From a folder the user named (``explicit``, ``--tokenizer DIR``) every tokenizer file is taken as is.
+    """
+    present = [f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    manifest = meta.get("manifest") if not explicit else None
+    if explicit or manifest is None:
+        if not explicit and present:
+            warnings.warn(f"{folder}: version-1 anchor without a manifest: its tokenizer files {present} are copied "
+                          "unchecked", stacklevel=3)
+        return {f: (folder / f).read_bytes() for f in present}
+    unlisted = [f for f in present if f not in manifest]
+    if unlisted:
+        warnings.warn(f"{folder}: {', '.join(unlisted)} not in the anchor's manifest (added after the anchor was "
+                      f"saved?): not copied into the output; {remedy}",
+                      stacklevel=3)
+    out = {}
+    for f in present:
+        if f in manifest:
+            data = (folder / f).read_bytes()
+            if hashlib.sha256(data).hexdigest() != manifest[f]:
+                raise AnchorError(f"{folder / f}: sha256 mismatch with the anchor's manifest: the file was "
+                                  "modified; re-save the anchor or pass --tokenizer DIR")
+            out[f] = data
+    return out
+
+
+def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes], tmp: Path, report: dict,
            scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     import mlx.core as mx
 
@@ -275,6 +313,5 @@ def _write(anchor: Anchor, plan: Plan, config: dict, src: Path, tmp: Path, repor
             report["tensors"][name]["mlx_names"] = [n for n, _, _ in family.mlx_pieces(name, q.shape[-2])]
     save_sharded(arrays, tmp, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan, anchor), indent=2))
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy(src / f, tmp / f)
+    for f, data in tok_files.items():
+        (tmp / f).write_bytes(data)

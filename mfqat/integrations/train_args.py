@@ -15,8 +15,9 @@ TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process
     accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \\
         --qat-config mxint_2468 --steps 120 --out runs/mfqat
 
-Defaults: the embedded SmolLM2-135M, Python's pydoc text, joint MF-QAT over mxint8/6/4 through
-the MXINT8 anchor (the paper's progressive recipe: --qat-config mxint_2468).
+Defaults: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), Python's pydoc
+text, joint MF-QAT over mxint8/6/4 through the MXINT8 anchor (the paper's progressive recipe:
+--qat-config mxint_2468).
 Ends by saving an anchor (the QAT config's anchor format, or --anchor-format) and printing a
 perplexity table.
 """
@@ -25,8 +26,8 @@ perplexity table.
 def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
     """The flags of `mfqat train` (HF Trainer / mlx-lm names are accepted as aliases)."""
     p = argparse.ArgumentParser(prog=prog, description=TRAIN_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M); "
-                   "'tiny' builds a tiny random Llama")
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct, "
+                   "Q4_1 GGUF dequantized); 'tiny' builds a tiny random Llama")
     p.add_argument("--text", default=None, help="training text: file, folder, or pydoc (default); a .jsonl is read "
                    "as --dataset")
     p.add_argument("--dataset", default=None, help="a .jsonl file (or a folder with train.jsonl [+ valid.jsonl]) of records with a 'text' field, chat 'messages' (rendered with the tokenizer's chat template) or 'prompt'/'completion'")
