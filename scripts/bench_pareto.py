@@ -134,7 +134,10 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
             if name in learned:  # what mlx-lm ran: settings, seconds, BLAS, DWQ's validation KL
                 row["learned"] = {k: v for k, v in learned[name].items() if k not in ("calibration",)}
             if method == "mfqat":  # the plan: how many weights each format holds
-                tensors = json.loads((dest / "mfqat_export.json").read_text())["tensors"]
+                report = json.loads((dest / "mfqat_export.json").read_text())
+                tensors = report["tensors"]
+                if "refine" in report:  # what --refine did: KL to the anchor before / after, steps, seconds
+                    row["refine"] = report["refine"]
                 row["plan"] = {f: sum(1 for t in tensors.values() if t.get("source") == f)
                                for f in sorted({t.get("source") for t in tensors.values()})}
             if name in speed:
