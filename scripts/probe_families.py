@@ -61,7 +61,8 @@ def probe(name: str, work: Path, log: list) -> dict:
              ("eval", ["eval", str(out / "anchor"), "--formats", "mxint8,mxint4", "--seq-len", "32", "--blocks", "2",
                        "--plot", str(work / f"{name}.png")]),
              ("affine4+refine", ["export-mlx", str(out / "anchor"), "--out", str(work / f"mlx_a4_{name}"),
-                                 "--recipe", "uniform:affine4", "--refine", "--refine-steps", "2"]),
+                                 "--recipe", "uniform:affine4", "--refine", "--refine-steps", "2"]
+                                + (["--group-size", "32"] if name == "deepseek_v3" else [])),  # tiny q_lora_rank 32
              ("mxint4", ["export-mlx", str(out / "anchor"), "--out", str(work / f"mlx_m4_{name}"),
                          "--recipe", "uniform:mxint4"])]
     for label, cmd in steps:
