@@ -1,8 +1,8 @@
 """The demo's Mac stage: what a Mac user would ship, against ``mlx_lm.convert`` of the same weights.
 
 mfqat exports the demo's anchor in MLX's own affine layout (``uniform:affine4`` at mlx_lm's 4.5
-bits/weight, and ``auto:4.7:affine``, a sensitivity-based mix of widths at mlx_lm's ``mixed_4_6``
-size); ``mlx_lm.convert`` quantizes the run's full-precision master weights (q4 g64, mixed_4_6).
+bits/weight, the same with ``--refine``'s learned scales and biases at the same bytes, and
+``auto:4.7:affine``, a sensitivity-based mix of widths at mlx_lm's ``mixed_4_6`` size); ``mlx_lm.convert`` quantizes the run's full-precision master weights (q4 g64, mixed_4_6).
 Every row: stored bits/weight from the files and perplexity of the exact weights MLX holds
 (mfqat.eval.mlx_weights: computed in PyTorch, MLX's CPU backend being slow in bfloat16); mfqat's
 rows also load in mlx_lm, generate, and carry the exporter's MLX-vs-PyTorch check.
@@ -16,7 +16,7 @@ import torch
 
 from mfqat.eval.report import format_table
 
-MAC_RECIPES = ("uniform:affine4", "auto:4.7:affine")
+MAC_RECIPES = (("uniform:affine4", None), ("uniform:affine4", 32), ("auto:4.7:affine", None))  # (recipe, refine steps)
 MLX_LM_OPTIONS = {"q4 g64": dict(q_bits=4, q_group_size=64), "mixed_4_6": dict(quant_predicate="mixed_4_6")}
 GENERATE_TOKENS = 12
 
@@ -31,11 +31,15 @@ def mac_exports(anchor: Path, master: Optional[Path], model, held: torch.Tensor,
 
     n_params = sum(p.numel() for p in model.parameters())
     rows: Dict[str, dict] = {}
-    for recipe in MAC_RECIPES:
-        d = out_dir / ("mlx-" + recipe.replace(":", "-"))
-        rep = to_mlx(anchor, d, recipe=recipe, prompt=prompt, overwrite=True)
+    from mfqat.export.refine import RefineConfig
+
+    for recipe, steps in MAC_RECIPES:
+        label = recipe + (f" +refine{steps}" if steps else "")
+        d = out_dir / ("mlx-" + label.replace(":", "-").replace(" +", "-"))
+        rep = to_mlx(anchor, d, recipe=recipe, prompt=prompt, overwrite=True,
+                     refine=RefineConfig(steps=steps) if steps else None)
         m, tok = mlx_load(str(d))
-        rows[f"mfqat {recipe}"] = {
+        rows[f"mfqat {label}"] = {
             "dir": str(d), "stored_bits_per_weight": rep["stored_bits_per_weight"],
             "perplexity": mlx_folder_perplexity(d, model, {"held": held})["held"],
             "weights_bit_exact": rep["verify"]["weights_bit_exact"],
