@@ -27,6 +27,7 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Dict, List
 
@@ -128,7 +129,11 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
         if key not in cache or not timed:
             dest = out / run.name / f"{method}-{name.replace(' ', '_').replace(':', '_').replace('@', '_')}"
             print(f"[pareto] {key}")
-            make(dest)
+            try:
+                make(dest)
+            except subprocess.CalledProcessError as e:  # one mlx-lm method failing (e.g. GPTQ at 3 bits) is a row lost, not the run
+                print(f"[pareto] {key} FAILED ({e}); see {out / run.name / 'mlx_lm_learned.log'}")
+                continue
             row = cache.get(key) or {"run": run.name, "method": method, "option": name,
                                      "stored bits/w": stored_bpw(dest, n_params), **evaluate(dest, model, held)}
             if name in learned:  # what mlx-lm ran: settings, seconds, BLAS, DWQ's validation KL
