@@ -263,6 +263,16 @@ MUTATIONS: List[Mutation] = [
              "if got.shape != expect.shape or not np.array_equal(got, expect):",
              "if got.shape != expect.shape or not np.allclose(got, expect):",
              ("tests/test_semantics_export.py::test_export_check_reports_one_flipped_code_or_a_scale_one_ulp_off",)),
+    # issue 31: Qwen3-Next's plain tensors in mlx-lm's runtime form
+    Mutation("qwen3-next-norms-written-without-plus-one", "mfqat/models/qwen3_next.py",
+             "plain_rules=(NORMS, CONV_AXES)", "plain_rules=(CONV_AXES,)",
+             ("tests/test_families.py::test_family_end_to_end[qwen3_next]",)),
+    Mutation("export-check-reference-ignores-plain-rules", "mfqat/export/verify.py",
+             "    written = family.mlx_value(name, value.float())\n", "    written = value.float()\n",
+             ("tests/test_families.py::test_family_end_to_end[qwen3_next]",)),
+    Mutation("gemma2-sliding-window-unreported", "mfqat/models/gemma2.py",
+             "norm_offset=1.0, caveats=caveats,", "norm_offset=1.0,",
+             ("tests/test_families.py::test_gemma2_export_says_where_mlx_lm_stops_matching",)),
     # issue 33
     Mutation("resume-trusts-an-unverified-checkpoint", "mfqat/integrations/train_loop.py",
              "resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0",

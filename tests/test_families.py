@@ -35,6 +35,8 @@ SUPPORTED = {
     "phi3": ("phi3", dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)),
     "gemma3_text": ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=128,
                                         layer_types=["sliding_attention", "full_attention"])),
+    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=128,
+                              layer_types=["sliding_attention", "full_attention"])),
     "gpt_neox": ("gpt_neox", dict(intermediate_size=256, num_key_value_heads=DROP)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, **MOE)),
     "mixtral": ("mixtral", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
@@ -43,11 +45,11 @@ SUPPORTED = {
     "glm4_moe": ("glm4_moe", dict(head_dim=16, **DEEPSEEK, use_qk_norm=True)),
     "qwen3_5": ("qwen3_5_text", dict(head_dim=16, **LINEAR_ATTN)),
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(head_dim=16, **MOE, **LINEAR_ATTN, shared_expert_intermediate_size=64)),
+    "qwen3_next": ("qwen3_next", dict(head_dim=16, **MOE, **LINEAR_ATTN, shared_expert_intermediate_size=64)),
 }
 UNSUPPORTED = {  # fused experts mfqat has no rules for yet: the weights left out are named, export refused
     "gpt_oss": ("gpt_oss", dict(head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                 sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
-    "qwen3_next": ("qwen3_next", dict(head_dim=16, **MOE, **LINEAR_ATTN, shared_expert_intermediate_size=64)),
 }
 
 
@@ -190,7 +192,7 @@ def test_awq_keeps_the_full_precision_function(name, tok):
     assert changed  # something was rescaled
 
 
-@pytest.mark.parametrize("name", ["gpt_neox", "qwen3_next"])
+@pytest.mark.parametrize("name", ["gpt_neox", "gpt_oss"])
 def test_awq_refuses_families_without_groups(name, tok):
     from mfqat.export.awq import apply_awq
 
@@ -200,7 +202,7 @@ def test_awq_refuses_families_without_groups(name, tok):
         apply_awq(model, torch.zeros(1, 8, dtype=torch.long))
 
 
-@pytest.mark.parametrize("name", ["phi3", "gpt_neox", "deepseek_v3", "qwen3_5"])
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox", "deepseek_v3", "qwen3_5", "qwen3_next"])
 def test_seed_recipe_knows_every_familys_attention_projections(name, tok):
     """The seed table's +2 for attention inputs and 8 bits for attention outputs reach fused (qkv_proj,
     query_key_value), MLA and Gated DeltaNet projections, not only Llama's q/k/v/o."""
@@ -284,3 +286,19 @@ def test_dynamic2_recipe_on_qwen3_5(recipe, tok, tmp_path):
     assert sorted(kept) == sorted(n for n in rep["tensors"] if n.endswith(("o_proj.weight", "out_proj.weight")))
     model_mlx, tok_mlx = mlx_lm.load(str(tmp_path / "mlx"))
     assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)
+
+
+def test_gemma2_export_says_where_mlx_lm_stops_matching(tok, tmp_path):
+    """mlx-lm's gemma2 has no sliding window: the export reports the context up to which it matches
+    transformers, and a window shorter than the check's 64 tokens fails the check (nothing written)."""
+    model_type, extra = SUPPORTED["gemma2"]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a128", "mxint8", tokenizer=tok)
+    with pytest.warns(UserWarning, match="sliding_window = 128 tokens"):
+        rep = to_mlx(anchor, tmp_path / "mlx128", recipe="uniform:mxint8")
+    assert any("128" in c for c in rep["caveats"])
+    short = mfqat.save_anchor(build(model_type, {**extra, "sliding_window": 8}, len(tok)), tmp_path / "a8", "mxint8",
+                              tokenizer=tok)
+    with pytest.warns(UserWarning, match="sliding_window = 8 tokens"), \
+            pytest.raises(RuntimeError, match="export check failed: the logits"):
+        to_mlx(short, tmp_path / "mlx8", recipe="uniform:mxint8")
+    assert not (tmp_path / "mlx8").exists()

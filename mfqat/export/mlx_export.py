@@ -184,6 +184,11 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
+        caveats = plan.family.export_caveats(anchor.config)
+        if caveats:
+            report["caveats"] = caveats
+            for caveat in caveats:
+                warnings.warn(f"{source}: {caveat}", stacklevel=2)
         if refine is not None:
             from mfqat.export.refine import apply_refine
             report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, refine)
@@ -284,7 +289,7 @@ def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes]
         if not v.is_floating_point():
             arr = mx.array(v.numpy())
         else:
-            arr = mx.array(v.float().numpy())
+            arr = mx.array(family.mlx_value(name, v.float()).contiguous().numpy())
             arr = arr if family.float32_on_export(name) else arr.astype(mx.bfloat16)
         arrays[family.mlx_name(name)] = arr
     for name in plan.kept16:

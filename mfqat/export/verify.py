@@ -38,11 +38,19 @@ def check_export_version(meta: dict, where: str) -> int:
                          "upgrade mfqat to read it")
     return v
 
+def _as_written(family, name: str, value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor as the export writes it (bfloat16 unless kept float32, in mlx-lm's form), mapped back
+    to transformers' form in float32: the PyTorch reference runs on exactly the written numbers."""
+    written = family.mlx_value(name, value.float())
+    if not family.float32_on_export(name):
+        written = written.to(torch.bfloat16)
+    return family.hf_value(name, written.float())
+
+
 def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
     """The PyTorch weights that the export must reproduce (float32)."""
-    keep32 = plan.family.float32_on_export
-    sd = {k: (v.to(torch.bfloat16).float() if v.is_floating_point() and not keep32(k) else v.float() if v.is_floating_point() else v)
-          for k, v in anchor.plain.items()}
+    family = plan.family
+    sd = {k: _as_written(family, k, v) if v.is_floating_point() else v for k, v in anchor.plain.items()}
     for name, q in plan.tensors(anchor).items():
         sd[name] = q.dequantize(torch.float32)
     for name in plan.kept16:

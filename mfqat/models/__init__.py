@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from mfqat.models import deepseek_v3, gemma3, glm4_moe, gpt_neox, llama, mixtral, olmo2, phi3, qwen3_5, qwen3_moe
-from mfqat.models.family import ExpertParam, Family
+from mfqat.models import deepseek_v3, gemma2, gemma3, glm4_moe, gpt_neox, llama, mixtral, olmo2, phi3, qwen3_5, qwen3_moe, qwen3_next
+from mfqat.models.family import ExpertParam, Family, PlainRule
 
-FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
-                          mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY]
+FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
+                          mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY,
+                          qwen3_next.FAMILY]
 DENSE = Family(name="dense (no family file)", model_types=())
 _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -33,4 +34,4 @@ def family_of(model) -> Family:
     return family_for(getattr(config, "model_type", None))
 
 
-__all__ = ["ExpertParam", "Family", "FAMILIES", "DENSE", "family_for", "family_of"]
+__all__ = ["ExpertParam", "Family", "PlainRule", "FAMILIES", "DENSE", "family_for", "family_of"]

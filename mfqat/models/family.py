@@ -39,6 +39,20 @@ class ExpertParam:
         return re.escape(self.hf) + "$"
 
 
+@dataclass(frozen=True)
+class PlainRule:
+    """A plain (unquantized) tensor that mlx-lm stores in another form than transformers, when its own
+    ``sanitize`` would not convert it (Qwen3-Next's sanitize converts only checkpoints with per-expert
+    names). ``to_mlx`` maps the float32 transformers value to what is written (before the bfloat16
+    cast); ``to_hf`` maps a written value back, so the export check's PyTorch reference runs on exactly
+    the written numbers: ``to_hf(bf16(to_mlx(w)))``."""
+
+    pattern: str
+    to_mlx: Callable[["torch.Tensor"], "torch.Tensor"]
+    to_hf: Callable[["torch.Tensor"], "torch.Tensor"]
+    why: str
+
+
 def _copy_rope(cfg: dict) -> dict:
     """transformers 5 keeps rope settings in ``rope_parameters``; mlx-lm reads top-level keys."""
     rope = cfg.get("rope_parameters") or {}
@@ -48,6 +62,20 @@ def _copy_rope(cfg: dict) -> dict:
         cfg.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
     if isinstance(rope, dict) and rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
         cfg["rope_scaling"] = dict(rope)
+    return cfg
+
+
+def full_attention_interval(cfg: dict) -> dict:
+    """mlx-lm builds hybrid (linear + full attention) stacks from ``full_attention_interval``; transformers
+    5 writes ``layer_types``. A pattern that is not one full-attention layer every N is refused."""
+    types = cfg.get("layer_types") or []
+    if "full_attention" in types:
+        every = types.index("full_attention") + 1
+        want = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(len(types))]
+        if types != want:
+            raise ValueError(f"{cfg['model_type']}: mlx-lm builds the layers from full_attention_interval; this model's "
+                             f"layer_types {types} are not one full-attention layer every {every}")
+        cfg["full_attention_interval"] = every
     return cfg
 
 
@@ -63,8 +91,10 @@ class Family:
     keep_high: Tuple[Tuple[str, str], ...] = ()  # (regex on the weight name, why it stays high precision)
     mlx_renames: Tuple[Tuple[str, str], ...] = ()  # (regex, replacement) on every tensor name, in order
     hf_renames: Tuple[Tuple[str, str], ...] = ()  # the inverse of mlx_renames (MLX names back to transformers')
+    plain_rules: Tuple[PlainRule, ...] = ()  # plain tensors written in mlx-lm's runtime form (norm + 1, conv axes)
     keep_float32: Tuple[str, ...] = ()  # regexes of plain tensors written in float32, not bfloat16 (mlx-lm's cast_predicate)
     config_fixes: Tuple[Callable[[dict], dict], ...] = ()  # extra mlx-lm config rewrites after the rope ones
+    caveats: Optional[Callable[[dict], List[str]]] = None  # config -> what mlx-lm's port computes differently
     export_refusal: Optional[str] = None  # why mlx-lm cannot load this family (export refused before writing)
     mlx_anchor_refusal: Optional[str] = None  # why an MLX model of this family cannot be written back as an anchor
     # AWQ: (producer, consumers) module names inside a decoder layer. The consumers' input channels are
@@ -100,6 +130,20 @@ class Family:
     def float32_on_export(self, name: str) -> bool:
         """Whether the plain tensor ``name`` is written in float32 (a routing bias), not bfloat16."""
         return any(re.search(p, name) for p in self.keep_float32)
+
+    def plain_rule(self, name: str) -> Optional[PlainRule]:
+        """The rule converting the plain tensor ``name`` for mlx-lm, or None (written as it is)."""
+        return next((r for r in self.plain_rules if re.search(r.pattern, name)), None)
+
+    def mlx_value(self, name: str, value: "torch.Tensor") -> "torch.Tensor":
+        """The plain tensor ``name`` (float32) in the form mlx-lm runs it (unchanged without a rule)."""
+        rule = self.plain_rule(name)
+        return value if rule is None else rule.to_mlx(value)
+
+    def hf_value(self, name: str, value: "torch.Tensor") -> "torch.Tensor":
+        """The inverse of :meth:`mlx_value`: a written value back in transformers' form."""
+        rule = self.plain_rule(name)
+        return value if rule is None else rule.to_hf(value)
 
     def mlx_name(self, name: str) -> str:
         """``name`` as mlx-lm calls it (before its own sanitize)."""
@@ -139,6 +183,10 @@ class Family:
                 raise ValueError(f"{hf}: the MLX weights hold {len(pieces)} of its {len(rule.mlx)} pieces {rule.mlx}")
             out[hf] = torch.cat([pieces[i] for i in range(len(rule.mlx))], dim=-2)
         return out
+
+    def export_caveats(self, config: dict) -> List[str]:
+        """What mlx-lm's port of this model computes differently from transformers (reported on export)."""
+        return list(self.caveats(config)) if self.caveats else []
 
     def mlx_config(self, config: dict) -> dict:
         """The HF config as mlx-lm reads it: rope keys copied out of ``rope_parameters``, then this

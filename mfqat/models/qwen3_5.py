@@ -15,7 +15,7 @@ refused. AWQ groups: input_layernorm -> in_proj_qkv, in_proj_z, in_proj_a, in_pr
 a/b projections read the same normalised input, so they take the scale too) and -> q/k/v
 (full layers), post_attention_layernorm -> gate/up (dense), up -> down, v -> o; norms fold as
 ``w' = (1 + w) / s - 1``."""
-from mfqat.models.family import FUSED_EXPERTS, ROUTER, Family
+from mfqat.models.family import FUSED_EXPERTS, ROUTER, Family, full_attention_interval
 
 LINEAR_ATTN_GATES = (r"\.linear_attn\.in_proj_[ab]\.weight$",
                      "Gated DeltaNet decay / write-strength projection (one value per head): kept in bfloat16")
@@ -24,15 +24,7 @@ SHARED_EXPERT_GATE = (r"\.mlp\.shared_expert_gate\.weight$", "shared-expert gate
 
 def _qwen3_5_config(cfg: dict) -> dict:
     cfg["model_type"] = cfg["model_type"].removesuffix("_text")
-    types = cfg.get("layer_types") or []
-    if "full_attention" in types:
-        every = types.index("full_attention") + 1
-        want = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(len(types))]
-        if types != want:
-            raise ValueError(f"{cfg['model_type']}: mlx-lm builds the layers from full_attention_interval; this model's "
-                             f"layer_types {types} are not one full-attention layer every {every}")
-        cfg["full_attention_interval"] = every
-    return cfg
+    return full_attention_interval(cfg)
 
 
 CONV = (r"\.linear_attn\.conv1d\.weight$", "Gated DeltaNet depthwise convolution (C x 1 x K): kept in bfloat16")
