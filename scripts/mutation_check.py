@@ -273,6 +273,12 @@ MUTATIONS: List[Mutation] = [
     Mutation("gemma2-sliding-window-unreported", "mfqat/models/gemma2.py",
              "norm_offset=1.0, caveats=caveats,", "norm_offset=1.0,",
              ("tests/test_families.py::test_gemma2_export_says_where_mlx_lm_stops_matching",)),
+    Mutation("fp8-source-not-dequantized-on-gpu", "mfqat/data/sources.py",
+             'cls.from_dict({**fields, "dequantize": True})', "cls.from_dict({**fields})",
+             ("tests/test_fp8_source.py::test_fp8_is_dequantized_on_every_device_and_never_claimed_by_the_anchor",)),
+    Mutation("prequantized-source-loaded-as-is", "mfqat/data/sources.py",
+             "    if method not in DEQUANTIZED_ON_LOAD:\n", "    if False:\n",
+             ("tests/test_fp8_source.py::test_other_prequantized_checkpoints_are_refused_by_name",)),
     # issue 33
     Mutation("resume-trusts-an-unverified-checkpoint", "mfqat/integrations/train_loop.py",
              "resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0",

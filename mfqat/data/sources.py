@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
@@ -161,18 +162,53 @@ def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.fl
         path = name_or_path
         if (Path(path) / "mfqat.json").is_file():
             return _load_anchor_model(path, dtype)
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+        kwargs = dequantizing_kwargs(path)
+    tok = AutoTokenizer.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     if info.get("missing_keys"):  # transformers only logs these (and mfqat turns its logs down): refuse
         raise ValueError(f"{name_or_path}: the checkpoint lacks weights the model needs "
                          f"({', '.join(sorted(info['missing_keys'])[:4])}, ...); refusing to use random weights")
-    if getattr(model.config, "quantization_config", None) and kwargs.get("gguf_file"):
-        # weights were de-quantized from GGUF on load; the config must not claim otherwise
-        del model.config.quantization_config
+    if kwargs.get("gguf_file") or "quantization_config" in kwargs:
+        # weights were de-quantized on load (GGUF, FP8, MXFP4); the config must not claim otherwise
+        if "quantization_config" in model.config.__dict__:
+            del model.config.quantization_config
         model.hf_quantizer = None  # so save_pretrained writes the (de-quantized) weights
+        if "quantization_config" in kwargs:
+            method = kwargs["quantization_config"].quant_method
+            print(f"[mfqat] {name_or_path}: {getattr(method, 'value', method)} checkpoint dequantized to "
+                  f"{str(dtype).removeprefix('torch.')} on load (block scales applied per block, experts after)")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+# Pre-quantized checkpoints mfqat trains from: transformers dequantizes them on load when asked
+# (``dequantize=True``), block scale by block scale, before fused experts are stacked. Without the flag an
+# NVIDIA GPU would load FP8Linear / MXFP4 modules that no MF-QAT layer replaces.
+DEQUANTIZED_ON_LOAD = {"fp8": "FineGrainedFP8Config", "mxfp4": "Mxfp4Config"}
+
+
+def dequantizing_kwargs(path: str) -> dict:
+    """``from_pretrained`` keyword arguments for the HF folder ``path``: ``quantization_config`` with
+    ``dequantize=True`` for an FP8 (e4m3 + block scale) or MXFP4 checkpoint, nothing for a plain one, and a
+    ValueError naming the method for other pre-quantized checkpoints (mfqat needs their float weights)."""
+    import transformers
+
+    cfg_file = Path(path) / "config.json"
+    try:
+        qcfg = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    except (OSError, ValueError):
+        return {}  # transformers reports the unreadable config with its own message
+    if not isinstance(qcfg, dict):
+        return {}
+    method = str(qcfg.get("quant_method", "?"))
+    if method not in DEQUANTIZED_ON_LOAD:
+        raise ValueError(f"{path}: a pre-quantized {method} checkpoint (config.json quantization_config); mfqat "
+                         f"trains and quantizes from float weights: pass the original model (FP8 and MXFP4 "
+                         f"checkpoints are dequantized on load)")
+    cls = getattr(transformers, DEQUANTIZED_ON_LOAD[method])
+    fields = {k: v for k, v in qcfg.items() if k != "quant_method"}
+    return {"quantization_config": cls.from_dict({**fields, "dequantize": True})}
 
 
 def _load_anchor_model(path: str, dtype: torch.dtype):
