@@ -279,6 +279,17 @@ MUTATIONS: List[Mutation] = [
     Mutation("prequantized-source-loaded-as-is", "mfqat/data/sources.py",
              "    if method not in DEQUANTIZED_ON_LOAD:\n", "    if False:\n",
              ("tests/test_fp8_source.py::test_other_prequantized_checkpoints_are_refused_by_name",)),
+    # issue 32: learned affine widths stored in the anchor (mfqat refine, format version 4)
+    Mutation("anchor-ignores-its-refined-scales", "mfqat/anchor/checkpoint.py",
+             "        return width.apply(name, q) if width is not None else q\n", "        return q\n",
+             ("tests/test_anchor_refined.py::test_the_anchor_stores_each_width_it_learned_and_load_anchor_uses_it",
+              "tests/test_anchor_refined.py::test_an_export_of_a_refined_width_ships_the_stored_scales_bit_exact")),
+    Mutation("refined-scales-used-at-any-group", "mfqat/anchor/refined.py",
+             "width is not None and width.group_size == group_size else None", "width is not None else None",
+             ("tests/test_anchor_refined.py::test_the_anchor_stores_each_width_it_learned_and_load_anchor_uses_it",)),
+    Mutation("refined-file-outside-the-manifest-accepted", "mfqat/anchor/refined.py",
+             "        if name not in manifest:\n", "        if False:\n",
+             ("tests/test_anchor_refined.py::test_a_changed_refined_file_is_refused_by_name",)),
     # issue 33
     Mutation("resume-trusts-an-unverified-checkpoint", "mfqat/integrations/train_loop.py",
              "resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0",

@@ -30,6 +30,7 @@ from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, TENSO
 from mfqat.formats import canonical_name, get_format
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
 from mfqat.anchor.config import model_config, write_anchor_config
+from mfqat.anchor.refined import RefinedWidth, pick, read_refined
 from mfqat.anchor.tensors import (default_targets, full_precision, quantize_targets,  # noqa: F401
                                  recorded_importance, unblockable)
 from mfqat.storage.manifest import AnchorError, Snapshot, load_meta, retry_read, seal
@@ -54,6 +55,7 @@ class Anchor:
     quantized: Dict[str, MXTensor] = field(default_factory=dict)
     plain: Dict[str, torch.Tensor] = field(default_factory=dict)
     config: Optional[dict] = None  # config.json as read (checked from version 2), less mfqat's quantization_config
+    refined: Dict[str, RefinedWidth] = field(default_factory=dict)  # learned affine scales per width (version 4)
 
     @property
     def format(self) -> str:
@@ -69,8 +71,15 @@ class Anchor:
         fmt = canonical_name(fmt)
         check_reachable(self.format, fmt, name=str(self.path))
         if is_derived(fmt):
-            return {k: derive(q.dequantize(torch.float32), fmt, group_size) for k, q in self.quantized.items()}
+            return {k: self.derived(k, fmt, group_size) for k in self.quantized}
         return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}  # the recorded scale rules
+
+    def derived(self, name: str, fmt: str, group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:
+        """Quantized tensor ``name`` in the derived format ``fmt``: re-quantized from the anchor's values, with
+        the learned scales and biases the anchor stores for that width and group (mfqat.anchor.refined)."""
+        q = derive(self.quantized[name].dequantize(torch.float32), fmt, group_size)
+        width = pick(self.refined, fmt, q.block_size)
+        return width.apply(name, q) if width is not None else q
 
     def state_dict(self, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32,
                    group_size: int = DERIVED_GROUP_SIZE) -> Dict[str, torch.Tensor]:
@@ -203,6 +212,8 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
         raise AnchorError(f"{snap.path / origin[stray[0]]}: tensor {stray[0]} belongs to no quantized tensor of "
                           f"mfqat.json; the weight files do not match the metadata: save the anchor again")
     anchor.plain = raw
+    anchor.refined = read_refined(meta, lambda name: snap.read_checked(name, manifest.get(name) if verify else None),
+                                  snap.path)
     return anchor
 
 

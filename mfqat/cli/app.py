@@ -131,6 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
     x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
+    r = sub.add_parser("refine", help="learn affine widths' group scales and biases against the anchor and store "
+                       "them in it (export-mlx and load_anchor then use them)")
+    r.add_argument("anchor", help="anchor directory (changed in place: one file per width, mfqat.json re-sealed)")
+    r.add_argument("--formats", default="affine4", help="comma list of affine widths to learn (affine2..affine8)")
+    r.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="the affine group the widths are learned for (export-mlx --group-size must match)")
+    r.add_argument("--calib-text", default=None, help=CALIB_HELP)
+    r.add_argument("--steps", type=int, default=64, help="Adam steps of 4 x 128 calibration tokens per width")
+    r.add_argument("--lr", type=float, default=1e-3, help="learning rate of the relative scale / bias")
+    r.add_argument("--overwrite", action="store_true", help="learn again a width the anchor already holds")
     y = sub.add_parser("verify", help="check an anchor / MLX export / convert output against its manifest")
     y.add_argument("path")
     d = sub.add_parser("demo", help="the end-to-end demo on the embedded SmolLM2-135M "
@@ -193,10 +203,10 @@ def _run(cmd: str, args: argparse.Namespace, rest: List[str]) -> None:
     elif cmd == "mlx-train":
         from mfqat.mlx.train import main as mlx_train_main
         mlx_train_main(rest)
-    elif cmd in ("convert", "export-mlx", "verify", "eval"):
+    elif cmd in ("convert", "export-mlx", "verify", "eval", "refine"):
         from mfqat.cli import commands
         {"convert": commands.convert, "export-mlx": commands.export, "verify": commands.verify,
-         "eval": commands.evaluate}[cmd](args)
+         "eval": commands.evaluate, "refine": commands.refine}[cmd](args)
     elif cmd == "generate":
         from mfqat.mlx.serve import generate
         print(generate(args.model, args.prompt, args.max_tokens, args.adapter_path, temp=args.temp,

@@ -197,6 +197,16 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")
+    elif cmd == "refine":
+        if not is_anchor(a.anchor):
+            raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); refine stores learned scales in an anchor")
+        if not has_tokenizer(a.anchor):
+            raise UsageError(f"{a.anchor}: the anchor has no tokenizer; refine tokenizes the calibration text with it")
+        need_formats(a.formats.split(","), "--formats")
+        at_least(a, {"steps": 1})
+        if not a.lr > 0:
+            raise UsageError(f"--lr must be positive, got {a.lr}")
+        need_calib_sources(a.calib_text)
     elif cmd == "eval":
         positional_or_model(a, "model", cmd)
         need_model(a.model, "MODEL")

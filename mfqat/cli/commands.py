@@ -174,3 +174,24 @@ def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> No
     rep = search_scales(anchor, calibration_ids(tok, calib_text), served)
     print(f"scale search: {', '.join(rep['formats'])} lowered with the output-aware per-block exponent "
           f"({rep['tensors']} tensors, {rep['calibration_tokens']} calibration tokens); other formats keep their rule")
+
+
+def refine(a: argparse.Namespace) -> None:
+    """Learn affine widths against the anchor and store them in it (mfqat.export.refine.refine_anchor)."""
+    from mfqat.data.mix import mixed_text
+    from mfqat.eval.report import format_table
+    from mfqat.export.refine import RefineConfig, refine_anchor
+
+    calib = mixed_text(a.calib_text) if a.calib_text else None
+    try:
+        rows = refine_anchor(Path(a.anchor), [f for f in a.formats.split(",") if f], a.group_size, calib,
+                             RefineConfig(steps=a.steps, lr=a.lr), overwrite=a.overwrite)
+    except FileExistsError as e:
+        raise ValueError(str(e)) from None
+    cols = ["width", "group", "tensors", "validation KL before", "after", "stored", "seconds"]
+    print(format_table([dict(zip(cols, [r["format"], r["group_size"], r["tensors"], f"{r['validation_kl_before']:.4f}",
+                                        f"{r['validation_kl_after']:.4f}", "yes" if r["stored"] else "no (not lower)",
+                                        f"{r['seconds']:.0f}"])) for r in rows], cols))
+    print(f"{a.anchor}: export-mlx --recipe uniform:affineK --group-size {a.group_size} and load_anchor(anchor, "
+          f"'affineK', group_size={a.group_size}) now use the stored widths")
+

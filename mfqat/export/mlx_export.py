@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 import torch
 
+from mfqat.anchor.refined import pick
 from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
@@ -184,6 +185,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
+        stored = sorted({f for f in plan.formats.values() if pick(anchor.refined, f, plan.group_of(f))})
+        if stored:
+            report["anchor_refined"] = stored  # learned scales and biases the anchor holds (mfqat refine)
         caveats = plan.family.export_caveats(anchor.config)
         if caveats:
             report["caveats"] = caveats

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from mfqat.anchor.checkpoint import Anchor, anchor_model
 from mfqat.export.recipes import Plan
 from mfqat.export.verify import reference_state
 from mfqat.progress import progress
+from mfqat.quant.derive import DERIVED_GROUP_SIZE
 from mfqat.quant.mxtensor import MXTensor
 
 
@@ -168,3 +169,43 @@ def apply_refine(anchor: Anchor, plan: Plan, tokenizer_dir: Path, calib_text: Op
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     calib = calibration_blocks(tok, calib_text, n_blocks=cfg.n_blocks + cfg.n_valid, seq_len=cfg.seq_len)
     return {**refine(anchor, plan, calib, cfg), "calibration": calib_text or "pydoc training split"}
+
+
+def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROUP_SIZE,
+                  calib_text: Optional[str] = None, cfg: Optional[RefineConfig] = None,
+                  overwrite: bool = False) -> List[dict]:
+    """``mfqat refine``: learn every width in ``formats`` (affine2..affine8) against the anchor at ``path``
+    and store the learned scales and biases in it (mfqat.anchor.refined), each width on its own: the uniform
+    model of that width over the anchor's quantized tensors. A width whose validation KL does not drop is
+    not stored (the report says so). Returns one report row per width."""
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.anchor.refined_store import add_refined
+    from mfqat.export.recipes import build_plan
+    from mfqat.formats import canonical_name, get_format
+
+    cfg = cfg or RefineConfig()
+    path = Path(path)
+    widths = [canonical_name(f) for f in formats]
+    bad = [f for f in widths if get_format(f).family != "affine"]
+    if bad:
+        raise ValueError(f"refine: {bad[0]} is not an affine width; the anchor stores learned scales for "
+                         "affine2..affine8 (MLX's affine layout)")
+    anchor = read_anchor(path)
+    taken = [f for f in widths if f in anchor.refined and not overwrite]
+    if taken:
+        raise FileExistsError(f"{path}: already holds refined {taken[0]} scales; pass --overwrite to learn them again")
+    rows = []
+    for fmt in widths:
+        anchor = read_anchor(path)
+        anchor.refined.pop(fmt, None)  # learn from the derived values, not from an earlier run
+        plan = build_plan(anchor, f"uniform:{fmt}", derived_group=group_size)
+        for name in [n for n in plan.formats if n not in anchor.quantized]:  # only what the anchor can hold
+            del plan.formats[name]
+            plan.origin.pop(name, None)
+        report = apply_refine(anchor, plan, path, calib_text, cfg)
+        if report["kept"]:
+            info = {k: report[k] for k in ("steps", "lr", "batch", "seq_len", "calibration_blocks", "validation_blocks",
+                                            "temperature", "validation_kl_before", "validation_kl_after", "calibration")}
+            add_refined(path, fmt, group_size, plan.refined, info, overwrite=True)
+        rows.append({"format": fmt, "group_size": group_size, **report, "stored": bool(report["kept"])})
+    return rows

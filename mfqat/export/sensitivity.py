@@ -77,9 +77,9 @@ def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_
     """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor (derived: re-quantized from its
     values), or direct for plain weights."""
     if is_derived(fmt):
-        src = anchor.quantized[name].dequantize(torch.float32) if name in anchor.quantized \
-            else anchor.plain[name].float()
-        return derive(src, fmt, derived_group)
+        if name in anchor.quantized:
+            return anchor.derived(name, fmt, derived_group)  # with the anchor's learned scales, if any
+        return derive(anchor.plain[name].float(), fmt, derived_group)
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
     return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32),

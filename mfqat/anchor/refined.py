@@ -1,0 +1,118 @@
+"""Learned affine scales and biases kept in the anchor (anchor format version 4).
+
+``mfqat refine ANCHOR --formats affine4,...`` (mfqat.export.refine; written by
+mfqat.anchor.refined_store) learns, for every width, the
+bfloat16 scale and bias of each group of the affine model derived from the anchor, codes fixed. They
+are stored beside the anchor's weights, one file per width::
+
+    refined-affine4.safetensors    {tensor}.scales, {tensor}.biases   (bfloat16, [..., in / group])
+
+and listed in ``mfqat.json`` under ``refined`` (``{"affine4": {"file", "group_size", "tensors", ...}}``)
+and in its manifest, so a changed or truncated file is refused like any weight file. The codes are not
+stored: they are the derived ones (:func:`mfqat.quant.derive.derive_affine` of the anchor's values,
+deterministic), so one anchor still reproduces every width code for code, now with its learned scales:
+``load_anchor(anchor, "affine4")`` and ``export-mlx --recipe uniform:affine4`` use them. Adding a width
+rewrites only ``mfqat.json`` (atomically, after the new file is on disk) and keeps every other file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+
+from mfqat.formats import canonical_name, get_format
+from mfqat.quant.mxtensor import MXTensor
+from mfqat.storage.manifest import AnchorError, check_name
+
+REFINED_VERSION = 4  # the anchor format version that introduced ``refined``
+
+
+@dataclass
+class RefinedWidth:
+    """One width's learned values: ``scales[name] = (scales, biases)``, bfloat16, per group of ``group_size``."""
+
+    fmt: str
+    group_size: int
+    scales: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    def apply(self, name: str, derived: MXTensor) -> MXTensor:
+        """``derived`` (the tensor's derived affine codes in this width) with the learned scales and biases;
+        AnchorError when the stored shapes do not fit (the anchor was edited)."""
+        if name not in self.scales:
+            return derived
+        s, b = self.scales[name]
+        if s.shape != derived.scales.shape or b.shape != derived.scales.shape:
+            raise AnchorError(f"refined {self.fmt}: {name}: stored scales {tuple(s.shape)} do not fit the derived "
+                              f"groups {tuple(derived.scales.shape)}; refine the anchor again")
+        return MXTensor(derived.codes, s.float(), derived.fmt, derived.block_size, derived.dtype, b.float(),
+                        derived.scale_rule)
+
+
+def refined_file(fmt: str) -> str:
+    """The file holding width ``fmt``'s learned scales and biases."""
+    return f"refined-{canonical_name(fmt)}.safetensors"
+
+
+def check_refined(meta: dict, version: int, where: str) -> None:
+    """Validate the ``refined`` field of mfqat.json (format version 4)."""
+    refined = meta.get("refined")
+    if refined is None:
+        return
+    if version < REFINED_VERSION:
+        raise AnchorError(f"{where}: field 'refined' needs format version {REFINED_VERSION}, the file says {version}; "
+                          "the anchor was edited or is corrupt: save it again")
+    if not isinstance(refined, dict):
+        raise AnchorError(f"{where}: field 'refined': expected an object {{format: entry}}")
+    manifest = meta.get("manifest") or {}
+    for fmt, e in refined.items():
+        try:
+            family = get_format(fmt).family
+        except (KeyError, ValueError):
+            family = None
+        if family != "affine":
+            raise AnchorError(f"{where}: field 'refined': {fmt!r} is not an affine width (affine2..affine8)")
+        if not isinstance(e, dict) or not isinstance(e.get("group_size"), int) or isinstance(e.get("group_size"), bool) \
+                or e["group_size"] < 1:
+            raise AnchorError(f"{where}: field 'refined.{fmt}': expected an object with a positive 'group_size'")
+        name = check_name(e.get("file"), f"{where}: field 'refined.{fmt}.file'")
+        if name not in manifest:
+            raise AnchorError(f"{where}: field 'refined.{fmt}.file': {name} is not in the manifest")
+
+
+def read_refined(meta: dict, read_bytes, where: Path) -> Dict[str, RefinedWidth]:
+    """{fmt: RefinedWidth} of an anchor whose mfqat.json was validated; ``read_bytes(name)`` returns a file's
+    checked bytes. A tensor the file names that the anchor does not quantize is refused."""
+    out: Dict[str, RefinedWidth] = {}
+    for fmt, e in (meta.get("refined") or {}).items():
+        try:
+            raw = load_safetensors_bytes(read_bytes(e["file"]))
+        except AnchorError:
+            raise
+        except Exception as err:  # safetensors raises its own types on a bad header
+            raise AnchorError(f"{where / e['file']}: cannot read safetensors ({err})") from None
+        width = RefinedWidth(canonical_name(fmt), e["group_size"], info=dict(e))
+        for key in raw:
+            if not key.endswith(".scales"):
+                continue
+            name = key[: -len(".scales")]
+            if name not in meta["tensors"] or f"{name}.biases" not in raw:
+                raise AnchorError(f"{where / e['file']}: {key}: no such quantized tensor, or its biases are missing; "
+                                  "refine the anchor again")
+            width.scales[name] = (raw[key], raw[f"{name}.biases"])
+        out[width.fmt] = width
+    return out
+
+
+def refined_widths(meta: dict) -> Dict[str, int]:
+    """{width: group size} of the learned scales an anchor's mfqat.json lists (no file read)."""
+    return {fmt: e["group_size"] for fmt, e in (meta.get("refined") or {}).items()}
+
+
+def pick(refined: Dict[str, RefinedWidth], fmt: str, group_size: int) -> Optional[RefinedWidth]:
+    """The stored width for ``fmt`` at ``group_size``, or None (other groups use the derived values)."""
+    width = refined.get(canonical_name(fmt))
+    return width if width is not None and width.group_size == group_size else None
