@@ -41,7 +41,7 @@ def test_the_anchor_stores_each_width_it_learned_and_load_anchor_uses_it(refined
     assert all(r["validation_kl_after"] < r["validation_kl_before"] for r in rows)
     meta = json.loads((path / "mfqat.json").read_text())
     assert meta["format_version"] == 4 and set(meta["refined"]) == {"affine4", "affine3"}
-    assert "refined-affine4.safetensors" in meta["manifest"] and "notes.txt" not in meta["manifest"]
+    assert meta["refined"]["affine4"]["file"] in meta["manifest"] and "notes.txt" not in meta["manifest"]
     a, p = read_anchor(path), read_anchor(plain)
     for fmt in ("affine4", "affine3"):
         learned, derived = a.in_format(fmt, 32)[NAME], derive(p.quantized[NAME].dequantize(torch.float32), fmt, 32)
@@ -52,7 +52,7 @@ def test_the_anchor_stores_each_width_it_learned_and_load_anchor_uses_it(refined
         model = mfqat.load_anchor(path, fmt, group_size=32)
         assert torch.equal(model.get_parameter(NAME).detach(), learned.dequantize(torch.float32))
     assert torch.equal(a.in_format("affine4", 64)[NAME].scales, p.in_format("affine4", 64)[NAME].scales)  # other group
-    assert torch.equal(a.in_format("mxint4")[NAME].codes, p.in_format("mxint4")[NAME].codes)  # MX widths untouched
+    assert torch.equal(a.in_format("nvfp4")[NAME].scales, p.in_format("nvfp4")[NAME].scales)  # other derived formats
 
 
 def test_an_export_of_a_refined_width_ships_the_stored_scales_bit_exact(refined, tmp_path):
@@ -69,20 +69,20 @@ def test_an_export_of_a_refined_width_ships_the_stored_scales_bit_exact(refined,
 def test_a_changed_refined_file_is_refused_by_name(refined, tmp_path):
     _, path, _ = refined
     bad = shutil.copytree(path, tmp_path / "bad")
-    f = bad / "refined-affine3.safetensors"
+    f = bad / json.loads((bad / "mfqat.json").read_text())["refined"]["affine3"]["file"]
     data = bytearray(f.read_bytes())
     data[-3] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(AnchorError, match="refined-affine3.safetensors"):
+    with pytest.raises(AnchorError, match=f.name):
         read_anchor(bad)
     from mfqat.storage.manifest import canonical_digest
 
     unlisted = shutil.copytree(path, tmp_path / "unlisted")  # a width file the manifest does not vouch for
     meta = json.loads((unlisted / "mfqat.json").read_text())
-    del meta["manifest"]["refined-affine3.safetensors"]
+    del meta["manifest"][meta["refined"]["affine3"]["file"]]
     meta["digest"] = canonical_digest(meta)
     (unlisted / "mfqat.json").write_text(json.dumps(meta))
-    with pytest.raises(AnchorError, match="refined-affine3.safetensors is not in the manifest"):
+    with pytest.raises(AnchorError, match="refined-affine3-[0-9a-f]+.safetensors is not in the manifest"):
         read_anchor(unlisted)
 
 
@@ -121,3 +121,37 @@ def test_the_refine_command_stores_a_width_and_prints_the_table(refined, tmp_pat
     with pytest.raises(SystemExit) as e:
         main(["refine", str(target), "--formats", "mxint4"])
     assert e.value.code == 2 and "not an affine width" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_a_width_and_removes_its_old_file(refined, tmp_path):
+    _, path, _ = refined
+    a = shutil.copytree(path, tmp_path / "a")
+    old = json.loads((a / "mfqat.json").read_text())["refined"]["affine4"]["file"]
+    (a / "refined-affine4-orphan.safetensors").write_bytes(b"left by a crash")
+    rows = refine_anchor(a, ["affine4"], group_size=32, cfg=RefineConfig(**{**SMALL.__dict__, "seed": 1}),
+                         overwrite=True)
+    meta = json.loads((a / "mfqat.json").read_text())
+    assert rows[0]["stored"] and meta["refined"]["affine4"]["file"] != old and old not in meta["manifest"]
+    assert not (a / old).exists() and not (a / "refined-affine4-orphan.safetensors").exists()
+    assert read_anchor(a).refined["affine4"].scales[NAME][0].shape == read_anchor(path).refined["affine4"].scales[NAME][0].shape
+
+
+def test_values_learned_on_other_weights_are_refused(refined, tmp_path, monkeypatch):
+    """An anchor saved again while refine learns holds other codes: the learned scales would decode them
+    wrongly, so they are not stored."""
+    import mfqat.export.refine as refine_mod
+
+    plain, _, _ = refined
+    a = shutil.copytree(plain, tmp_path / "a")
+    real = refine_mod.apply_refine
+
+    def resave_while_learning(anchor, plan, *args, **kw):
+        report = real(anchor, plan, *args, **kw)
+        mfqat.save_anchor(tiny_llama(vocab_size=len(tiny_tokenizer()), tie=True, seed=1), a, "mxint8", tiny_tokenizer(),
+                          overwrite=True)
+        return report
+
+    monkeypatch.setattr(refine_mod, "apply_refine", resave_while_learning)
+    with pytest.raises(ValueError, match="weights changed while refine was learning"):
+        refine_anchor(a, ["affine4"], group_size=32, cfg=SMALL)
+    assert "refined" not in json.loads((a / "mfqat.json").read_text())

@@ -61,7 +61,8 @@ def test_fp8_checkpoint_loads_dequantized_block_by_block_experts_stacked_after(f
         gate, up = expect[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"], expect[f"model.layers.1.mlp.experts.{e}.up_proj.weight"]
         assert torch.equal(fused[e], torch.cat([gate, up]))
         assert torch.equal(got["model.layers.1.mlp.experts.down_proj"][e], expect[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
-    assert all(isinstance(m, torch.nn.Linear) or not hasattr(m, "weight_scale_inv") for m in model.modules())
+    assert not any(hasattr(m, "weight_scale_inv") for m in model.modules())  # no FP8Linear (an nn.Linear subclass)
+    assert type(model.get_submodule("model.layers.0.self_attn.q_proj")) is torch.nn.Linear
 
 
 def test_fp8_is_dequantized_on_every_device_and_never_claimed_by_the_anchor(fp8_moe, tmp_path):
@@ -81,6 +82,14 @@ def test_fp8_is_dequantized_on_every_device_and_never_claimed_by_the_anchor(fp8_
 def test_other_prequantized_checkpoints_are_refused_by_name(method, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": method}}))
     with pytest.raises(ValueError, match=f"pre-quantized {method} checkpoint.*pass the original model"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("qc, says", [({"quant_method": "mfqat", "format": "mxint8"}, "mfqat.json is missing"),
+                                      ({"group_size": 64, "bits": 4}, "MLX-quantized model")])
+def test_an_incomplete_anchor_or_an_mlx_model_is_named_for_what_it_is(qc, says, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
+    with pytest.raises(ValueError, match=says):
         load_model(str(tmp_path))
 
 

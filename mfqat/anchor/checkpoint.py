@@ -25,7 +25,8 @@ from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
 from mfqat import __version__
-from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, TENSOR_DTYPES,  # noqa: F401
+from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, SEARCH_FORMAT_VERSION,  # noqa: F401
+                          TENSOR_DTYPES,
                           check_importance, check_quantized, check_version, validate_meta, weight_files)
 from mfqat.formats import canonical_name, get_format
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
@@ -126,7 +127,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     scale_rule = recorded[f.name]
     tensors, entries = quantize_targets(sd, targets, f, block_size, scale_rule)
     tensors.update({f"{k}.importance": v for k, v in recorded_importance(model, entries, recorded).items()})
-    version = ANCHOR_FORMAT_VERSION if SEARCH_RULE in recorded.values() else BASE_FORMAT_VERSION
+    version = SEARCH_FORMAT_VERSION if SEARCH_RULE in recorded.values() else BASE_FORMAT_VERSION
     missing = [t for t in targets if t not in entries and t not in tied]
     if missing:
         raise ValueError(f"targets not found in the model's state dict: {missing[:5]}")

@@ -5,7 +5,7 @@ mfqat.anchor.refined_store) learns, for every width, the
 bfloat16 scale and bias of each group of the affine model derived from the anchor, codes fixed. They
 are stored beside the anchor's weights, one file per width::
 
-    refined-affine4.safetensors    {tensor}.scales, {tensor}.biases   (bfloat16, [..., in / group])
+    refined-affine4-<sha12>.safetensors    {tensor}.scales, {tensor}.biases   (bfloat16, [..., in / group])
 
 and listed in ``mfqat.json`` under ``refined`` (``{"affine4": {"file", "group_size", "tensors", ...}}``)
 and in its manifest, so a changed or truncated file is refused like any weight file. The codes are not

@@ -5,11 +5,12 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from safetensors.torch import save as save_safetensors_bytes
 
+from mfqat import __version__
 from mfqat.anchor.checkpoint import META_FILE, read_anchor
 from mfqat.anchor.refined import REFINED_VERSION, refined_file
 from mfqat.formats import canonical_name
@@ -35,15 +36,27 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def add_refined(path: Path, fmt: str, group_size: int, tensors: Dict[str, MXTensor], info: dict,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, learned_from: Optional[Dict[str, str]] = None) -> Path:
     """Store width ``fmt``'s learned scales and biases (``tensors``: the refined MXTensors) in the anchor at
-    ``path``. The anchor is re-read and verified first; the new file is written and synced before mfqat.json
-    is replaced, and the manifest gains only that file (files the anchor did not list stay unlisted). A width
-    already stored is replaced only with ``overwrite``."""
-    path = Path(path)
+    ``path``, under its writer lock (the one save_anchor takes).
+
+    ``learned_from``: the weight files (``mfqat.json`` ``files``: name -> sha256) of the anchor the values were
+    learned on; when the anchor at ``path`` now holds other weights (re-saved while refine was learning), the
+    values would decode its codes wrongly, so they are refused. The new file gets a name of its own
+    (``refined-affineK-<sha>.safetensors``) and is synced before ``mfqat.json`` is replaced atomically; a
+    width's previous file is removed only after that, so a crash at any point leaves a readable anchor (at
+    worst an unlisted orphan file, removed by the next call). The manifest gains only that file (files the
+    anchor never listed stay unlisted). A width already stored is replaced only with ``overwrite``."""
+    path = Path(path).absolute()  # the lock file save_anchor uses for this folder, whatever the cwd
     fmt = canonical_name(fmt)
     with writer_lock(path):
         meta = dict(read_anchor(path).meta)
+        if int(meta.get("format_version", 1)) < 2 or "manifest" not in meta:
+            raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned widths in; "
+                             "load and save it again with this mfqat (load_anchor, then save_anchor)")
+        if learned_from is not None and meta["files"] != learned_from:
+            raise ValueError(f"{path}: the anchor's weights changed while refine was learning (it was saved again); "
+                             "its codes no longer match the learned scales: run mfqat refine again")
         refined = dict(meta.get("refined") or {})
         if fmt in refined and not overwrite:
             raise FileExistsError(f"{path}: already holds refined {fmt} scales ({refined[fmt]['file']}); pass "
@@ -51,17 +64,31 @@ def add_refined(path: Path, fmt: str, group_size: int, tensors: Dict[str, MXTens
         missing = [n for n in tensors if n not in meta["tensors"]]
         if missing:
             raise ValueError(f"{path}: {missing[0]} is not a quantized tensor of the anchor")
+        _remove_orphans(path, refined)
         data = save_safetensors_bytes({f"{n}.{part}": t.contiguous() for n, q in tensors.items()
                                        for part, t in (("scales", q.scales.to(torch.bfloat16)),
                                                        ("biases", q.biases.to(torch.bfloat16)))})
-        name = refined_file(fmt)
+        digest = hashlib.sha256(data).hexdigest()
+        name = refined_file(fmt).replace(".safetensors", f"-{digest[:12]}.safetensors")
         _write_bytes(path / name, data)
-        refined[fmt] = {"file": name, "group_size": int(group_size), "tensors": len(tensors), **info}
-        meta["refined"] = refined
-        meta["manifest"] = {**meta["manifest"], name: hashlib.sha256(data).hexdigest()}
-        meta["format_version"] = max(int(meta["format_version"]), REFINED_VERSION)
+        old = refined.get(fmt, {}).get("file")
+        refined[fmt] = {"file": name, "group_size": int(group_size), "tensors": len(tensors),
+                        "mfqat_version": __version__, **info}
+        manifest = {k: v for k, v in meta["manifest"].items() if k != old}
+        meta.update(refined=refined, manifest={**manifest, name: digest},
+                    format_version=max(int(meta["format_version"]), REFINED_VERSION))
         meta.pop("digest", None)
         meta["digest"] = canonical_digest(meta)
         write_json(path / META_FILE, meta)
         fsync_dir(path)
+        if old and old != name:
+            (path / old).unlink(missing_ok=True)
     return path
+
+
+def _remove_orphans(path: Path, refined: dict) -> None:
+    """Delete ``refined-*.safetensors`` files no width lists (left by a crash between the two writes)."""
+    listed = {e.get("file") for e in refined.values()}
+    for f in path.glob("refined-*.safetensors"):
+        if f.name not in listed:
+            f.unlink(missing_ok=True)

@@ -192,6 +192,12 @@ def refine(a: argparse.Namespace) -> None:
     print(format_table([dict(zip(cols, [r["format"], r["group_size"], r["tensors"], f"{r['validation_kl_before']:.4f}",
                                         f"{r['validation_kl_after']:.4f}", "yes" if r["stored"] else "no (not lower)",
                                         f"{r['seconds']:.0f}"])) for r in rows], cols))
-    print(f"{a.anchor}: export-mlx --recipe uniform:affineK --group-size {a.group_size} and load_anchor(anchor, "
-          f"'affineK', group_size={a.group_size}) now use the stored widths")
+    stored = [r["format"] for r in rows if r["stored"]]
+    if stored:
+        print(f"{a.anchor}: export-mlx --recipe uniform:{stored[0]} --group-size {a.group_size} and load_anchor(anchor, "
+              f"'{stored[0]}', group_size={a.group_size}) now use the stored {', '.join(stored)}")
+    kept = [r["format"] for r in rows if not r["stored"]]
+    if kept:
+        print(f"{', '.join(kept)}: the validation KL did not drop; nothing stored for it (a width stored before "
+              "stays as it was)")
 

@@ -193,15 +193,23 @@ def dequantizing_kwargs(path: str) -> dict:
     ``dequantize=True`` for an FP8 (e4m3 + block scale) or MXFP4 checkpoint, nothing for a plain one, and a
     ValueError naming the method for other pre-quantized checkpoints (mfqat needs their float weights)."""
     import transformers
+    from transformers.utils import cached_file
 
-    cfg_file = Path(path) / "config.json"
-    try:
-        qcfg = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    try:  # a local folder, or a Hub id already in the cache (mfqat downloads nothing)
+        cfg_file = cached_file(str(path), "config.json", _raise_exceptions_for_missing_entries=False)
+        qcfg = json.loads(Path(cfg_file).read_text()).get("quantization_config") if cfg_file else None
     except (OSError, ValueError):
-        return {}  # transformers reports the unreadable config with its own message
+        return {}  # transformers reports the missing or unreadable config with its own message
     if not isinstance(qcfg, dict):
         return {}
-    method = str(qcfg.get("quant_method", "?"))
+    method = str(qcfg.get("quant_method", ""))
+    if method == "mfqat":
+        raise ValueError(f"{path}: config.json says this is an mfqat anchor but mfqat.json is missing; the anchor "
+                         "is incomplete: copy the whole anchor folder, or save it again")
+    if not method:
+        raise ValueError(f"{path}: config.json has a quantization_config without quant_method (an MLX-quantized "
+                         "model, e.g. from mlx_lm.convert or mfqat export-mlx?); mfqat trains from float weights: "
+                         "pass the original model")
     if method not in DEQUANTIZED_ON_LOAD:
         raise ValueError(f"{path}: a pre-quantized {method} checkpoint (config.json quantization_config); mfqat "
                          f"trains and quantizes from float weights: pass the original model (FP8 and MXFP4 "

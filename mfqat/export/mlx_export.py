@@ -185,9 +185,6 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
-        stored = sorted({f for f in plan.formats.values() if pick(anchor.refined, f, plan.group_of(f))})
-        if stored:
-            report["anchor_refined"] = stored  # learned scales and biases the anchor holds (mfqat refine)
         caveats = plan.family.export_caveats(anchor.config)
         if caveats:
             report["caveats"] = caveats
@@ -196,6 +193,10 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if refine is not None:
             from mfqat.export.refine import apply_refine
             report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, refine)
+        stored = sorted({f for n, f in plan.formats.items()
+                         if n not in plan.refined and n in anchor.quantized and pick(anchor.refined, f, plan.group_of(f))})
+        if stored:
+            report["anchor_refined"] = stored  # learned scales and biases the anchor holds (mfqat refine)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())

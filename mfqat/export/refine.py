@@ -191,6 +191,9 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
         raise ValueError(f"refine: {bad[0]} is not an affine width; the anchor stores learned scales for "
                          "affine2..affine8 (MLX's affine layout)")
     anchor = read_anchor(path)
+    if int(anchor.meta.get("format_version", 1)) < 2:
+        raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned widths in; load and "
+                         "save it again with this mfqat (load_anchor, then save_anchor), then refine")
     taken = [f for f in widths if f in anchor.refined and not overwrite]
     if taken:
         raise FileExistsError(f"{path}: already holds refined {taken[0]} scales; pass --overwrite to learn them again")
@@ -206,6 +209,6 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
         if report["kept"]:
             info = {k: report[k] for k in ("steps", "lr", "batch", "seq_len", "calibration_blocks", "validation_blocks",
                                             "temperature", "validation_kl_before", "validation_kl_after", "calibration")}
-            add_refined(path, fmt, group_size, plan.refined, info, overwrite=True)
+            add_refined(path, fmt, group_size, plan.refined, info, overwrite=True, learned_from=anchor.meta["files"])
         rows.append({"format": fmt, "group_size": group_size, **report, "stored": bool(report["kept"])})
     return rows

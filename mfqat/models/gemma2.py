@@ -7,8 +7,8 @@ normalise the outputs of o_proj and down_proj and feed no Linear).
 
 mlx-lm's gemma2 attends to the whole context in every layer (it has no sliding window), so an export
 computes what transformers computes only up to ``sliding_window`` tokens. The export says so in its
-report and as a warning (:func:`caveats`); the check's 64-token prompt catches a window shorter than
-that."""
+report and as a warning (:func:`caveats`); the check's 64-token prompt catches a window much shorter
+than that (when the difference exceeds the logit tolerance: tested at 8 tokens)."""
 from typing import List
 
 from mfqat.models.family import Family
