@@ -192,6 +192,7 @@ def main() -> None:
     p.add_argument("--joint", default="mxint8,mxint6,mxint4", help="formats of the joint step (empty: skip)")
     p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
     p.add_argument("--search", action="store_true", help="also time the joint step with the search scale rule")
+    p.add_argument("--model", default=None, help="a local HF model folder (default: the embedded SmolLM2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the steps' timings synchronize the GPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's parameters (bfloat16: the plain step is a bf16 step)")
@@ -206,7 +207,7 @@ def main() -> None:
         return memory_report(a)
     if a.components:
         return component_report(a)
-    model, tok = load_model()
+    model, tok = load_model(a.model)
     model.to(device=a.device, dtype=getattr(torch, a.dtype)).train()
     batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size).to(a.device)
     qat = copy.deepcopy(model)

