@@ -428,6 +428,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("cuda-backend-runs-the-reference", "mfqat/quant/kernels/__init__.py",
              'if backend in ("cpp", "cuda"):  # one torch op', 'if backend == "cpp":  # one torch op',
              ("tests/test_cuda_op.py::test_forced_cuda_backend_runs_the_op_and_says_why_it_cannot",)),
+    # fast math for speed: flush-to-zero and approximate division on the device only
+    Mutation("setup-nvcc-fast-math", "setup.py",
+             'NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17"]', 'NVCC_FLAGS = ["-O3", "--use_fast_math", "-std=c++17"]',
+             ("tests/test_cuda_op.py::test_device_code_has_no_fused_multiply_add_and_keeps_subnormals",)),
     Mutation("setup-never-builds-the-cuda-op", "setup.py",
              "if cuda_home is not None and all(", "if False and all(",
              ("tests/test_cuda_op.py::test_setup_builds_the_cuda_op_only_with_a_cuda_torch_and_nvcc",)),

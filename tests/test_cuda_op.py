@@ -12,6 +12,7 @@ Without a GPU (the usual case here) three things are checked:
 Where a GPU and the built op exist (scripts/gpu_check.sh), the real kernels run against the reference.
 What the host build cannot show is the shuffle instruction and the device's arithmetic themselves.
 """
+import ast
 import os
 import re
 import runpy
@@ -40,7 +41,18 @@ from .test_through_kernel import PAIRS, RULES, through_input, two_pass
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 ARCHS = ("sm_80", "sm_90", "sm_100")
-NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17"]  # setup.py's (test_setup_... checks they agree)
+
+
+def _setup_nvcc_flags() -> list:
+    """setup.py's NVCC_FLAGS (read from its source, so the tests compile with the flags the build uses)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NVCC_FLAGS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py defines no NVCC_FLAGS")
+
+
+NVCC_FLAGS = _setup_nvcc_flags()
 N_KERNELS = 12  # {fake_quant, through} x {float32, bfloat16, float16} x {bs 32, any bs}
 
 
@@ -104,6 +116,20 @@ def test_nvcc_compiles_every_kernel_for_the_target_without_spills(arch, tmp_path
     bad = {k: v for k, v in report.items() if v[1] or v[2]}
     assert not bad, f"{arch}: spills or stack (registers, spill bytes, stack bytes): {bad}"
     assert all(0 < v[0] <= 128 for v in report.values()), report  # 8 warps a CTA: <= 128 keeps 2 CTAs an SM
+
+
+@pytest.mark.skipif(NVCC is None, reason=NO_NVCC)
+def test_device_code_has_no_fused_multiply_add_and_keeps_subnormals(tmp_path):
+    """The PTX of setup.py's flags: no fma (PyTorch rounds a product and a sum separately), no .ftz
+    (flush-to-zero would change every subnormal input and grid value), no approximate instruction."""
+    out = tmp_path / "mx.ptx"
+    run = subprocess.run([NVCC, "-ptx", "-arch=sm_90", *NVCC_FLAGS, "-o", str(out), str(CUDA_DIR / "mx_kernels.cu")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = out.read_text()
+    assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx  # the float math is there
+    bad = sorted(set(re.findall(r"\b(?:fma\.\S+|\w+(?:\.\w+)*\.ftz\S*|\w+\.approx\S*)", ptx)))
+    assert not bad, f"fused, flushed or approximate instructions in the kernels: {bad[:10]}"
 
 
 def _torch_include_args(tmp_path: Path) -> list:
@@ -357,7 +383,9 @@ def test_cuda_op_layouts_large_tensors_and_opcheck_on_gpu():
         del os.environ["MFQAT_BACKEND"]
     assert_bits_equal(out, two_pass(base.cpu(), anchor, fmt, 32, "floor", "floor")[0], "dispatch")
     args = (32, *cpp._format_args(anchor, "floor"), *cpp._format_args(fmt, "ceil"), True)
-    torch.library.opcheck(torch.ops.mfqat.fake_quant_mx_through.default, (torch.randn(8, 64, device="cuda"), *args))
+    checks = ("test_schema", "test_faketensor")  # as the CPU op's opcheck (tests/test_through_kernel.py)
+    torch.library.opcheck(torch.ops.mfqat.fake_quant_mx_through.default, (torch.randn(8, 64, device="cuda"), *args),
+                          test_utils=checks)
     torch.library.opcheck(torch.ops.mfqat.fake_quant_mx.default,
                           (torch.randn(8, 64, device="cuda", dtype=torch.bfloat16), 32, *cpp._format_args(fmt, "floor"),
-                           True))
+                           True), test_utils=checks)

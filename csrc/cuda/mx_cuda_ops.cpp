@@ -41,7 +41,8 @@ void check_input(const at::Tensor& x, int64_t block_size) {
 
 std::tuple<at::Tensor, at::Tensor> outputs(const at::Tensor& x, bool need_mask) {
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor mask = at::empty(need_mask ? x.sizes() : at::IntArrayRef{0}, x.options().dtype(at::kBool));
+  at::Tensor mask = need_mask ? at::empty(x.sizes(), x.options().dtype(at::kBool))
+                              : at::empty({0}, x.options().dtype(at::kBool));
   return {out, mask};
 }
 
