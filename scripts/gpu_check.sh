@@ -120,11 +120,13 @@ fi
 # (c) the Triton kernels compiled by this machine's ptxas (triton's TRITON_PTXAS*_PATH)
 PTXAS="$(command -v ptxas || true)"
 [ -z "$PTXAS" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/ptxas" ] && PTXAS="${CUDA_HOME:-/usr/local/cuda}/bin/ptxas"
-if [ -n "$PTXAS" ]; then
+PTXAS_RELEASE="$([ -n "$PTXAS" ] && "$PTXAS" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')"
+if [ -n "$PTXAS_RELEASE" ] && "$PY" -c "import sys; sys.exit(tuple(map(int, '$PTXAS_RELEASE'.split('.'))) < (12, 8))"; then
   export TRITON_PTXAS_PATH="$PTXAS" TRITON_PTXAS_BLACKWELL_PATH="$PTXAS"
-  echo "ptxas: $PTXAS ($("$PTXAS" --version | tail -1))" | tee -a "$LOG/gpu.txt"
-else
-  echo "ptxas: not on this machine; the triton wheel's" | tee -a "$LOG/gpu.txt"
+  echo "ptxas: $PTXAS, release $PTXAS_RELEASE (used for sm_80, sm_90, sm_100)" | tee -a "$LOG/gpu.txt"
+else  # sm_100 needs ptxas 12.8 or later: an older one would fail those cases for the machine's sake
+  echo "ptxas: ${PTXAS:-none} ${PTXAS_RELEASE:+release $PTXAS_RELEASE }not used (none, or older than 12.8);" \
+    "the triton wheel's" | tee -a "$LOG/gpu.txt"
 fi
 if has_py triton; then
   stage triton_aot 120 "$PY" -m pytest -q -p no:cacheprovider "${AOT[@]}"

@@ -106,7 +106,9 @@ def summarize(log_dir: Path) -> str:
         lines.append(f"| {name} | {WHAT.get(name, '')} | {status} | {seconds} | {headline(name, text)} |")
         if name.startswith(("quant_", "train", "qlora")) and text:
             details.append(f"\n### {name}\n\n```\n{text.strip()[-6000:]}\n```")
-    return "\n".join(lines) + "\n" + "\n".join(details) + "\n"
+    machine = log_dir / "gpu.txt"  # the GPU, torch and ptxas the run used
+    head = f"```\n{machine.read_text().strip()}\n```\n\n" if machine.is_file() else ""
+    return head + "\n".join(lines) + "\n" + "\n".join(details) + "\n"
 
 
 def main(argv=None) -> int:
