@@ -295,6 +295,29 @@ def test_setup_builds_the_cuda_op_only_with_a_cuda_torch_and_nvcc(monkeypatch, t
         assert "CPU kernels only; CUDA op not built: " in (err := capfd.readouterr().err) and why in err
 
 
+def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels(monkeypatch, tmp_path, capsys):
+    """setup.py's build_ext: when compiling the CUDA op fails, the same extension is built again from
+    the CPU sources with the C++ flags, so the C++ CPU kernels still ship."""
+    from torch.utils import cpp_extension
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    g = _run_setup(monkeypatch, "12.8", str(tmp_path))
+    (ext,) = g["ext_modules"]
+    tried = []
+
+    def build(self, e):
+        tried.append((list(e.sources), e.extra_compile_args))
+        if any(src.endswith(".cu") for src in e.sources):
+            raise RuntimeError("nvcc fatal: planted")
+
+    monkeypatch.setattr(cpp_extension.BuildExtension, "build_extension", build)
+    cls = g["cmdclass"]["build_ext"]
+    cls.build_extension(cls.__new__(cls), ext)
+    assert len(tried) == 2 and any(s.endswith(".cu") for s in tried[0][0])
+    assert tried[1] == (sorted(ext.sources), g["CXX_FLAGS"]) and not any("cuda" in s for s in tried[1][0])
+    assert "mfqat CUDA op not built (nvcc fatal: planted); building the C++ CPU kernels alone" in capsys.readouterr().out
+
+
 def test_version_says_whether_the_cuda_op_is_built(monkeypatch, tmp_path):
     from mfqat.cli import backends
     fake = tmp_path / "_C.so"
