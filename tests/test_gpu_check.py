@@ -108,4 +108,4 @@ def test_the_budget_stops_starting_stages(tmp_path):
     assert list(got) == STAGES, run.stdout[-2000:]
     skipped = [k for k, v in got.items() if v.startswith("skipped: out of time")]
     assert skipped and skipped == STAGES[-len(skipped):], got
-    assert took < 16 + 20, took  # + the tiny model's creation and the summary, which are not stages
+    assert took < 16 + 30, took  # + the tiny model's creation and the summary, which are not stages
