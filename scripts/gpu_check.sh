@@ -75,7 +75,7 @@ else
   DEVICE=cuda SIZE=8192 REPEATS=20 QB=triton,cuda,reference FORMATS=mxint8,mxint4,mxfp8_e4m3,mxfp6_e2m3,mxfp4_e2m1
   TRAIN=(--rounds 5 --batch-size 8 --seq-len 256 --joint mxint8,mxint6,mxint4 --backends auto,cuda)
   TESTS=(tests/test_cuda_op.py tests/test_kernels.py tests/test_through_kernel.py tests/test_search_kernel.py
-         tests/test_search_kernel_mxfp.py -k "cuda or gpu")
+         tests/test_search_kernel_mxfp.py -k "cuda or gpu or triton_search")
   AOT=(tests/test_triton_aot.py)
   STATIC=()
   unset TRITON_INTERPRET
