@@ -93,7 +93,7 @@ else
 fi
 
 # (b) kernel tests on the device
-stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+stage cuda_tests 200 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 
 # (d) bandwidth, % of clone(), fp32 and bf16
 for dt in float32 bfloat16; do
