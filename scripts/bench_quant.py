@@ -2,9 +2,11 @@
 """Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run.
 
     python scripts/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
+                                  [--device cuda --backends triton,cuda,reference]
                                   [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
 
-Prints one row per (format, backend): median milliseconds, ratio to clone(), ratio to torchao's
+Prints one row per (format, backend): median milliseconds, ratio to clone(), bandwidth as % of
+clone()'s (clone_ms / ms: fake-quant reads and writes the same bytes as a copy), ratio to torchao's
 to_mx + to_dtype (MXFP formats, where torchao is installed). Then, per ``--through`` pair
 anchor:format, train-through-anchor (what MF-QAT's forward computes for a format below the anchor)
 as one fused pass vs the two passes qdq_format(qdq_anchor(x)).
@@ -74,7 +76,8 @@ def main() -> None:
     clone_ms = best_ms(lambda: (x.clone(), sync()), a.repeats)
     print(f"device={a.device} dtype={a.dtype} shape={tuple(x.shape)} threads={torch.get_num_threads()} "
           f"clone={clone_ms:.2f} ms backends={backends}")
-    print(f"{'format':<12} {'backend':<10} {'ms':>9} {'x clone':>8} {'torchao ms':>11} {'torchao/ours':>13}")
+    print(f"{'format':<12} {'backend':<10} {'ms':>9} {'x clone':>8} {'% clone':>8} {'torchao ms':>11} "
+          f"{'torchao/ours':>13}")
     for name in filter(None, a.formats.split(",")):
         f = mfqat.get_format(name)
         ao = torchao_fn(x, name)
@@ -82,7 +85,8 @@ def main() -> None:
         for be in backends:
             os.environ["MFQAT_BACKEND"] = be
             ms = best_ms(lambda: (fake_quantize_dispatch(x, f, 32, "floor"), sync()), a.repeats)
-            print(f"{name:<12} {be:<10} {ms:9.2f} {ms / clone_ms:8.2f} {ao_ms:11.2f} {ao_ms / ms:13.2f}")
+            print(f"{name:<12} {be:<10} {ms:9.2f} {ms / clone_ms:8.2f} {100 * clone_ms / ms:7.0f}% {ao_ms:11.2f} "
+                  f"{ao_ms / ms:13.2f}")
     pairs = [pair.split(":") for pair in a.through.split(",") if pair]
     if pairs:
         print(f"{'anchor:format':<24} {'backend':<10} {'fused ms':>9} {'two-pass ms':>12} {'speed-up':>9}")

@@ -6,6 +6,7 @@
                                   [--two-pass] [--search]
     python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
     python scripts/bench_train.py --components # where the joint search step's quantizer time goes
+    python scripts/bench_train.py --device cuda --dtype bfloat16 --backends auto,cuda   # on a GPU
 
 The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
 forward+backward passes plus one optimizer step ("per-format overhead") and against one plain step
@@ -50,14 +51,18 @@ from mfqat.quant.kernels import cpp
 
 def timed_step(model, passes) -> Callable[[], Tuple[float, float]]:
     """An optimizer step (AdamW) after ``passes()`` ran the forward+backward passes -> a function
-    returning its (wall, process CPU) seconds."""
+    returning its (wall, process CPU) seconds (on a GPU: synchronized before and after)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    cuda = next(model.parameters()).device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step() -> Tuple[float, float]:
+        sync()
         t, c = time.perf_counter(), time.process_time()
         passes()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - t, time.process_time() - c
     return step
 
@@ -187,6 +192,10 @@ def main() -> None:
     p.add_argument("--joint", default="mxint8,mxint6,mxint4", help="formats of the joint step (empty: skip)")
     p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
     p.add_argument("--search", action="store_true", help="also time the joint step with the search scale rule")
+    p.add_argument("--model", default=None, help="a local HF model folder (default: the embedded SmolLM2)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the steps' timings synchronize the GPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's parameters (bfloat16: the plain step is a bf16 step)")
     p.add_argument("--memory", action="store_true", help="peak RSS per configuration (separate processes)")
     p.add_argument("--components", action="store_true",
                    help="seconds a joint search step spends per quantizer function")
@@ -198,9 +207,9 @@ def main() -> None:
         return memory_report(a)
     if a.components:
         return component_report(a)
-    model, tok = load_model()
-    model.train()
-    batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size)
+    model, tok = load_model(a.model)
+    model.to(device=a.device, dtype=getattr(torch, a.dtype)).train()
+    batch = token_blocks(tok, pydoc_text()[:200000], a.seq_len, max_blocks=a.batch_size).to(a.device)
     qat = copy.deepcopy(model)
     mfqat.prepare(qat, mfqat.QATConfig(formats=[a.format], schedule="fixed"))
     runs = {"plain": (make_step(model, batch), None, True)}
@@ -238,26 +247,31 @@ def main() -> None:
     os.environ["MFQAT_BACKEND"] = "auto"
     cpp.THROUGH_AVAILABLE = fused_built
     n_weights = sum(m.weight.numel() for _, m in qat_modules(qat))
-    print(f"batch={a.batch_size}x{a.seq_len} threads={torch.get_num_threads()} format={a.format} "
+    print(f"device={a.device} dtype={a.dtype} batch={a.batch_size}x{a.seq_len} threads={torch.get_num_threads()} format={a.format} "
           f"rounds={a.rounds} quantized weights={n_weights / 1e6:.1f}M")
     report(times, formats, "s/step")
     print("CPU time (all threads; robust to time stolen by other tenants of the machine):")
     report(cpu, formats, "CPU-s/step")
+    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     for backend in a.backends.split(","):
         os.environ["MFQAT_BACKEND"] = backend
+        sync()
         t = time.perf_counter()
         with torch.no_grad():
             for _, m in qat_modules(qat):
                 m.quantized_weight()
+        sync()
         print(f"fake-quant of every targeted weight once [{backend}]: {1000 * (time.perf_counter() - t):.0f} ms")
     if formats and formats[-1] != joint.mfqat_controller.config.anchor_format:
         anchor, low = joint.mfqat_controller.config.anchor_format, formats[-1]
         for fused in (True, False):
             cpp.THROUGH_AVAILABLE = fused_built and fused
+            sync()
             t = time.perf_counter()
             with torch.no_grad():
                 for _, m in qat_modules(joint):
                     m.quantized_weight(low)
+            sync()
             print(f"{low} through the {anchor} anchor, every targeted weight once "
                   f"[{'fused' if fused else 'two passes'}]: {1000 * (time.perf_counter() - t):.0f} ms")
         cpp.THROUGH_AVAILABLE = fused_built

@@ -432,6 +432,55 @@ MUTATIONS: List[Mutation] = [
     Mutation("version-claims-the-cpp-kernels-are-built", "mfqat/cli/backends.py",
              '    so = _spec_origin("mfqat._C")\n', '    so = "mfqat/_C.so"\n',
              ("tests/test_packaging.py::test_version_names_the_active_backends",)),
+    # issue 34: the CUDA C++ op (csrc/cuda/), checked without a GPU
+    # a type error in the kernels (a pointer shuffled): only nvcc sees the .cu
+    Mutation("cuda-kernel-shuffles-a-pointer", "csrc/cuda/mx_kernels.cu",
+             "__shfl_xor_sync(0xffffffffu, v, off)", "__shfl_xor_sync(0xffffffffu, &v, off)",
+             ("tests/test_cuda_op.py::test_nvcc_compiles_every_kernel_for_the_target_without_spills[sm_90]",)),
+    # a type error in the torch binding (a tensor where the launcher takes a pointer)
+    Mutation("cuda-binding-passes-a-tensor-as-pointer", "csrc/cuda/mx_cuda_ops.cpp",
+             "launch_fake_quant(dtype_code(x), x.const_data_ptr(),", "launch_fake_quant(dtype_code(x), x,",
+             ("tests/test_cuda_op.py::test_the_torch_binding_compiles_against_torch_and_cuda_headers",)),
+    # float32 -> float16 ties rounded up, not to even (MX outputs are exact in float16, so only the
+    # conversion sweep sees it)
+    Mutation("cuda-math-half-ties-round-up", "csrc/cuda/mx_block.cuh",
+             "(rem > 0x1000u || (rem == 0x1000u && (h & 1u)))", "(rem >= 0x1000u)",
+             ("tests/test_cuda_op.py::test_float16_and_bfloat16_conversions_are_torchs",)),
+    # MXFP elements below the format's smallest normal rounded on a finer grid than its subnormals
+    Mutation("cuda-math-fp-element-exponent-not-clamped", "csrc/cuda/mx_block.cuh",
+             "  e = e < p.emin ? p.emin : e;  // e in [emin, emax + 1]", "  // e in [emin, emax + 1]",
+             ("tests/test_cuda_op.py::test_host_fake_quant_bit_exact_adversarial[floor-mxfp4_e2m1]",)),
+    # the block maximum not reduced over the warp: each lane scales by its own element (the serial host
+    # run cannot see it; the 32 emulated lanes do)
+    Mutation("cuda-block-max-not-reduced-over-the-warp", "csrc/cuda/mx_block.cuh",
+             "  m = lanes.reduce_max(m);\n  bool nonfinite;\n", "  bool nonfinite;\n",
+             ("tests/test_cuda_op.py::test_host_as_32_lanes_of_a_warp_is_bit_exact[32]",)),
+    Mutation("cuda-backend-runs-the-reference", "mfqat/quant/kernels/__init__.py",
+             'if backend in ("cpp", "cuda"):  # one torch op', 'if backend == "cpp":  # one torch op',
+             ("tests/test_cuda_op.py::test_forced_cuda_backend_runs_the_op_and_says_why_it_cannot",)),
+    # fast math for speed: flush-to-zero and approximate division on the device only
+    Mutation("setup-nvcc-fast-math", "setup.py",
+             'NVCC_FLAGS = ["-O3", "--fmad=false", "-std=c++17"]', 'NVCC_FLAGS = ["-O3", "--use_fast_math", "-std=c++17"]',
+             ("tests/test_cuda_op.py::test_device_code_has_no_fused_multiply_add_and_keeps_subnormals",)),
+    Mutation("setup-never-builds-the-cuda-op", "setup.py",
+             "if cuda_home is not None and all(", "if False and all(",
+             ("tests/test_cuda_op.py::test_setup_builds_the_cuda_op_only_with_a_cuda_torch_and_nvcc",)),
+    Mutation("setup-cuda-failure-drops-the-cpu-kernels", "setup.py",
+             "            if cpu_sources is not None:  # the CUDA op failed", "            if False:  # the CUDA op failed",
+             ("tests/test_cuda_op.py::test_a_failed_cuda_build_falls_back_to_the_cpu_kernels",)),
+    Mutation("version-never-says-the-cuda-op-is-built", "mfqat/cli/backends.py",
+             "            return CUDA_OP_MARK in f.read()", "            return False",
+             ("tests/test_cuda_op.py::test_version_says_whether_the_cuda_op_is_built",)),
+    # issue 34: scripts/gpu_check.sh, kept runnable without a GPU
+    Mutation("gpu-check-train-flag-misspelt", "scripts/gpu_check.sh",
+             '--device "$DEVICE" --dtype bfloat16 "${TRAIN[@]}"', '--device "$DEVICE" --dtpye bfloat16 "${TRAIN[@]}"',
+             ("tests/test_gpu_check.py::test_smoke_run_runs_every_stage_on_cpu",)),
+    Mutation("gpu-check-budget-ignored", "scripts/gpu_check.sh",
+             '  if [ "$left" -lt 15 ]; then', '  if false; then',
+             ("tests/test_gpu_check.py::test_the_budget_stops_starting_stages",)),
+    Mutation("gpu-summary-bandwidth-per-format-not-backend", "scripts/gpu_summary.py",
+             "per.setdefault(m.group(2), [])", "per.setdefault(m.group(1), [])",
+             ("tests/test_gpu_check.py::test_summary_pulls_each_stages_numbers",)),
 ]
 
 

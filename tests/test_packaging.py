@@ -68,12 +68,13 @@ def test_version_names_the_active_backends(monkeypatch, capsys):
                          env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}, timeout=60)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("mfqat ") and len(lines) == 4, run.stdout
-    assert lines[1].strip().startswith("C++ CPU kernels: ") and lines[2].strip().startswith("Triton")
-    assert "MLX" in lines[3]
+    assert lines[0].startswith("mfqat ") and len(lines) == 5, run.stdout
+    assert lines[1].strip().startswith("C++ CPU kernels: ") and lines[2].strip().startswith("CUDA op: ")
+    assert lines[3].strip().startswith("Triton") and "MLX" in lines[4]
     from mfqat.cli import backends
     from mfqat.quant.kernels import cpp
     assert ("C++ CPU kernels: built" in run.stdout) == cpp.AVAILABLE  # what --version says is what loads
+    assert ("CUDA op: built" in run.stdout) == cpp.CUDA_AVAILABLE
     if "Triton: not installed" not in run.stdout:
         assert "TRITON_INTERPRET=1: interpreting" in run.stdout
     real = backends._spec_origin

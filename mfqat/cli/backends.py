@@ -1,5 +1,6 @@
 """What `mfqat --version` says about the compute backends, found without importing torch, Triton or MLX
-(``--version`` stays instant): the C++ CPU kernels (``mfqat._C``, built by setup.py), Triton, MLX."""
+(``--version`` stays instant): the C++ CPU kernels (``mfqat._C``, built by setup.py), the CUDA op built
+into the same library (or not), Triton, MLX."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,22 @@ def _spec_origin(name: str) -> Optional[str]:
     return None if spec is None else (spec.origin or "")
 
 
+# A string only the CUDA op's binding (csrc/cuda/mx_cuda_ops.cpp) puts into mfqat._C: found by reading
+# the library's bytes, so --version needs no torch import to say whether the op was built.
+CUDA_OP_MARK = b"mfqat CUDA op: expected a CUDA tensor"
+
+
+def cuda_op_built(so: Optional[str]) -> bool:
+    """Whether the extension library at ``so`` holds the CUDA op (setup.py builds it with a CUDA torch)."""
+    if not so:
+        return False
+    try:
+        with open(so, "rb") as f:
+            return CUDA_OP_MARK in f.read()
+    except OSError:
+        return False
+
+
 def backend_lines() -> List[str]:
     """One line per backend: present or not, and what runs instead."""
     so = _spec_origin("mfqat._C")
@@ -29,6 +46,8 @@ def backend_lines() -> List[str]:
            "C++ CPU kernels: NOT built (mfqat/_C*.so missing): CPU runs the pure-PyTorch reference, slower; "
            "rebuild with CPU torch installed: pip install --no-build-isolation . (or python setup.py build_ext "
            "--inplace in a checkout)")
+    cuda = ("CUDA op: built into mfqat._C; MFQAT_BACKEND=cuda runs it on CUDA tensors" if cuda_op_built(so) else
+            "CUDA op: not built (setup.py builds it when torch has CUDA and nvcc is found); CUDA tensors use Triton")
     tv = _version("triton") if _spec_origin("triton") is not None else None
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     triton = ("Triton: not installed (CUDA tensors use the C++ / reference path)" if tv is None else
@@ -39,7 +58,7 @@ def backend_lines() -> List[str]:
     mlx = (f"MLX {mv}" + (f" + mlx-lm {lm}" if lm else " (mlx-lm missing: export-mlx cannot verify)")
            + ": export-mlx verifies exports; mlx-train / generate / serve run" if mv else
            "MLX: not installed (export-mlx --no-verify only; pip install 'mfqat[mlx]')")
-    return [cpp, triton, mlx]
+    return [cpp, cuda, triton, mlx]
 
 
 def version_text(version: str) -> str:

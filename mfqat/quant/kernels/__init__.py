@@ -6,10 +6,13 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
   which the tests use and ``auto`` never picks);
 * ``cpp`` - the C++ CPU op from ``csrc/`` (``torch.ops.mfqat.*``), when the extension was built
   (it also has the MX scale search, :func:`search_dispatch`, as has Triton: ``triton_search``);
+* ``cuda`` - the CUDA C++ op from ``csrc/cuda/`` (the same ``torch.ops.mfqat`` fake-quant and
+  train-through-anchor ops, CUDA tensors), when the extension was built against a CUDA torch; the
+  other MX operations (quantize to codes, slice, scale search) fall back to the reference under it;
 * ``reference`` - pure PyTorch, every device, every format.
 
-``auto`` (the default) picks per device: CUDA -> triton, CPU -> cpp, else reference. The
-environment variable ``MFQAT_BACKEND=reference|triton|cpp`` forces one (an error says so when the
+``auto`` (the default) picks per device: CUDA -> triton (the CUDA op where Triton is missing), CPU ->
+cpp, else reference. The environment variable ``MFQAT_BACKEND=reference|triton|cpp|cuda`` forces one (an error says so when the
 forced backend cannot run on the tensor's device). NF4, affine and nvfp4 formats always use the
 reference (nvfp4's: mfqat.quant.nvfp4; there is no nvfp4 kernel, ``MFQAT_BACKEND`` does not change that).
 """
@@ -25,7 +28,7 @@ from mfqat.quant.nvfp4 import nvfp4_fake_quantize_blocks
 from mfqat.quant.reference import fake_quantize_reference, quantize_reference, to_blocks
 from mfqat.quant.kernels import cpp, triton_mx, triton_search, triton_slice
 
-BACKENDS = ("reference", "cpp", "triton")
+BACKENDS = ("reference", "cpp", "triton", "cuda")
 
 
 def requested_backend() -> str:
@@ -44,14 +47,19 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
         found.append("cpp")
     if triton_mx.usable_on(device):
         found.append("triton")
+    if device.type == "cuda" and cpp.CUDA_AVAILABLE:
+        found.append("cuda")
     return found + ["reference"]
 
 
 def auto_backend(device: torch.device | str) -> str:
-    """The fastest backend for ``device``: triton on CUDA, cpp on CPU, else reference."""
+    """The fastest backend for ``device``: triton on CUDA (the CUDA op without Triton), cpp on CPU, else
+    reference. Not measured against each other on a GPU yet: scripts/gpu_check.sh times both."""
     device = torch.device(device)
     if device.type == "cuda" and triton_mx.usable_on(device):
         return "triton"
+    if device.type == "cuda" and cpp.CUDA_AVAILABLE:
+        return "cuda"
     if device.type == "cpu" and cpp.AVAILABLE:
         return "cpp"
     return "reference"
@@ -76,6 +84,12 @@ def _why_unavailable(name: str, device: torch.device) -> str:
                 "(unset MFQAT_BACKEND or set it to reference)")
     if name == "cpp":
         return f"the C++ extension is not built ({cpp.LOAD_ERROR}); reinstall with a C++ compiler"
+    if name == "cuda" and device.type != "cuda":
+        return (f"the CUDA op takes CUDA tensors only; {device.type} tensors are not supported by it "
+                "(unset MFQAT_BACKEND or set it to reference)")
+    if name == "cuda":
+        return ("the CUDA op is not built (it needs torch with CUDA and nvcc when the extension is built: "
+                "pip install --no-build-isolation . on such a machine)")
     if name == "triton" and triton_mx.AVAILABLE:
         return (f"the Triton backend takes CUDA tensors (CPU ones only under TRITON_INTERPRET=1); "
                 f"{device.type} tensors are not supported by it (unset MFQAT_BACKEND or set it to reference)")
@@ -89,7 +103,7 @@ def fake_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int,
         out, mask = nvfp4_fake_quantize_blocks(to_blocks(x, block_size))
         return out.reshape(x.shape).to(x.dtype), (mask.reshape(x.shape) if need_mask else None)
     backend = select_backend(x, fmt)
-    if backend == "cpp":
+    if backend in ("cpp", "cuda"):  # one torch op, CPU and CUDA kernels
         return cpp.fake_quantize_cpp(x, fmt, block_size, scale_rule, need_mask)
     if backend == "triton":
         return triton_mx.fake_quantize_triton(x, fmt, block_size, scale_rule, need_mask)
@@ -104,7 +118,7 @@ def fake_quantize_through_dispatch(x: torch.Tensor, anchor: ElementFormat, fmt: 
     of both stages' saturation masks or None). One fused pass on the cpp / triton backends; two
     passes otherwise (the reference, a format that is not MX, or a C++ build without the op)."""
     backend = select_backend(x, fmt) if anchor.is_mx else "reference"
-    if backend == "cpp" and cpp.THROUGH_AVAILABLE:
+    if backend == "cuda" or (backend == "cpp" and cpp.THROUGH_AVAILABLE):
         return cpp.fake_quantize_through_cpp(x, anchor, fmt, block_size, anchor_rule, scale_rule, need_mask)
     if backend == "triton":
         return triton_mx.fake_quantize_through_triton(x, anchor, fmt, block_size, anchor_rule, scale_rule, need_mask)
@@ -121,7 +135,7 @@ def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
         return cpp.quantize_cpp(x, fmt, block_size, scale_rule)
     if backend == "triton":
         return triton_mx.quantize_triton(x, fmt, block_size, scale_rule)
-    return quantize_reference(x, fmt, block_size, scale_rule)
+    return quantize_reference(x, fmt, block_size, scale_rule)  # also under the CUDA op (no codes kernel)
 
 
 def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat,
@@ -129,7 +143,7 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
     """Slice-and-Scale codes with a fast backend; None when only the reference applies (the caller's path)."""
     name = requested_backend()
     device = codes.device
-    if name == "reference":
+    if name in ("reference", "cuda"):  # the CUDA op has no slice kernel: the caller's reference path
         return None
     if name == "auto":
         name = auto_backend(device)

@@ -1,4 +1,6 @@
-"""The C++ CPU path (``csrc/mx_cpu.cpp``, built by setup.py as ``mfqat._C``).
+"""The C++ CPU path (``csrc/mx_cpu.cpp``, built by setup.py as ``mfqat._C``), and the CUDA op
+(``csrc/cuda/``: CUDA kernels of ``fake_quant_mx`` and ``fake_quant_mx_through``, in the same library
+when it was built against a CUDA torch; :data:`CUDA_AVAILABLE`).
 
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
@@ -17,6 +19,7 @@ import torch
 from mfqat.formats import ElementFormat
 
 AVAILABLE = False
+CUDA_AVAILABLE = False
 THROUGH_AVAILABLE = False
 SEARCH_AVAILABLE = False
 SEARCH_THROUGH_AVAILABLE = False
@@ -31,6 +34,11 @@ try:  # the extension is optional: a missing compiler at install time leaves the
     SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx") and \
         "mbits" in str(torch.ops.mfqat.search_mx.default._schema)
     SEARCH_THROUGH_AVAILABLE = SEARCH_AVAILABLE and hasattr(torch.ops.mfqat, "search_mx_through")
+    # the CUDA op (csrc/cuda/): CUDA kernels of fake_quant_mx and fake_quant_mx_through, built by setup.py
+    # only when torch had CUDA and nvcc was found
+    CUDA_AVAILABLE = AVAILABLE and THROUGH_AVAILABLE and all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"mfqat::{op}", "CUDA")
+        for op in ("fake_quant_mx", "fake_quant_mx_through"))
 except Exception as exc:  # pragma: no cover - depends on the build
     LOAD_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -91,7 +99,8 @@ if SEARCH_THROUGH_AVAILABLE:
 
 def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rule: str = "floor",
                       need_mask: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Fused quantize-dequantize of an MX format on CPU -> (output in x's dtype, mask or None)."""
+    """Fused quantize-dequantize of an MX format on CPU (or CUDA, by the CUDA op) -> (output in x's dtype,
+    mask or None)."""
     out, mask = torch.ops.mfqat.fake_quant_mx(x, block_size, *_format_args(fmt, scale_rule), need_mask)
     return out, (mask if need_mask else None)
 
@@ -99,7 +108,7 @@ def fake_quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scal
 def fake_quantize_through_cpp(x: torch.Tensor, anchor: ElementFormat, fmt: ElementFormat, block_size: int,
                               anchor_rule: str = "floor", scale_rule: str = "floor", need_mask: bool = False
                               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """qdq in ``fmt`` of (qdq in ``anchor`` of x, rounded to x's dtype), one pass on CPU ->
+    """qdq in ``fmt`` of (qdq in ``anchor`` of x, rounded to x's dtype), one pass on CPU (or CUDA) ->
     (output in x's dtype, union of both stages' saturation masks or None)."""
     out, mask = torch.ops.mfqat.fake_quant_mx_through(x, block_size, *_format_args(anchor, anchor_rule),
                                                       *_format_args(fmt, scale_rule), need_mask)
