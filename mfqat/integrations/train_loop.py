@@ -28,7 +28,8 @@ from mfqat.eval.report import format_table, plot_curve
 from mfqat.formats import get_format
 from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
 from mfqat.qat.observers import mean_clip_rate
-from mfqat.integrations.lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
+from mfqat.integrations.lora import (base_bits_per_weight, maybe_lora, merged_copy, resume_kwargs, save_adapter,
+                                     trainable_summary)
 from mfqat.integrations.optim import make_optimizer
 from mfqat.integrations.train_args import build_parser, check_resume, check_train_args, run_identity
 from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
@@ -142,7 +143,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     start = 0
     if args.resume:
         try:  # safetensors, and torch.load(weights_only=True) for the optimizer / RNG: no pickled code runs
-            acc.load_state(args.resume)
+            acc.load_state(args.resume, **resume_kwargs(base, args.resume))  # nf4: skips bnb's save-only state
         except pickle.UnpicklingError as e:
             raise ValueError(f"--resume {args.resume}: refused: a state file holds more than tensors and plain data "
                              f"(torch.load weights_only=True: {str(e).strip().splitlines()[0][:200]})") from None
