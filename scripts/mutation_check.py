@@ -426,6 +426,19 @@ MUTATIONS: List[Mutation] = [
              "        except BaseException as e:\n            shutil.rmtree(tmp, ignore_errors=True)\n",
              "        except BaseException as e:\n            pass\n",
              ("tests/test_hostile_inputs.py::test_a_full_disk_while_saving_an_anchor_leaves_the_previous_one_intact",)),
+    Mutation("tiny-anchor-saved-without-tokenizer", "mfqat/integrations/train_loop.py",
+             "    tok = tok if tok is not None else byte_tokenizer()", "    tok = tok",
+             ("tests/test_hostile_inputs.py::test_a_tiny_runs_anchors_carry_the_tokenizer_its_data_used",)),
+    Mutation("lora-qat-eval-runs-the-unmerged-model", "mfqat/integrations/train_loop.py",
+             '                set_format(saved, f)\n                ppl = perplexity(saved, held, desc=f"eval {f}")',
+             '                set_format(base, f)\n                ppl = perplexity(base, held, desc=f"eval {f}")',
+             ("tests/test_hostile_inputs.py::test_lora_qat_prints_the_perplexity_of_the_saved_anchor",)),
+    Mutation("prepare-misnames-a-bitsandbytes-model", "mfqat/qat/prepare.py",
+             "    _refuse_bnb(model)\n", "",
+             ("tests/test_qlora.py::test_prepare_names_a_bitsandbytes_model_as_already_quantized",)),
+    Mutation("peft-save-model-anchor-unmerged", "mfqat/integrations/hf.py",
+             'save_anchor(merged_copy(base), os.path.join(output_dir', 'save_anchor(base, os.path.join(output_dir',
+             ("tests/test_hf_trainer.py::test_save_model_of_a_peft_model_writes_the_merged_anchor",)),
 ]
 
 

@@ -378,3 +378,60 @@ def test_a_full_disk_during_convert_is_one_line_and_keeps_the_previous_output(an
     assert e.value.code == 2 and err.startswith(f"mfqat convert: error: {out}: No space left on device while "
                                                 "saving; the previous converted is intact"), err
     assert _files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["converted"]
+
+
+# --- items 13 and 5: a tiny run's anchors carry a tokenizer; the printed numbers are the saved anchor's -------
+
+LORA_QAT = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3", "--lora-rank", "4",
+            "--qat-config", "mxint_joint", "--eval-blocks", "4", "--eval-formats", "mxint8,mxint4"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """An MF-QAT + LoRA run of the tiny model through the CLI: (out folder, its stdout)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("lora") / "run"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["train", *LORA_QAT, "--steps", "4", "--save-every", "2", "--out", str(out)])
+    return out, buf.getvalue()
+
+
+def _ppl_row(text: str, fmt: str) -> str:
+    """The perplexity cell of ``fmt``'s row in a printed table."""
+    rows = [line.split("|") for line in text.splitlines() if line.startswith(f"| {fmt} ")]
+    assert len(rows) == 1, text
+    return rows[0][3].strip()
+
+
+def test_a_tiny_runs_anchors_carry_the_tokenizer_its_data_used(lora_run, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from mfqat.data.sources import split_text, load_text
+
+    out, _ = lora_run
+    text = split_text(load_text(None))[1][:3000]
+    for anchor_dir in (out / "anchor", out / "checkpoint-2" / "mfqat_anchor", out / "checkpoint-4" / "mfqat_anchor"):
+        tok = AutoTokenizer.from_pretrained(anchor_dir)
+        assert tok(text).input_ids == list(text.encode()), f"{anchor_dir}: not the ids the run trained on"
+    main(["eval", str(out / "anchor"), "--formats", "mxint4", "--seq-len", "32", "--blocks", "1",
+          "--plot", str(tmp_path / "p.png")])  # used to fail: the anchor has no tokenizer
+    assert "| mxint4 " in capsys.readouterr().out
+
+
+def test_lora_qat_prints_the_perplexity_of_the_saved_anchor(lora_run, tmp_path, capsys):
+    """issue 33 item 5: the end-of-training numbers of an MF-QAT + LoRA run were those of the unmerged model
+    (adapters added in full precision beside the quantized base), not of the anchor, which quantizes the
+    merged weights (0.3% apart here, 0.76% on SmolLM2). `mfqat eval` of the anchor, same blocks, must agree."""
+    out, printed = lora_run
+    summary = json.loads((out / "summary.json").read_text())
+    capsys.readouterr()
+    main(["eval", str(out / "anchor"), "--formats", "mxint8,mxint4", "--seq-len", "32", "--blocks", "4",
+          "--plot", str(tmp_path / "p.png")])
+    evaluated = capsys.readouterr().out
+    for fmt in ("mxint8", "mxint4"):
+        assert _ppl_row(printed, fmt) == _ppl_row(evaluated, fmt), (fmt, printed, evaluated)
+        row = next(r for r in summary["eval"] if r["format"] == fmt)
+        assert f"{row['perplexity']:.3f}" == _ppl_row(evaluated, fmt)

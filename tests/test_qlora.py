@@ -132,3 +132,17 @@ def test_nf4_resume_refuses_a_checkpoint_lacking_a_tensor(nf4_run, tmp_path):
     seal_checkpoint(ck, 1)
     with pytest.raises(ValueError, match="lacks tensor .*lora_A"):
         train_main(NF4 + ["--steps", "3", "--out", str(tmp_path / "r"), "--resume", str(ck)])
+
+
+@pytest.mark.parametrize("base,layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
+def test_prepare_names_a_bitsandbytes_model_as_already_quantized(tmp_path, base, layer):
+    """issue 33 item 13: it said the targets matched no nn.Linear, as if the model had no layers to train."""
+    from transformers import AutoModelForCausalLM
+
+    from mfqat.integrations.lora import bnb_config
+
+    tiny_llama().save_pretrained(tmp_path)
+    q = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb_config(base), device_map="cpu")
+    with pytest.raises(ValueError, match=rf"already quantized by bitsandbytes \(\d+ {layer} layers.*"
+                                         r"without quantization_config.*--no-qat"):
+        mfqat.prepare(q, mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))

@@ -213,6 +213,30 @@ def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: 
     return LlamaForCausalLM(cfg).eval()
 
 
+def byte_tokenizer():
+    """The tokenizer of ``mfqat train --model tiny``: token id = byte value (0..255, ``<eos>`` 256), the
+    ids its training data uses (bytes of the text), saved with its anchors so that eval / export-mlx
+    read them like any other."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {_byte_char(b): b for b in range(256)}
+    vocab["<eos>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def _byte_char(b: int) -> str:
+    """The printable character GPT-2's byte-level alphabet maps byte ``b`` to."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
 def tiny_tokenizer(vocab_size: int = 256):
     """A small byte-level BPE tokenizer trained on pydoc text (for tests that need mlx_lm.load)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

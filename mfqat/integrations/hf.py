@@ -196,18 +196,17 @@ class MFQATTrainer(Trainer):
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Save as the Trainer does, plus an anchor in ``output_dir/mfqat_anchor`` (checkpoints get
-        theirs from :class:`MFQATCallback`)."""
+        theirs from :class:`MFQATCallback`). On a PEFT model the Trainer's own save is the adapters
+        only (PEFT's format); the anchor holds them merged into a copy of the base."""
         super().save_model(output_dir, _internal_call)
         fmt = self.mfqat_callback.anchor_fmt(find_controller(self.model))
         if _internal_call or fmt is None or not self.args.should_save:
             return
         base = self.accelerator.unwrap_model(self.model)
         ctl = find_controller(base)
-        if any("lora_" in n for n, _ in base.named_parameters()):
-            print("[mfqat] save_model: the model holds LoRA adapters, so no anchor was written; merge them "
-                  "(model.merge_and_unload()) and call mfqat.save_anchor")
-            return
-        save_anchor(base, os.path.join(output_dir or self.args.output_dir, "mfqat_anchor"), fmt,
+        # a PEFT model: the Trainer saved only the adapters; the anchor holds them merged into a copy of
+        # the base (as the checkpoints' anchors do), so it is the model that was trained
+        save_anchor(merged_copy(base), os.path.join(output_dir or self.args.output_dir, "mfqat_anchor"), fmt,
                     tokenizer=self.mfqat_callback.tokenizer or self.processing_class, step=self.state.global_step,
                     schedule=ctl.config.to_dict(), overwrite=True)
 
