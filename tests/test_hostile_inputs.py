@@ -424,7 +424,7 @@ def test_a_tiny_runs_anchors_carry_the_tokenizer_its_data_used(lora_run, tmp_pat
 def test_lora_qat_prints_the_perplexity_of_the_saved_anchor(lora_run, tmp_path, capsys):
     """issue 33 item 5: the end-of-training numbers of an MF-QAT + LoRA run were those of the unmerged model
     (adapters added in full precision beside the quantized base), not of the anchor, which quantizes the
-    merged weights (0.3% apart here, 0.76% on SmolLM2). `mfqat eval` of the anchor, same blocks, must agree."""
+    merged weights (issue 33 saw 0.76% apart on SmolLM2). `mfqat eval` of the anchor, same blocks, must agree."""
     out, printed = lora_run
     summary = json.loads((out / "summary.json").read_text())
     capsys.readouterr()
