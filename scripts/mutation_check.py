@@ -439,6 +439,16 @@ MUTATIONS: List[Mutation] = [
     Mutation("peft-save-model-anchor-unmerged", "mfqat/integrations/hf.py",
              'save_anchor(merged_copy(base), os.path.join(output_dir', 'save_anchor(base, os.path.join(output_dir',
              ("tests/test_hf_trainer.py::test_save_model_of_a_peft_model_writes_the_merged_anchor",)),
+    Mutation("report-to-compares-names-with-the-enum", "mfqat/integrations/train_setup.py",
+             '    available = {str(getattr(t, "value", t)) for t in _available_trackers}',
+             "    available = set(_available_trackers)",
+             ("tests/test_tensorboard.py::test_report_to_tensorboard_logs_every_formats_loss_and_perplexity",)),
+    Mutation("mfqat-trainer-callback-after-the-reporters", "mfqat/integrations/hf.py",
+             "        cbs.insert(0, cb)  # before the reporters", "        cbs.append(cb)  # after the reporters",
+             ("tests/test_tensorboard.py::test_mfqat_trainer_per_format_eval_metrics_reach_tensorboard",)),
+    Mutation("plain-trainer-reporters-not-warned", "mfqat/integrations/hf.py",
+             "        self._warn_reporters(args)\n", "",
+             ("tests/test_tensorboard.py::test_plain_trainer_with_reporters_warns_that_per_format_metrics_miss_them",)),
 ]
 
 

@@ -117,6 +117,21 @@ class MFQATCallback(TrainerCallback):
                 state.log_history[-1].update(extra)
         ctl.set_step(model, state.global_step, max(state.max_steps, 1))
         model.train(was_training)
+        self._warn_reporters(args)
+
+    def _warn_reporters(self, args) -> None:
+        """Once: under a plain Trainer, reporters (TensorBoard, W&B, ...) logged the evaluation before
+        this callback measured its formats, so they never see ``eval_{fmt}_*`` (MFQATTrainer's do)."""
+        reports = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+        reports = [r for r in reports if r and r != "none"]
+        if not reports or getattr(self, "driven_by_trainer", False) or getattr(self, "_warned_reporters", False):
+            return
+        self._warned_reporters = True
+        names = ", ".join(f"eval_{f}_loss/_ppl" for f in self.eval_formats)
+        warnings.warn(f"MFQATCallback: {names} reach the returned metrics and trainer.state.log_history, but not "
+                      f"{', '.join(reports)}: a plain transformers.Trainer logs to its reporters before this callback "
+                      "evaluates the formats. Use mfqat.MFQATTrainer (same arguments), which evaluates them inside "
+                      "its log() call")
 
     def on_save(self, args, state, control, model=None, **kw):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
