@@ -449,6 +449,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("plain-trainer-reporters-not-warned", "mfqat/integrations/hf.py",
              "        self._warn_reporters(args)\n", "",
              ("tests/test_tensorboard.py::test_plain_trainer_with_reporters_warns_that_per_format_metrics_miss_them",)),
+    Mutation("step-file-field-the-doc-lacks", "mfqat/storage/train_checkpoint.py",
+             '    meta = {"kind": KIND, "step": int(step), **(extra or {}),',
+             '    meta = {"kind": KIND, "step": int(step), "written_at": 0, **(extra or {}),',
+             ("tests/test_file_formats_doc.py::test_every_training_checkpoint_file_and_step_field_is_in_the_doc",)),
 ]
 
 
