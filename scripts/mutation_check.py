@@ -481,12 +481,12 @@ def run_tests(copy: Path, tests: Tuple[str, ...], timeout: int) -> Tuple[int, st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-k", default="", help="only mutations whose name contains this")
+    p.add_argument("-k", default="", help="only mutations whose name contains this (a comma list: any of them)")
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the unmodified copy")
     p.add_argument("--timeout", type=int, default=300, help="seconds per pytest run")
     args = p.parse_args(argv)
-    muts = [m for m in MUTATIONS if args.k in m.name]
+    muts = [m for m in MUTATIONS if any(k in m.name for k in args.k.split(","))]
     if args.list:
         for m in muts:
             print(f"{m.name:40s} {m.file}  ->  {' '.join(m.tests)}")
