@@ -61,3 +61,12 @@ def test_every_training_checkpoint_file_and_step_field_is_in_the_doc(tmp_path):
     assert not [n for n in names if n not in doc], names
     scheduler = json.loads((ck / "mfqat_scheduler.json").read_text())
     assert not undocumented([k for k in scheduler if not k.startswith("_")], doc)
+
+
+def test_every_mfqat_export_json_field_is_in_the_doc(anchor, tmp_path):
+    pytest.importorskip("mlx_lm")
+    from mfqat.export import to_mlx
+
+    to_mlx(anchor, tmp_path / "x", recipe="uniform:mxint4")
+    meta = json.loads((tmp_path / "x" / "mfqat_export.json").read_text())
+    assert not undocumented(meta, section("`mfqat_export.json`"))

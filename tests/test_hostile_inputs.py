@@ -435,3 +435,10 @@ def test_lora_qat_prints_the_perplexity_of_the_saved_anchor(lora_run, tmp_path, 
         assert _ppl_row(printed, fmt) == _ppl_row(evaluated, fmt), (fmt, printed, evaluated)
         row = next(r for r in summary["eval"] if r["format"] == fmt)
         assert f"{row['perplexity']:.3f}" == _ppl_row(evaluated, fmt)
+
+
+def test_a_tiny_runs_anchor_exports_to_mlx_without_a_tokenizer_flag(lora_run, tmp_path):
+    pytest.importorskip("mlx_lm")
+    out, _ = lora_run
+    main(["export-mlx", str(out / "anchor"), "--out", str(tmp_path / "mlx"), "--recipe", "uniform:mxint4"])
+    assert (tmp_path / "mlx" / "tokenizer.json").is_file()
