@@ -120,7 +120,8 @@ setup(
     extras_require={
         "mlx": [MLX, "mlx-lm>=0.30"],
         "kernels": ["triton>=3.0"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "torchao>=0.10", "bitsandbytes>=0.45", "triton>=3.0"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "torchao>=0.10", "bitsandbytes>=0.45", "triton>=3.0",
+                 "tensorboard"],
         "all": [MLX, "mlx-lm>=0.30", "triton>=3.0", "bitsandbytes>=0.45", "torchao>=0.10"],
     },
     entry_points={"console_scripts": ["mfqat=mfqat.cli:main"]},

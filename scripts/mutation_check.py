@@ -41,7 +41,7 @@ class Mutation:
 
 MUTATIONS: List[Mutation] = [
     Mutation("resume-never-loads-state", "mfqat/integrations/train_loop.py",
-             "        acc.load_state(args.resume)\n", "        pass  # state not loaded\n",
+             "            acc.load_state(args.resume, **resume_kwargs(base, args.resume))", "            pass  # state not loaded",
              ("tests/test_train.py::test_resume_gives_the_uninterrupted_run",)),
     Mutation("hf-callback-evaluates-full-precision", "mfqat/integrations/hf.py",
              "            set_format(model, fmt)\n", "            set_format(model, None)\n",
@@ -481,6 +481,58 @@ MUTATIONS: List[Mutation] = [
     Mutation("gpu-summary-bandwidth-per-format-not-backend", "scripts/gpu_summary.py",
              "per.setdefault(m.group(2), [])", "per.setdefault(m.group(1), [])",
              ("tests/test_gpu_check.py::test_summary_pulls_each_stages_numbers",)),
+    # issue 33 (the remaining items)
+    Mutation("nf4-resume-loads-strictly", "mfqat/integrations/lora.py",
+             '    return {"strict": False}\n', '    return {}\n',
+             ("tests/test_qlora.py::test_nf4_qlora_resume_gives_the_uninterrupted_run",)),
+    Mutation("nf4-resume-skips-the-key-check", "mfqat/integrations/lora.py",
+             "        if missing:\n            raise", "        if False:\n            raise",
+             ("tests/test_qlora.py::test_nf4_resume_refuses_a_checkpoint_lacking_a_tensor",)),
+    Mutation("convert-output-checked-after-the-work", "mfqat/cli/checks.py",
+             '        need_output(a.out, a.overwrite, "convert" if cmd == "convert" else "mlx-export", [a.anchor])\n', "",
+             ("tests/test_hostile_inputs.py::test_convert_and_export_check_their_output_before_the_work",)),
+    Mutation("output-under-a-file-not-checked", "mfqat/cli/checks.py",
+             "    if not parent.is_dir():\n        raise UsageError", "    if False:\n        raise UsageError",
+             ("tests/test_hostile_inputs.py::test_convert_and_export_check_their_output_before_the_work",)),
+    Mutation("missing-embedded-model-is-a-traceback", "mfqat/data/sources.py",
+             "class EmbeddedModelMissing(FileNotFoundError):", "class EmbeddedModelMissing(RuntimeError):",
+             ("tests/test_hostile_inputs.py::test_a_missing_embedded_model_package_is_one_line_saying_how_to_install_it",)),
+    Mutation("disk-full-says-nothing-of-the-output", "mfqat/storage/io.py",
+             "                raise disk_full(dest, e) from e\n", "                raise\n",
+             ("tests/test_hostile_inputs.py::test_a_full_disk_while_saving_an_anchor_leaves_the_previous_one_intact",
+              "tests/test_hostile_inputs.py::test_a_full_disk_during_convert_is_one_line_and_keeps_the_previous_output")),
+    Mutation("disk-full-leaves-the-partial-copy", "mfqat/storage/io.py",
+             "        except BaseException as e:\n            shutil.rmtree(tmp, ignore_errors=True)\n",
+             "        except BaseException as e:\n            pass\n",
+             ("tests/test_hostile_inputs.py::test_a_full_disk_while_saving_an_anchor_leaves_the_previous_one_intact",)),
+    Mutation("tiny-anchor-saved-without-tokenizer", "mfqat/integrations/train_loop.py",
+             "    tok = tok if tok is not None else byte_tokenizer()", "    tok = tok",
+             ("tests/test_hostile_inputs.py::test_a_tiny_runs_anchors_carry_the_tokenizer_its_data_used",
+              "tests/test_hostile_inputs.py::test_a_tiny_runs_anchor_exports_to_mlx_without_a_tokenizer_flag")),
+    Mutation("lora-qat-eval-runs-the-unmerged-model", "mfqat/integrations/train_loop.py",
+             '                set_format(saved, f)\n                ppl = perplexity(saved, held, desc=f"eval {f}")',
+             '                set_format(base, f)\n                ppl = perplexity(base, held, desc=f"eval {f}")',
+             ("tests/test_hostile_inputs.py::test_lora_qat_prints_the_perplexity_of_the_saved_anchor",)),
+    Mutation("prepare-misnames-a-bitsandbytes-model", "mfqat/qat/prepare.py",
+             "    _refuse_bnb(model)\n", "",
+             ("tests/test_qlora.py::test_prepare_names_a_bitsandbytes_model_as_already_quantized",)),
+    Mutation("peft-save-model-anchor-unmerged", "mfqat/integrations/hf.py",
+             'save_anchor(merged_copy(base), os.path.join(output_dir', 'save_anchor(base, os.path.join(output_dir',
+             ("tests/test_hf_trainer.py::test_save_model_of_a_peft_model_writes_the_merged_anchor",)),
+    Mutation("report-to-compares-names-with-the-enum", "mfqat/integrations/train_setup.py",
+             '    available = {str(getattr(t, "value", t)) for t in _available_trackers}',
+             "    available = set(_available_trackers)",
+             ("tests/test_tensorboard.py::test_report_to_tensorboard_logs_every_formats_loss_and_perplexity",)),
+    Mutation("mfqat-trainer-callback-after-the-reporters", "mfqat/integrations/hf.py",
+             "        cbs.insert(0, cb)  # before the reporters", "        cbs.append(cb)  # after the reporters",
+             ("tests/test_tensorboard.py::test_mfqat_trainer_per_format_eval_metrics_reach_tensorboard",)),
+    Mutation("plain-trainer-reporters-not-warned", "mfqat/integrations/hf.py",
+             "        self._warn_reporters(args)\n", "",
+             ("tests/test_tensorboard.py::test_plain_trainer_with_reporters_warns_that_per_format_metrics_miss_them",)),
+    Mutation("step-file-field-the-doc-lacks", "mfqat/storage/train_checkpoint.py",
+             '    meta = {"kind": KIND, "step": int(step), **(extra or {}),',
+             '    meta = {"kind": KIND, "step": int(step), "written_at": 0, **(extra or {}),',
+             ("tests/test_file_formats_doc.py::test_every_training_checkpoint_file_and_step_field_is_in_the_doc",)),
 ]
 
 
@@ -509,12 +561,12 @@ def run_tests(copy: Path, tests: Tuple[str, ...], timeout: int) -> Tuple[int, st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-k", default="", help="only mutations whose name contains this")
+    p.add_argument("-k", default="", help="only mutations whose name contains this (a comma list: any of them)")
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the unmodified copy")
     p.add_argument("--timeout", type=int, default=300, help="seconds per pytest run")
     args = p.parse_args(argv)
-    muts = [m for m in MUTATIONS if args.k in m.name]
+    muts = [m for m in MUTATIONS if any(k in m.name for k in args.k.split(","))]
     if args.list:
         for m in muts:
             print(f"{m.name:40s} {m.file}  ->  {' '.join(m.tests)}")

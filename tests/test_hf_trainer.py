@@ -100,3 +100,22 @@ def test_from_pretrained_of_an_anchor_is_the_anchor(tmp_path):
     model.save_pretrained(tmp_path / "plain")  # a plain checkpoint again
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").state_dict()
     assert all(torch.equal(again[k], want[k]) for k in want)
+
+
+def test_save_model_of_a_peft_model_writes_the_merged_anchor(setup, tmp_path):
+    """issue 33 item 13: with LoRA adapters, save_model wrote PEFT's adapter files and no anchor."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok, ids, ds = setup
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
+                             save_strategy="no", report_to=[], use_cpu=True)
+    trainer = MFQATTrainer(model=peft_model, args=args, train_dataset=ds, processing_class=tok)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "adapter_config.json").is_file()  # the Trainer's (PEFT's) own save
+    loaded = mfqat.load_anchor(tmp_path / "final" / "mfqat_anchor", "mxint8")
+    merged = peft_model.merge_and_unload()  # the adapters folded in: what the anchor must hold
+    mfqat.set_format(merged, "mxint8")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids[:2]).logits, merged(ids[:2]).logits)

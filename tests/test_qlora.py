@@ -92,3 +92,57 @@ def test_lora_with_mf_qat_follows_the_schedule_and_saves_anchor_and_adapter(tmp_
     assert s["formats"] == ["mxint4", "mxint8"]  # the controller is found under the peft wrapper
     assert (out / "anchor" / "mfqat.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
     assert s["trainable_params"] < s["total_params"] / 10
+
+
+NF4 = TINY + ["--no-qat", "--lora-rank", "4", "--base", "nf4", "--eval-blocks", "1", "--save-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def nf4_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nf4") / "full"
+    return out, train_main(NF4 + ["--steps", "3", "--out", str(out)])
+
+
+def test_nf4_qlora_resume_gives_the_uninterrupted_run(nf4_run, tmp_path):
+    """issue 33: the NF4 base's quantization state (absmax, quant maps) in the checkpoint broke the
+    resume; a resumed run must now give the uninterrupted run's losses and adapters, bit for bit."""
+    from safetensors.torch import load_file
+
+    full_out, full = nf4_run
+    resumed = train_main(NF4 + ["--steps", "3", "--out", str(tmp_path / "r"), "--resume", str(full_out / "checkpoint-1")])
+    assert resumed["losses"] == full["losses"][1:]
+    a = load_file(str(full_out / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "r" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nf4_resume_refuses_a_checkpoint_lacking_a_tensor(nf4_run, tmp_path):
+    """Non-strict loading skips only bnb's save-only state: a checkpoint without an adapter tensor is refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mfqat.storage.train_checkpoint import seal_checkpoint
+
+    ck = shutil.copytree(nf4_run[0] / "checkpoint-1", tmp_path / "ck")
+    sd = load_file(str(ck / "model.safetensors"))
+    dropped = next(k for k in sd if "lora_A" in k)
+    del sd[dropped]
+    save_file(sd, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    seal_checkpoint(ck, 1)
+    with pytest.raises(ValueError, match="lacks tensor .*lora_A"):
+        train_main(NF4 + ["--steps", "3", "--out", str(tmp_path / "r"), "--resume", str(ck)])
+
+
+@pytest.mark.parametrize("base,layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
+def test_prepare_names_a_bitsandbytes_model_as_already_quantized(tmp_path, base, layer):
+    """issue 33 item 13: it said the targets matched no nn.Linear, as if the model had no layers to train."""
+    from transformers import AutoModelForCausalLM
+
+    from mfqat.integrations.lora import bnb_config
+
+    tiny_llama().save_pretrained(tmp_path)
+    q = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb_config(base), device_map="cpu")
+    with pytest.raises(ValueError, match=rf"already quantized by bitsandbytes \(\d+ {layer} layers.*"
+                                         r"without quantization_config.*--no-qat"):
+        mfqat.prepare(q, mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))

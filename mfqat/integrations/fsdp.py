@@ -49,7 +49,7 @@ def check_args(args, acc) -> None:
     if bad:
         raise SystemExit(f"mfqat train: {', '.join(bad)} not supported with FSDP on CPU ranks (the model is sharded by "
                          "torch fully_shard, outside accelerate's checkpointing); run without them, or use "
-                         "configs/accelerate/ddp.yaml")
+                         "the packaged mfqat/configs/accelerate/ddp.yaml")
 
 
 @contextlib.contextmanager
@@ -80,7 +80,7 @@ def shard(model: nn.Module) -> nn.Module:
     wrapped = [m for m in model.modules() if type(m).__name__ in blocks]
     if not wrapped:
         raise SystemExit(f"mfqat train: FSDP found no blocks to shard in {type(model).__name__} "
-                         "(no _no_split_modules); use configs/accelerate/ddp.yaml")
+                         "(no _no_split_modules); use the packaged mfqat/configs/accelerate/ddp.yaml")
     for m in wrapped:
         fully_shard(m, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)

@@ -117,6 +117,21 @@ class MFQATCallback(TrainerCallback):
                 state.log_history[-1].update(extra)
         ctl.set_step(model, state.global_step, max(state.max_steps, 1))
         model.train(was_training)
+        self._warn_reporters(args)
+
+    def _warn_reporters(self, args) -> None:
+        """Once: under a plain Trainer, reporters (TensorBoard, W&B, ...) logged the evaluation before
+        this callback measured its formats, so they never see ``eval_{fmt}_*`` (MFQATTrainer's do)."""
+        reports = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+        reports = [r for r in reports if r and r != "none"]
+        if not reports or getattr(self, "driven_by_trainer", False) or getattr(self, "_warned_reporters", False):
+            return
+        self._warned_reporters = True
+        names = ", ".join(f"eval_{f}_loss/_ppl" for f in self.eval_formats)
+        warnings.warn(f"MFQATCallback: {names} reach the returned metrics and trainer.state.log_history, but not "
+                      f"{', '.join(reports)}: a plain transformers.Trainer logs to its reporters before this callback "
+                      "evaluates the formats. Use mfqat.MFQATTrainer (same arguments), which evaluates them inside "
+                      "its log() call")
 
     def on_save(self, args, state, control, model=None, **kw):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -196,18 +211,17 @@ class MFQATTrainer(Trainer):
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Save as the Trainer does, plus an anchor in ``output_dir/mfqat_anchor`` (checkpoints get
-        theirs from :class:`MFQATCallback`)."""
+        theirs from :class:`MFQATCallback`). On a PEFT model the Trainer's own save is the adapters
+        only (PEFT's format); the anchor holds them merged into a copy of the base."""
         super().save_model(output_dir, _internal_call)
         fmt = self.mfqat_callback.anchor_fmt(find_controller(self.model))
         if _internal_call or fmt is None or not self.args.should_save:
             return
         base = self.accelerator.unwrap_model(self.model)
         ctl = find_controller(base)
-        if any("lora_" in n for n, _ in base.named_parameters()):
-            print("[mfqat] save_model: the model holds LoRA adapters, so no anchor was written; merge them "
-                  "(model.merge_and_unload()) and call mfqat.save_anchor")
-            return
-        save_anchor(base, os.path.join(output_dir or self.args.output_dir, "mfqat_anchor"), fmt,
+        # a PEFT model: the Trainer saved only the adapters; the anchor holds them merged into a copy of
+        # the base (as the checkpoints' anchors do), so it is the model that was trained
+        save_anchor(merged_copy(base), os.path.join(output_dir or self.args.output_dir, "mfqat_anchor"), fmt,
                     tokenizer=self.mfqat_callback.tokenizer or self.processing_class, step=self.state.global_step,
                     schedule=ctl.config.to_dict(), overwrite=True)
 

@@ -111,6 +111,30 @@ def save_adapter(model: nn.Module, path: Path, tokenizer=None) -> Path:
     return Path(path)
 
 
+def resume_kwargs(model: nn.Module, folder) -> dict:
+    """Keyword arguments of ``Accelerator.load_state`` for resuming ``model`` from checkpoint ``folder``.
+
+    ``{}`` (strict loading) except on a bitsandbytes 4-bit base (``--base nf4``): its state dict holds,
+    beside each packed frozen weight, the quantization state (``.absmax``, ``.quant_map``,
+    ``.nested_absmax``, ...) that ``load_state_dict`` does not take back. There the checkpoint must hold
+    exactly the model's state-dict keys (ValueError naming the first difference), and loading is
+    non-strict so that only that save-only state is skipped.
+    """
+    if not getattr(model, "is_loaded_in_4bit", False):
+        return {}
+    from safetensors import safe_open
+
+    path = Path(folder) / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        saved = set(f.keys())
+    want = set(model.state_dict())
+    for missing, where in ((sorted(want - saved), "lacks"), (sorted(saved - want), "holds an unknown")):
+        if missing:
+            raise ValueError(f"--resume {folder}: {path.name} {where} tensor {missing[0]} (and {len(missing) - 1} "
+                             "more): a checkpoint of another model or base; resume with the run that wrote it")
+    return {"strict": False}
+
+
 def trainable_summary(model: nn.Module) -> dict:
     """{trainable, total} parameter counts (bnb 4-bit params count their packed bytes x 2)."""
     total = trainable = 0

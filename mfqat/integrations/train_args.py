@@ -12,8 +12,11 @@ BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.integrations.lor
 
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
-    accelerate launch [--config_file configs/accelerate/ddp.yaml] scripts/train.py \\
+    accelerate launch [--config_file CONFIGS/accelerate/ddp.yaml] -m mfqat train \\
         --qat-config mxint_2468 --steps 120 --out runs/mfqat
+
+CONFIGS is the mfqat/configs folder of the installed package (configs/ in a checkout, where
+scripts/train.py runs the same loop).
 
 Defaults: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), Python's pydoc
 text, joint MF-QAT over mxint8/6/4 through the MXINT8 anchor (the paper's progressive recipe:

@@ -21,14 +21,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mfqat.progress import progress, quiet_dependency_logs
 from mfqat.anchor.checkpoint import save_anchor
-from mfqat.data.sources import load_model, tiny_llama
+from mfqat.data.sources import byte_tokenizer, load_model, tiny_llama
 from mfqat.eval.elastic import evaluate_formats, ptq_state
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table, plot_curve
 from mfqat.formats import get_format
 from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
 from mfqat.qat.observers import mean_clip_rate
-from mfqat.integrations.lora import base_bits_per_weight, maybe_lora, merged_copy, save_adapter, trainable_summary
+from mfqat.integrations.lora import (base_bits_per_weight, maybe_lora, merged_copy, resume_kwargs, save_adapter,
+                                     trainable_summary)
 from mfqat.integrations.optim import make_optimizer
 from mfqat.integrations.train_args import build_parser, check_resume, check_train_args, run_identity
 from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
@@ -102,7 +103,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     elif fsdp.requested() and acc.num_processes == 1:
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
-    train, held = load_data(args, tok, acc.num_processes)
+    train, held = load_data(args, tok, acc.num_processes)  # tiny: the text's bytes are the token ids
+    tok = tok if tok is not None else byte_tokenizer()  # saved with every anchor: eval / export-mlx read it
     if cfg is not None:
         if args.distill and cfg.schedule == "joint":
             raise SystemExit("mfqat train: --distill (from the fp master) and the joint schedule do not combine; "
@@ -142,7 +144,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     start = 0
     if args.resume:
         try:  # safetensors, and torch.load(weights_only=True) for the optimizer / RNG: no pickled code runs
-            acc.load_state(args.resume)
+            acc.load_state(args.resume, **resume_kwargs(base, args.resume))  # nf4: skips bnb's save-only state
         except pickle.UnpicklingError as e:
             raise ValueError(f"--resume {args.resume}: refused: a state file holds more than tensors and plain data "
                              f"(torch.load weights_only=True: {str(e).strip().splitlines()[0][:200]})") from None
@@ -229,8 +231,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         summary["fsdp"] = "fully_shard (torch FSDP2) on CPU ranks" if self_shard else "accelerate FSDP"
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+        saved = merged_copy(base) if cfg else None  # what the anchor holds: LoRA merged into the weights
         if cfg:
-            save_anchor(merged_copy(base), out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
+            save_anchor(saved, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
                         overwrite=True)  # a rerun into the same --out replaces its own anchor
             summary["anchor"] = str(out / "anchor")
         if lora is not None:
@@ -241,13 +244,16 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
             summary["master"] = str(out / "master")
         rows = []
         for f in [x for x in args.eval_formats.split(",") if x]:
-            if cfg:  # the QAT forward in format f (through the anchor: what load_anchor(fmt=f) gives)
-                set_format(base, f)
-                ppl = perplexity(base, held, desc=f"eval {f}")
+            if cfg:  # the saved model's QAT forward in format f (through the anchor: what load_anchor(fmt=f)
+                # gives). With LoRA that is the merged copy, quantized with the adapters in its weights; the
+                # unmerged model would add the adapters in full precision beside the quantized base.
+                set_format(saved, f)
+                ppl = perplexity(saved, held, desc=f"eval {f}")
             else:  # plain fine-tune: post-training quantization of the fine-tuned weights
                 ppl = evaluate_formats(base, {f: ptq_state(base, f)}, held)[0]["perplexity"]
             rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "perplexity": ppl})
         if cfg:
+            set_format(saved, None)
             set_format(base, None)
         top = "fp (master)" if lora is None else f"{args.base} base + LoRA"
         rows.append({"format": top, "bits/weight": base_bits_per_weight(args.base),

@@ -98,9 +98,10 @@ def log_with(report_to: str):
         return "all"
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, _available_trackers
 
+    available = {str(getattr(t, "value", t)) for t in _available_trackers}  # LoggerType members, not str
     for n in names:
         if n not in LOGGER_TYPE_TO_CLASS:
             raise ValueError(f"--report-to {n}: not an accelerate tracker ({', '.join(LOGGER_TYPE_TO_CLASS)})")
-        if n not in _available_trackers:
+        if n not in available:
             raise ValueError(f"--report-to {n}: the {n} package is not installed (pip install {n})")
     return names or None

@@ -74,6 +74,20 @@ def _refuse_prepared(model: nn.Module) -> None:
         )
 
 
+def _refuse_bnb(model: nn.Module) -> None:
+    """Raise when the model's layers are bitsandbytes-quantized (Linear4bit / Linear8bitLt are no
+    nn.Linear to MF-QAT: the targets would match nothing, which used to be the only message)."""
+    found = [(name, type(m).__name__) for name, m in model.named_modules()
+             if type(m).__module__.split(".")[0] == "bitsandbytes"]
+    if found:
+        raise ValueError(
+            f"mfqat.prepare: {type(model).__name__} is already quantized by bitsandbytes ({len(found)} "
+            f"{found[0][1]} layers, e.g. {found[0][0]}); MF-QAT trains full-precision weights: load the model "
+            "without quantization_config and prepare that, or train LoRA adapters on the bitsandbytes base "
+            "without MF-QAT (mfqat train --base nf4 --lora-rank R --no-qat)"
+        )
+
+
 def _refuse_peft(model: nn.Module) -> None:
     """Raise when PEFT adapters were applied before prepare (their lora_A/lora_B are nn.Linear and
     would be fake-quantized, and the base layers, wrapped by PEFT, would not)."""
@@ -99,6 +113,7 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     """
     config = config or QATConfig()
     _refuse_prepared(model)
+    _refuse_bnb(model)
     _refuse_peft(model)
     schedules: Dict[str, Schedule] = {}
     skipped: List[str] = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -51,12 +52,18 @@ def write_json(path: PathLike, data: dict) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.fchmod(fd, 0o666 & ~current_umask())
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            raise disk_full(path, e) from e
+        raise
 
 
 def write_torch(path: PathLike, obj) -> None:
@@ -72,8 +79,10 @@ def write_torch(path: PathLike, obj) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            raise disk_full(path, e) from e
         raise
     fsync_dir(path.parent)
 
@@ -147,6 +156,26 @@ def atomic_directory(dest: PathLike, overwrite: bool = False, kind: Optional[str
             yield tmp
             settle(tmp)
             swap_in(tmp, dest)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in DISK_FULL:
+                raise disk_full(dest, e) from e
             raise
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A save ran out of space; ``errno`` is kept, ``str()`` is the one-line message."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def disk_full(dest: Path, exc: OSError) -> DiskFullError:
+    """The one-line error of a save that ran out of space (ENOSPC / EDQUOT): names ``dest`` and says
+    what is on disk now (the previous artifact, untouched, or nothing)."""
+    left = (f"the previous {dest.name} is intact" if dest.exists() else "nothing was written there")
+    return DiskFullError(exc.errno, f"{dest}: {exc.strerror or 'no space left on device'} while saving; {left} "
+                   "(the partial copy was removed); free some space and run again")
