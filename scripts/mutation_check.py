@@ -263,6 +263,13 @@ MUTATIONS: List[Mutation] = [
              "if got.shape != expect.shape or not np.array_equal(got, expect):",
              "if got.shape != expect.shape or not np.allclose(got, expect):",
              ("tests/test_semantics_export.py::test_export_check_reports_one_flipped_code_or_a_scale_one_ulp_off",)),
+    # issue 34: the replayed sensitivity pass
+    Mutation("sensitivity-replay-starts-a-layer-late", "mfqat/export/replay.py",
+             "                return int(index)\n", "                return int(index) + 1\n",
+             ("tests/test_sensitivity.py::test_replayed_pass_scores_equal_the_plain_pass",)),
+    Mutation("sensitivity-replay-tied-embedding-from-the-head", "mfqat/export/replay.py",
+             "min(layer_of(a) for a in aliases", "max(layer_of(a) for a in aliases",
+             ("tests/test_sensitivity.py::test_replayed_pass_scores_equal_the_plain_pass",)),
     # issue 33
     Mutation("resume-trusts-an-unverified-checkpoint", "mfqat/integrations/train_loop.py",
              "resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0",

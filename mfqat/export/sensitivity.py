@@ -28,6 +28,7 @@ import torch
 
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.load import load_anchor
+from mfqat.export.replay import LayerReplay, start_layers
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive, is_derived
 from mfqat.quant.derive import derived_group as group_of_derived
 from mfqat.formats import canonical_name, get_format
@@ -114,15 +115,43 @@ def _log_probs(model, blocks: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=blocks).logits.float(), dim=-1)
 
 
+class _ProbeKL:
+    """KL(reference || model as it is now) over ``blocks``, averaged over the tokens.
+
+    ``replay=True`` (the default pass): each probe runs only the decoder layers from the first one
+    its tensor feeds (mfqat.export.replay), the layers before it returning their reference outputs:
+    the same logits as a full forward, bit for bit. ``replay=False``: a full forward per probe (the
+    plain pass, kept for comparison: scripts/bench_auto.py, tests/test_sensitivity.py)."""
+
+    def __init__(self, model, blocks: torch.Tensor, names: List[str], replay: bool = True):
+        self.model, self.blocks = model, blocks
+        self.replay = LayerReplay(model) if replay else None
+        self.start = start_layers(model, names) if replay else {}
+        with torch.no_grad():
+            logits = self.replay.record(input_ids=blocks) if replay else model(input_ids=blocks).logits
+        self.ref = torch.log_softmax(logits.float(), dim=-1)
+        self.p_ref = self.ref.exp()
+
+    def __call__(self, name: str) -> float:
+        """The KL with tensor ``name`` changed in place (every other tensor as in the reference)."""
+        with torch.no_grad():
+            if self.replay is None:
+                logits = self.model(input_ids=self.blocks).logits
+            else:
+                logits = self.replay.logits_from(self.start[name], input_ids=self.blocks)
+            low = torch.log_softmax(logits.float(), dim=-1)
+        return (self.p_ref * (self.ref - low)).sum(-1).mean().item()
+
+
 def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
-            levels: Optional[List[str]] = None, derived_group: int = DERIVED_GROUP_SIZE
-            ) -> Dict[str, TensorSensitivity]:
+            levels: Optional[List[str]] = None, derived_group: int = DERIVED_GROUP_SIZE,
+            replay: bool = True) -> Dict[str, TensorSensitivity]:
     """KL(anchor-format model || model with only tensor t in ``probe``) for every tensor, plus each
-    tensor's relative weight error at every level (default: the anchor family's ladder)."""
+    tensor's relative weight error at every level (default: the anchor family's ladder).
+    ``replay=False``: a full forward per tensor (the same numbers, slower; see _ProbeKL)."""
     model = load_anchor(anchor.path)
     params = dict(model.named_parameters(remove_duplicate=False))
-    ref = _log_probs(model, blocks)
-    p_ref = ref.exp()
+    kl_of = _ProbeKL(model, blocks, names, replay)
     levels = levels or ladder(anchor.format)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
@@ -136,7 +165,7 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
             if f == probe:
                 probe_w = w
         param.data.copy_(probe_w.to(param.dtype))
-        kl = (p_ref * (ref - _log_probs(model, blocks))).sum(-1).mean().item()
+        kl = kl_of(name)
         param.data.copy_(original)
         out[name] = TensorSensitivity(name, original.numel(), probe, max(kl, 0.0), errors)
     return out
