@@ -74,13 +74,17 @@ def level_group(anchor: Anchor, fmt: str, derived_group: int = DERIVED_GROUP_SIZ
     return group_of_derived(fmt, derived_group) if is_derived(fmt) else anchor.meta.get("block_size", 32)
 
 
-def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> MXTensor:
+def anchor_values(anchor: Anchor, name: str) -> torch.Tensor:
+    """Tensor ``name``'s values in the anchor (float32): what the derived formats re-quantize."""
+    return anchor.quantized[name].dequantize(torch.float32) if name in anchor.quantized else anchor.plain[name].float()
+
+
+def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE,
+              values: Optional[torch.Tensor] = None) -> MXTensor:
     """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor (derived: re-quantized from its
-    values), or direct for plain weights."""
+    values, ``values`` when the caller holds them: anchor_values), or direct for plain weights."""
     if is_derived(fmt):
-        src = anchor.quantized[name].dequantize(torch.float32) if name in anchor.quantized \
-            else anchor.plain[name].float()
-        return derive(src, fmt, derived_group)
+        return derive(anchor_values(anchor, name) if values is None else values, fmt, derived_group)
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
     return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32),
@@ -159,8 +163,9 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
         original = param.data.clone()
         errors = {}
         norm = original.float().pow(2).sum().item() or 1.0
+        values = anchor_values(anchor, name) if any(is_derived(f) for f in levels) else None  # once, not per width
         for f in levels:
-            w = in_format(anchor, name, f, derived_group).dequantize(torch.float32)
+            w = in_format(anchor, name, f, derived_group, values).dequantize(torch.float32)
             errors[f] = (w - original.float()).pow(2).sum().item() / norm
             if f == probe:
                 probe_w = w
