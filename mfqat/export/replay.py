@@ -70,7 +70,7 @@ class LayerReplay:
 
         def keep(i: int):
             def hook(_module, _args, output):
-                self.outputs[i] = output
+                self.outputs[i] = _copy(output)  # a later layer may change its input in place
             return hook
 
         handles = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(self.layers)]
@@ -104,5 +104,14 @@ class LayerReplay:
 
 def _returning(output: object):
     def forward(*_args, **_kwargs):
-        return output
+        return _copy(output)  # the recorded output stays as recorded whatever the next layer does
     return forward
+
+
+def _copy(output: object) -> object:
+    """A layer's output (a tensor, or a tuple/list holding tensors) with its tensors cloned."""
+    if isinstance(output, torch.Tensor):
+        return output.clone()
+    if type(output) in (tuple, list):
+        return type(output)(_copy(o) for o in output)
+    return output  # anything else (a ModelOutput, None) as it is
