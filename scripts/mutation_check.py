@@ -270,6 +270,12 @@ MUTATIONS: List[Mutation] = [
     Mutation("sensitivity-replay-tied-embedding-from-the-head", "mfqat/export/replay.py",
              "min(layer_of(a) for a in aliases", "max(layer_of(a) for a in aliases",
              ("tests/test_sensitivity.py::test_replayed_pass_scores_equal_the_plain_pass",)),
+    Mutation("sensitivity-replay-keeps-outputs-by-reference", "mfqat/export/replay.py",
+             "self.outputs[i] = _copy(output)", "self.outputs[i] = output",
+             ("tests/test_sensitivity.py::test_replay_from_every_layer_equals_the_full_forward_when_layers_write_in_place",)),
+    Mutation("sensitivity-replay-hands-out-the-recorded-output", "mfqat/export/replay.py",
+             "        return _copy(output)  # the recorded", "        return output  # the recorded",
+             ("tests/test_sensitivity.py::test_replay_from_every_layer_equals_the_full_forward_when_layers_write_in_place",)),
     # issue 33
     Mutation("resume-trusts-an-unverified-checkpoint", "mfqat/integrations/train_loop.py",
              "resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0",

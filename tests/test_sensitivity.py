@@ -100,3 +100,44 @@ def test_start_layers_follow_the_layer_and_the_tied_embedding(tmp_path):
     gemma = mfqat.load_anchor(_family_anchor("gemma3_text", tmp_path / "g").path)
     assert gemma.get_output_embeddings().weight is gemma.get_input_embeddings().weight
     assert start_layers(gemma, ["model.embed_tokens.weight"]) == {"model.embed_tokens.weight": 0}
+
+
+class _InPlaceLayer(torch.nn.Module):
+    """A residual layer that adds to its input in place (as some implementations do)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x.add_(torch.tanh(self.lin(x)))
+
+
+class _InPlaceModel(torch.nn.Module):
+    def __init__(self, width: int = 8, n_layers: int = 3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, width)
+        self.layers = torch.nn.ModuleList(_InPlaceLayer(width) for _ in range(n_layers))
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return SimpleNamespace(logits=x)
+
+
+def test_replay_from_every_layer_equals_the_full_forward_when_layers_write_in_place():
+    from mfqat.export.replay import LayerReplay
+
+    torch.manual_seed(0)
+    model, ids = _InPlaceModel(), torch.arange(6).view(1, 6)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        replay = LayerReplay(model)
+        assert torch.equal(replay.record(input_ids=ids), full)
+        for _ in range(2):  # a replay must not change what later replays start from
+            for start in range(len(model.layers) + 1):
+                assert torch.equal(replay.logits_from(start, input_ids=ids), full), start
+        assert all("forward" not in layer.__dict__ for layer in model.layers)  # the layers are restored
