@@ -3,7 +3,7 @@
 export of the same plan is bit-exact, see bench_export.py), after timing the sensitivity pass.
 
     python scripts/bench_auto.py [--anchor DIR] [--budgets 4.5,5.0] [--blocks 8] [--family affine]
-                                 [--sensitivity-only]
+                                 [--sensitivity-only] [--every K]
 
 The sensitivities are measured once (the probe of the lowest budget, as ``auto:BPW`` picks it, or
 ``--probe``) and allocated for every budget. They are measured twice, side by side: the plain pass
@@ -31,17 +31,20 @@ from mfqat.export.sensitivity import allocate, calibration_blocks, ladder, level
 
 def timed_passes(anchor, names, probe, blocks, levels, budgets, group) -> tuple:
     """(replayed sensitivities, table rows): the plain and the replayed pass, timed side by side."""
-    t = time.perf_counter()
-    plain = measure(anchor, names, probe, blocks, levels, replay=False)
-    t_plain = time.perf_counter() - t
-    t = time.perf_counter()
-    fast = measure(anchor, names, probe, blocks, levels, replay=True)
-    t_fast = time.perf_counter() - t
+    def timed(replay: bool):
+        t, c = time.perf_counter(), time.process_time()
+        sens = measure(anchor, names, probe, blocks, levels, replay=replay)
+        return sens, time.perf_counter() - t, time.process_time() - c
+
+    measure(anchor, names[:1], probe, blocks, levels, replay=False)  # warm-up: first-call costs hit neither pass
+    plain, t_plain, c_plain = timed(False)
+    fast, t_fast, c_fast = timed(True)
     diff = max(abs(fast[n].probe_kl - plain[n].probe_kl) for n in names)
     same = all(allocate(plain, levels, b, group) == allocate(fast, levels, b, group) for b in budgets)
-    rows = [{"pass": "plain (full forward per tensor)", "seconds": t_plain, "x plain": 1.0, "max |dKL|": "",
-             "same plans": ""},
-            {"pass": "replayed (from the tensor's layer on)", "seconds": t_fast, "x plain": t_plain / t_fast,
+    rows = [{"pass": "plain (full forward per tensor)", "seconds": t_plain, "cpu seconds": c_plain, "x plain": 1.0,
+             "max |dKL|": "", "same plans": ""},
+            {"pass": "replayed (from the tensor's layer on)", "seconds": t_fast, "cpu seconds": c_fast,
+             "x plain": t_plain / t_fast,
              "max |dKL|": f"{diff:.1e}", "same plans": "yes" if same else "NO"}]
     return fast, rows
 
@@ -55,6 +58,8 @@ def main() -> None:
     p.add_argument("--family", default=None, help="the ladder: the anchor's family (default) or affine")
     p.add_argument("--probe", default=None, help="probe format (default: auto:BPW's for the lowest budget)")
     p.add_argument("--sensitivity-only", action="store_true", help="time the two passes, skip perplexity")
+    p.add_argument("--every", type=int, default=1,
+                   help="time the passes on every K-th tensor only (spread over all layers; plans then cover those)")
     a = p.parse_args()
     anchor = read_anchor(Path(a.anchor))
     budgets = sorted(float(b) for b in a.budgets.split(","))
@@ -63,11 +68,11 @@ def main() -> None:
     probe = a.probe or probe_for(budgets[0], levels, group)
     names = list(anchor.quantized) + _matrix_weights(anchor)
     blocks = calibration_blocks(anchor, None)
-    sens, rows = timed_passes(anchor, names, probe, blocks, levels, budgets, group)
-    print(f"sensitivity pass: anchor={a.anchor} probe={probe} tensors={len(names)} calibration tokens="
+    sens, rows = timed_passes(anchor, names[::a.every], probe, blocks, levels, budgets, group)
+    print(f"sensitivity pass: anchor={a.anchor} probe={probe} tensors={len(names[::a.every])} of {len(names)} calibration tokens="
           f"{blocks.numel()} threads={torch.get_num_threads()} budgets={budgets}")
-    print(format_table(rows, ["pass", "seconds", "x plain", "max |dKL|", "same plans"]))
-    if a.sensitivity_only:
+    print(format_table(rows, ["pass", "seconds", "cpu seconds", "x plain", "max |dKL|", "same plans"]))
+    if a.sensitivity_only or a.every > 1:
         return
     model = mfqat.load_anchor(a.anchor)
     from transformers import AutoTokenizer
