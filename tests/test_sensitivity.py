@@ -44,3 +44,100 @@ def test_measured_kl_equals_brute_force(anchor, probe):
         assert sens[name].rel_error["mxint8"] == 0.0 and set(sens[name].rel_error) == set(ladder("mxint8"))
     # lowering q_proj in layer 1 and down_proj in layer 0 does not cost the same
     assert sens[names[0]].probe_kl != pytest.approx(sens[names[1]].probe_kl, rel=1e-2)
+
+
+# The fast pass (issue 34): a probe replays the decoder layers before its tensor's layer from the
+# reference forward (mfqat.export.replay); its scores must be those of the plain full-forward pass.
+FAMILIES = {  # tiny configs as in tests/test_families.py
+    "llama": None,  # tiny_llama: untied lm_head, so the head-only replay is exercised
+    "gemma3_text": ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=128,
+                                        layer_types=["sliding_attention", "full_attention"])),  # tied embeddings
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(  # hybrid linear/full attention with MoE experts
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])),
+}
+
+
+def _family_anchor(name: str, path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    if FAMILIES[name] is None:
+        model = tiny_llama(vocab_size=256)
+    else:
+        model_type, extra = FAMILIES[name]
+        kw = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, vocab_size=256), **extra}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)  # peaked distributions: KLs well above float noise
+    return mfqat.read_anchor(mfqat.save_anchor(model, path, "mxint8"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_replayed_pass_scores_equal_the_plain_pass(family, tmp_path):
+    from mfqat.export.recipes import _matrix_weights
+
+    anchor = _family_anchor(family, tmp_path / "a")
+    names = list(anchor.quantized) + _matrix_weights(anchor)
+    blocks = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    plain = measure(anchor, names, "mxint3", blocks, replay=False)
+    fast = measure(anchor, names, "mxint3", blocks)
+    assert list(fast) == names
+    for name in names:
+        assert plain[name].probe_kl > 1e-7, name  # every probe moves the output: a skipped one would show
+        assert fast[name].probe_kl == plain[name].probe_kl, name  # the same logits, bit for bit
+        assert fast[name].rel_error == plain[name].rel_error
+
+
+def test_start_layers_follow_the_layer_and_the_tied_embedding(tmp_path):
+    from mfqat.export.replay import start_layers
+
+    llama = mfqat.load_anchor(_family_anchor("llama", tmp_path / "l").path)
+    start = start_layers(llama, ["model.layers.1.mlp.up_proj.weight", "lm_head.weight", "model.embed_tokens.weight"])
+    assert start == {"model.layers.1.mlp.up_proj.weight": 1, "lm_head.weight": 2, "model.embed_tokens.weight": 0}
+    gemma = mfqat.load_anchor(_family_anchor("gemma3_text", tmp_path / "g").path)
+    assert gemma.get_output_embeddings().weight is gemma.get_input_embeddings().weight
+    assert start_layers(gemma, ["model.embed_tokens.weight"]) == {"model.embed_tokens.weight": 0}
+
+
+class _InPlaceLayer(torch.nn.Module):
+    """A residual layer that adds to its input in place (as some implementations do)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x.add_(torch.tanh(self.lin(x)))
+
+
+class _InPlaceModel(torch.nn.Module):
+    def __init__(self, width: int = 8, n_layers: int = 3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, width)
+        self.layers = torch.nn.ModuleList(_InPlaceLayer(width) for _ in range(n_layers))
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        x = self.emb(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return SimpleNamespace(logits=x)
+
+
+def test_replay_from_every_layer_equals_the_full_forward_when_layers_write_in_place():
+    from mfqat.export.replay import LayerReplay
+
+    torch.manual_seed(0)
+    model, ids = _InPlaceModel(), torch.arange(6).view(1, 6)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        replay = LayerReplay(model)
+        assert torch.equal(replay.record(input_ids=ids), full)
+        for _ in range(2):  # a replay must not change what later replays start from
+            for start in range(len(model.layers) + 1):
+                assert torch.equal(replay.logits_from(start, input_ids=ids), full), start
+        assert all("forward" not in layer.__dict__ for layer in model.layers)  # the layers are restored

@@ -75,10 +75,12 @@ class Anchor:
             return {k: self.derived(k, fmt, group_size) for k in self.quantized}
         return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}  # the recorded scale rules
 
-    def derived(self, name: str, fmt: str, group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:
-        """Quantized tensor ``name`` in the derived format ``fmt``: re-quantized from the anchor's values, with
-        the learned scales and biases the anchor stores for that width and group (mfqat.anchor.refined)."""
-        q = derive(self.quantized[name].dequantize(torch.float32), fmt, group_size)
+    def derived(self, name: str, fmt: str, group_size: int = DERIVED_GROUP_SIZE,
+                values: Optional[torch.Tensor] = None) -> MXTensor:
+        """Quantized tensor ``name`` in the derived format ``fmt``: re-quantized from the anchor's values
+        (``values`` when the caller already dequantized them), with the learned scales and biases the anchor
+        stores for that width and group (mfqat.anchor.refined)."""
+        q = derive(self.quantized[name].dequantize(torch.float32) if values is None else values, fmt, group_size)
         width = pick(self.refined, fmt, q.block_size)
         return width.apply(name, q) if width is not None else q
 

@@ -28,6 +28,7 @@ import torch
 
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.load import load_anchor
+from mfqat.export.replay import LayerReplay, start_layers
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive, is_derived
 from mfqat.quant.derive import derived_group as group_of_derived
 from mfqat.formats import canonical_name, get_format
@@ -73,13 +74,19 @@ def level_group(anchor: Anchor, fmt: str, derived_group: int = DERIVED_GROUP_SIZ
     return group_of_derived(fmt, derived_group) if is_derived(fmt) else anchor.meta.get("block_size", 32)
 
 
-def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> MXTensor:
+def anchor_values(anchor: Anchor, name: str) -> torch.Tensor:
+    """Tensor ``name``'s values in the anchor (float32): what the derived formats re-quantize."""
+    return anchor.quantized[name].dequantize(torch.float32) if name in anchor.quantized else anchor.plain[name].float()
+
+
+def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE,
+              values: Optional[torch.Tensor] = None) -> MXTensor:
     """Tensor ``name`` in ``fmt``: Slice-and-Scale from the anchor (derived: re-quantized from its
-    values), or direct for plain weights."""
+    values, ``values`` when the caller holds them: anchor_values), or direct for plain weights."""
     if is_derived(fmt):
-        if name in anchor.quantized:
-            return anchor.derived(name, fmt, derived_group)  # with the anchor's learned scales, if any
-        return derive(anchor.plain[name].float(), fmt, derived_group)
+        if name in anchor.quantized:  # with the anchor's learned scales for that width, if any
+            return anchor.derived(name, fmt, derived_group, values)
+        return derive(anchor_values(anchor, name) if values is None else values, fmt, derived_group)
     if name in anchor.quantized:
         return slice_and_scale(anchor.quantized[name], fmt)
     return quantize(anchor.plain[name].float(), fmt, anchor.meta.get("block_size", 32),
@@ -114,15 +121,43 @@ def _log_probs(model, blocks: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(model(input_ids=blocks).logits.float(), dim=-1)
 
 
+class _ProbeKL:
+    """KL(reference || model as it is now) over ``blocks``, averaged over the tokens.
+
+    ``replay=True`` (the default pass): each probe runs only the decoder layers from the first one
+    its tensor feeds (mfqat.export.replay), the layers before it returning their reference outputs:
+    the same logits as a full forward, bit for bit. ``replay=False``: a full forward per probe (the
+    plain pass, kept for comparison: scripts/bench_auto.py, tests/test_sensitivity.py)."""
+
+    def __init__(self, model, blocks: torch.Tensor, names: List[str], replay: bool = True):
+        self.model, self.blocks = model, blocks
+        self.replay = LayerReplay(model) if replay else None
+        self.start = start_layers(model, names) if replay else {}
+        with torch.no_grad():
+            logits = self.replay.record(input_ids=blocks) if replay else model(input_ids=blocks).logits
+        self.ref = torch.log_softmax(logits.float(), dim=-1)
+        self.p_ref = self.ref.exp()
+
+    def __call__(self, name: str) -> float:
+        """The KL with tensor ``name`` changed in place (every other tensor as in the reference)."""
+        with torch.no_grad():
+            if self.replay is None:
+                logits = self.model(input_ids=self.blocks).logits
+            else:
+                logits = self.replay.logits_from(self.start[name], input_ids=self.blocks)
+            low = torch.log_softmax(logits.float(), dim=-1)
+        return (self.p_ref * (self.ref - low)).sum(-1).mean().item()
+
+
 def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
-            levels: Optional[List[str]] = None, derived_group: int = DERIVED_GROUP_SIZE
-            ) -> Dict[str, TensorSensitivity]:
+            levels: Optional[List[str]] = None, derived_group: int = DERIVED_GROUP_SIZE,
+            replay: bool = True) -> Dict[str, TensorSensitivity]:
     """KL(anchor-format model || model with only tensor t in ``probe``) for every tensor, plus each
-    tensor's relative weight error at every level (default: the anchor family's ladder)."""
+    tensor's relative weight error at every level (default: the anchor family's ladder).
+    ``replay=False``: a full forward per tensor (the same numbers, slower; see _ProbeKL)."""
     model = load_anchor(anchor.path)
     params = dict(model.named_parameters(remove_duplicate=False))
-    ref = _log_probs(model, blocks)
-    p_ref = ref.exp()
+    kl_of = _ProbeKL(model, blocks, names, replay)
     levels = levels or ladder(anchor.format)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
@@ -130,13 +165,14 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
         original = param.data.clone()
         errors = {}
         norm = original.float().pow(2).sum().item() or 1.0
+        values = anchor_values(anchor, name) if any(is_derived(f) for f in levels) else None  # once, not per width
         for f in levels:
-            w = in_format(anchor, name, f, derived_group).dequantize(torch.float32)
+            w = in_format(anchor, name, f, derived_group, values).dequantize(torch.float32)
             errors[f] = (w - original.float()).pow(2).sum().item() / norm
             if f == probe:
                 probe_w = w
         param.data.copy_(probe_w.to(param.dtype))
-        kl = (p_ref * (ref - _log_probs(model, blocks))).sum(-1).mean().item()
+        kl = kl_of(name)
         param.data.copy_(original)
         out[name] = TensorSensitivity(name, original.numel(), probe, max(kl, 0.0), errors)
     return out
