@@ -77,6 +77,7 @@ def test_mlx_lm_lora_runs_on_export(anchors, tmp_path):
     to_mlx(anchors["int"], tmp_path / "m", recipe="uniform:mxint4")
     model, tok = mlx_lm.load(str(tmp_path / "m"))
     model.freeze()
+    mx.random.seed(0)  # the adapters' random init (unseeded, 5 Adam steps at lr 1e-2 once raised the loss)
     linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
     ids = mx.array([tok.encode("def function(x): return x + 1")])
 
@@ -84,7 +85,7 @@ def test_mlx_lm_lora_runs_on_export(anchors, tmp_path):
         logits = m(ids[:, :-1])
         return nn.losses.cross_entropy(logits, ids[:, 1:]).mean()
 
-    opt = optim.Adam(learning_rate=1e-2)
+    opt = optim.Adam(learning_rate=1e-3)
     grad = nn.value_and_grad(model, loss_fn)
     losses = []
     for _ in range(5):
