@@ -442,3 +442,26 @@ def test_a_tiny_runs_anchor_exports_to_mlx_without_a_tokenizer_flag(lora_run, tm
     out, _ = lora_run
     main(["export-mlx", str(out / "anchor"), "--out", str(tmp_path / "mlx"), "--recipe", "uniform:mxint4"])
     assert (tmp_path / "mlx" / "tokenizer.json").is_file()
+
+
+def test_a_full_disk_in_a_single_file_write_keeps_the_old_file_and_leaves_no_temp(tmp_path, monkeypatch):
+    """write_json / write_bytes / write_torch share one writer: ENOSPC mid-write is the one-line
+    DiskFullError, the previous file is byte for byte intact and no temp file is left."""
+    import errno
+    import os
+
+    from mfqat.storage import io
+
+    target = tmp_path / "mfqat.json"
+    io.write_json(target, {"a": 1})
+    before = target.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    for write in (lambda: io.write_json(target, {"a": 2}), lambda: io.write_bytes(target, b"x" * 10)):
+        with pytest.raises(io.DiskFullError, match="mfqat.json: No space left on device while saving; the previous "
+                                                   "mfqat.json is intact"):
+            write()
+    assert target.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["mfqat.json"]

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -16,23 +14,8 @@ from mfqat.anchor.refined import REFINED_VERSION, refined_file
 from mfqat.formats import canonical_name
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.storage.guard import writer_lock
-from mfqat.storage.io import current_umask, fsync_dir, write_json
+from mfqat.storage.io import fsync_dir, write_bytes, write_json
 from mfqat.storage.manifest import canonical_digest
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~current_umask())
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def add_refined(path: Path, fmt: str, group_size: int, tensors: Dict[str, MXTensor], info: dict,
@@ -70,7 +53,7 @@ def add_refined(path: Path, fmt: str, group_size: int, tensors: Dict[str, MXTens
                                                        ("biases", q.biases.to(torch.bfloat16)))})
         digest = hashlib.sha256(data).hexdigest()
         name = refined_file(fmt).replace(".safetensors", f"-{digest[:12]}.safetensors")
-        _write_bytes(path / name, data)
+        write_bytes(path / name, data)
         old = refined.get(fmt, {}).get("file")
         refined[fmt] = {"file": name, "group_size": int(group_size), "tensors": len(tensors),
                         "mfqat_version": __version__, **info}

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import IO, Callable, Iterator, Optional, Sequence, Union
 
 from mfqat.storage.guard import (WriterBusyError, backup_path, check_output, is_kind, partial_name,  # noqa: F401
                     recover, writer_lock)
@@ -47,35 +47,16 @@ def current_umask() -> int:
     return mask
 
 
-def write_json(path: PathLike, data: dict) -> None:
-    """Write JSON through a temp file + fsync + rename (mode as the umask gives a new file)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, 0o666 & ~current_umask())
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.errno in DISK_FULL:
-            raise disk_full(path, e) from e
-        raise
-
-
-def write_torch(path: PathLike, obj) -> None:
-    """``torch.save`` through a temp file + fsync + rename, so a crash leaves the old file or the new one."""
-    import torch
-
+def write_file(path: PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through a temp file beside it + fsync + rename (mode as the umask gives a new file),
+    so a crash leaves the old file or the new one; ``write(f)`` fills the binary file. Disk full is
+    :func:`disk_full`'s one-line error, the temp file removed."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.fchmod(fd, 0o666 & ~current_umask())
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -85,6 +66,24 @@ def write_torch(path: PathLike, obj) -> None:
             raise disk_full(path, e) from e
         raise
     fsync_dir(path.parent)
+
+
+def write_json(path: PathLike, data: dict) -> None:
+    """Write JSON atomically (:func:`write_file`)."""
+    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    write_file(path, lambda f: f.write(text.encode()))
+
+
+def write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` atomically (:func:`write_file`)."""
+    write_file(path, lambda f: f.write(data))
+
+
+def write_torch(path: PathLike, obj) -> None:
+    """``torch.save`` atomically (:func:`write_file`)."""
+    import torch
+
+    write_file(path, lambda f: torch.save(obj, f))
 
 
 def fsync_dir(path: PathLike) -> None:
