@@ -184,8 +184,9 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
     meta = validate_meta(load_meta(snap, META_FILE, "anchor", check_version), str(where))
     manifest = meta.get("manifest", {})
     if verify:
+        later = {e["file"] for e in (meta.get("refined") or {}).values()}  # read and checked by read_refined
         for name in manifest:
-            if name not in meta["files"] and name != "config.json":
+            if name not in meta["files"] and name != "config.json" and name not in later:
                 snap.read_checked(name, manifest[name])
     config = None
     if snap.exists("config.json") or "config.json" in manifest:
