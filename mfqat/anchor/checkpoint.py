@@ -29,9 +29,10 @@ from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, SEARC
                           TENSOR_DTYPES,
                           check_importance, check_quantized, check_version, validate_meta, weight_files)
 from mfqat.formats import canonical_name, get_format
-from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
+from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_bytes, write_json
 from mfqat.anchor.config import model_config, write_anchor_config
-from mfqat.anchor.refined import RefinedWidth, pick, read_refined
+from mfqat.anchor.refined import REFINED_VERSION, RefinedWidth, encode_refined, learned_widths, pick, read_refined
+from mfqat.qat.learned_scales import pop_learned
 from mfqat.anchor.tensors import (default_targets, full_precision, quantize_targets,  # noqa: F401
                                  recorded_importance, unblockable)
 from mfqat.storage.manifest import AnchorError, Snapshot, load_meta, retry_read, seal
@@ -93,6 +94,18 @@ class Anchor:
         return sd
 
 
+def _write_learned(folder: Path, widths: Dict[str, Dict[str, MXTensor]], group_size: int,
+                   step: Optional[int]) -> dict:
+    """Write each learned width's file into ``folder``; returns mfqat.json's ``refined`` field."""
+    out = {}
+    for fmt, tensors in widths.items():
+        name, data = encode_refined(fmt, tensors)
+        write_bytes(folder / name, data)
+        out[fmt] = {"file": name, "group_size": int(group_size), "tensors": len(tensors), "mfqat_version": __version__,
+                    "learned": "with the weights (QATConfig.learn_scales)", "step": step}
+    return out
+
+
 def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tokenizer=None,
                 block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
                 step: Optional[int] = None, schedule: Optional[dict] = None,
@@ -118,6 +131,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
     sd, tied = unique_state_dict(model, state_dict)
+    learned = pop_learned(sd, tied)  # QATConfig.learn_scales: stored as the anchor's widths, not as tensors
     if any("lora_" in k for k in sd):
         raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
     if targets is None:
@@ -139,6 +153,10 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
                          if odd else " (the model has no decoder-block Linear to quantize)") + "; refusing an anchor "
                          "that would be labelled " + f.name + " while holding only full-precision weights")
     fp = full_precision(model, sd, entries, block_size)
+    group = next((m.affine_group_size for _, m in qat_modules(model)), DERIVED_GROUP_SIZE)
+    widths = learned_widths(sd, learned, f, block_size, scale_rule, group)
+    if widths:
+        version = max(version, REFINED_VERSION)
     with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
         config = getattr(model, "config", None)
         if config is not None:
@@ -152,6 +170,8 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
                 "tensors": entries, "tied": tied,
                 "full_precision": fp, "schedule": schedule, "step": step,
                 "files": {name: sha256_file(tmp / name) for name in files}}
+        if widths:
+            meta["refined"] = _write_learned(tmp, widths, group, step)
         write_json(tmp / META_FILE, seal(meta, tmp, META_FILE))
     return Path(path)
 

@@ -1,7 +1,9 @@
 """Learned affine scales and biases kept in the anchor (anchor format version 4).
 
+Two things write them: ``save_anchor`` of a model trained with ``QATConfig.learn_scales`` (learned with the
+weights, mfqat.qat.learned_scales; :func:`learned_widths`), and
 ``mfqat refine ANCHOR --formats affine4,...`` (mfqat.export.refine; written by
-mfqat.anchor.refined_store) learns, for every width, the
+mfqat.anchor.refined_store), which learns, for every width, the
 bfloat16 scale and bias of each group of the affine model derived from the anchor, codes fixed. They
 are stored beside the anchor's weights, one file per width::
 
@@ -16,14 +18,19 @@ rewrites only ``mfqat.json`` (atomically, after the new file is on disk) and kee
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
 
 from mfqat.formats import canonical_name, get_format
+from mfqat.formats import ElementFormat
+from mfqat.qat.learned_scales import learned_tensor
+from mfqat.quant.api import quantize
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.storage.manifest import AnchorError, check_name
 
@@ -55,6 +62,31 @@ class RefinedWidth:
 def refined_file(fmt: str) -> str:
     """The file holding width ``fmt``'s learned scales and biases."""
     return f"refined-{canonical_name(fmt)}.safetensors"
+
+
+def encode_refined(fmt: str, tensors: Dict[str, MXTensor]) -> Tuple[str, bytes]:
+    """(file name, safetensors bytes) of width ``fmt``'s scales and biases: ``{name}.scales`` /
+    ``{name}.biases`` in bfloat16, the name ``refined-affineK-<sha12>.safetensors`` (its own content hash,
+    so a new width file never overwrites a listed one)."""
+    data = save_safetensors_bytes({f"{n}.{part}": t.contiguous() for n, q in tensors.items()
+                                   for part, t in (("scales", q.scales.to(torch.bfloat16)),
+                                                   ("biases", q.biases.to(torch.bfloat16)))})
+    digest = hashlib.sha256(data).hexdigest()
+    return refined_file(fmt).replace(".safetensors", f"-{digest[:12]}.safetensors"), data
+
+
+def learned_widths(state: Dict[str, torch.Tensor], learned: Dict[Tuple[str, str], torch.Tensor], anchor: ElementFormat,
+                   block_size: int, scale_rule: str, group_size: int) -> Dict[str, Dict[str, MXTensor]]:
+    """{width: {tensor: MXTensor}} of the scales a model trained with ``learn_scales`` learned
+    (``learned``: mfqat.qat.learned_scales.pop_learned), on the anchor's own values of each master weight in
+    ``state``: the derived codes under the learned bfloat16 scales, exactly what its forward used."""
+    out: Dict[str, Dict[str, MXTensor]] = {}
+    for (name, fmt), ac in sorted(learned.items()):
+        if name not in state:
+            raise ValueError(f"save_anchor: learned {fmt} scales for {name}, which the state dict does not hold")
+        values = quantize(state[name].float(), anchor, block_size, scale_rule).dequantize(torch.float32)
+        out.setdefault(canonical_name(fmt), {})[name] = learned_tensor(values, fmt, group_size, ac.float().cpu())
+    return out
 
 
 def check_refined(meta: dict, version: int, where: str) -> None:

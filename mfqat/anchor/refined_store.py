@@ -5,12 +5,9 @@ import hashlib
 from pathlib import Path
 from typing import Dict, Optional
 
-import torch
-from safetensors.torch import save as save_safetensors_bytes
-
 from mfqat import __version__
 from mfqat.anchor.checkpoint import META_FILE, read_anchor
-from mfqat.anchor.refined import REFINED_VERSION, refined_file
+from mfqat.anchor.refined import REFINED_VERSION, encode_refined
 from mfqat.formats import canonical_name
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.storage.guard import writer_lock
@@ -48,11 +45,8 @@ def add_refined(path: Path, fmt: str, group_size: int, tensors: Dict[str, MXTens
         if missing:
             raise ValueError(f"{path}: {missing[0]} is not a quantized tensor of the anchor")
         _remove_orphans(path, refined)
-        data = save_safetensors_bytes({f"{n}.{part}": t.contiguous() for n, q in tensors.items()
-                                       for part, t in (("scales", q.scales.to(torch.bfloat16)),
-                                                       ("biases", q.biases.to(torch.bfloat16)))})
+        name, data = encode_refined(fmt, tensors)
         digest = hashlib.sha256(data).hexdigest()
-        name = refined_file(fmt).replace(".safetensors", f"-{digest[:12]}.safetensors")
         write_bytes(path / name, data)
         old = refined.get(fmt, {}).get("file")
         refined[fmt] = {"file": name, "group_size": int(group_size), "tensors": len(tensors),

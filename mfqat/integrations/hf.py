@@ -14,6 +14,7 @@ from mfqat.anchor.checkpoint import save_anchor
 from mfqat.formats import canonical_name, get_format
 from mfqat.qat import importance_state
 from mfqat.qat.joint import normalized_weights, token_kl
+from mfqat.qat.learned_scales import learned_parameters
 from mfqat.qat.prepare import MFQATController, set_format
 from mfqat.integrations.lora import merged_copy
 from mfqat.integrations.hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
@@ -180,6 +181,21 @@ class MFQATTrainer(Trainer):
         self.mfqat_callback = cb
         self.eval_format = eval_format
         self._mfqat = {"weight": 1.0, "distill": 0.0, "teacher": None, "keep": False}
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, with a model's learned affine scales (``QATConfig.learn_scales``) moved into
+        their own group at ``learned_scales_lr`` without weight decay (a fine-tuning lr would barely move them)."""
+        opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        base = self.accelerator.unwrap_model(model if model is not None else self.model)
+        learned = [p for p in learned_parameters(base) if p.requires_grad]
+        ids = {id(p) for p in learned}
+        if learned and not any(g.get("mfqat_learned_scales") for g in opt.param_groups):
+            for g in opt.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) not in ids]
+            opt.param_groups[:] = [g for g in opt.param_groups if g["params"]]
+            opt.add_param_group({"params": learned, "lr": find_controller(base).config.learned_scales_lr,
+                                 "weight_decay": 0.0, "mfqat_learned_scales": True})
+        return opt
 
     def fixed_eval_format(self, ctl: MFQATController) -> Optional[str]:
         """The format ``eval_loss`` is measured in (None: full precision)."""

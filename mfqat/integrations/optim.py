@@ -12,9 +12,9 @@ import torch
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
 
 
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float
-                   ) -> torch.optim.Optimizer:
-    """AdamW (``adamw``), bitsandbytes AdamW8bit (``adamw8bit``) or PagedAdamW8bit (``paged_adamw8bit``).
+def make_optimizer(name: str, params: Iterable, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW (``adamw``), bitsandbytes AdamW8bit (``adamw8bit``) or PagedAdamW8bit (``paged_adamw8bit``)
+    over ``params``: parameters, or parameter groups (dicts, e.g. :func:`mfqat.qat.learned_scales.param_groups`).
 
     Raises ValueError for an unknown name and RuntimeError when bitsandbytes is missing or its
     optimizer cannot be built on this machine.

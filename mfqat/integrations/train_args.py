@@ -47,6 +47,11 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
                    help="joint schedule: per-format loss weights (others weigh 1)")
     p.add_argument("--distill-weight", type=float, default=None, metavar="ALPHA",
                    help="joint schedule: formats below the highest learn (1-ALPHA)*CE + ALPHA*KL from its logits")
+    p.add_argument("--learn-scales", action="store_true", default=None,
+                   help="also learn each affine width's scale and bias per group with the weights (QATConfig."
+                        "learn_scales; the anchor stores them); needs an affine format, e.g. --qat-config affine_joint")
+    p.add_argument("--learned-scales-lr", type=float, default=None, metavar="LR",
+                   help="learning rate of the learned scales (default: the config's learned_scales_lr, 1e-3)")
     p.add_argument("--joint-sample", type=int, default=None, metavar="K",
                    help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
     p.add_argument("--steps", "--max-steps", "--iters", dest="steps", type=int, default=120, help="optimizer steps")

@@ -31,6 +31,7 @@ from mfqat.qat.observers import mean_clip_rate
 from mfqat.integrations.lora import (base_bits_per_weight, maybe_lora, merged_copy, resume_kwargs, save_adapter,
                                      trainable_summary)
 from mfqat.integrations.optim import make_optimizer
+from mfqat.qat.learned_scales import param_groups
 from mfqat.integrations.train_args import build_parser, check_resume, check_train_args, run_identity
 from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
@@ -114,6 +115,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     if lora is not None and args.eval_formats and cfg is None:
         raise SystemExit("mfqat train: --eval-formats post-training-quantizes the fine-tuned weights; with "
                          "--lora-rank and --no-qat merge the adapter first (or train with MF-QAT)")
+    if lora is not None and cfg is not None and cfg.learn_scales:
+        raise SystemExit("mfqat train: --learn-scales learns the scales with the base weights, which LoRA freezes; "
+                         "train without --lora-rank / --base, or learn the scales afterwards with mfqat refine ANCHOR")
     model = lora if lora is not None else model
     anchor_format = args.anchor_format or (cfg.anchor_format if cfg else None) or "mxint8"
     if args.gradient_checkpointing and cfg is not None and cfg.activation_observer:
@@ -129,8 +133,10 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     loader = DataLoader(TensorDataset(train), batch_size=args.batch_size, shuffle=True, generator=g, drop_last=True)
     if self_shard:
         fsdp.shard(model)  # before the optimizer: it must hold the sharded parameters
-    opt = make_optimizer(args.optim, [p for p in model.parameters() if p.requires_grad], args.lr, args.weight_decay)
     ctl = (model.get_base_model() if lora is not None else model).__dict__.get("mfqat_controller")
+    scales_lr = ctl.config.learned_scales_lr if ctl is not None else args.lr
+    opt = make_optimizer(args.optim, param_groups(model, args.lr, args.weight_decay, scales_lr), args.lr,
+                         args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, make_lr_lambda(args, ctl))
     if self_shard:
         opt, loader = acc.prepare(opt, loader)

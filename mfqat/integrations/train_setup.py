@@ -14,6 +14,7 @@ from mfqat.data.jsonl import training_texts
 from mfqat.formats import canonical_name, get_format
 from mfqat.storage.io import atomic_directory
 from mfqat.qat.config import QATConfig
+from mfqat.qat.learned_scales import ATTR as LEARNED_ATTR
 
 
 # The recipe a run without --qat-config and without --formats trains (BENCHMARKS.md "Joint MF-QAT").
@@ -35,6 +36,10 @@ def load_qat_config(args) -> QATConfig:
         data["loss_weights"] = {k: float(v) for k, v in (x.split("=") for x in args.loss_weights.split(","))}
     if args.distill_weight is not None:
         data["distill_weight"] = args.distill_weight
+    if getattr(args, "learn_scales", None):
+        data["learn_scales"] = True
+    if getattr(args, "learned_scales_lr", None) is not None:
+        data["learned_scales_lr"] = args.learned_scales_lr
     return QATConfig(**data)
 
 
@@ -70,9 +75,13 @@ def load_data(args, tok, num_processes: int):
 
 def save_master(model, tok, path: Path) -> None:
     """The full-precision master weights as a plain HF folder (MF-QAT modules are ordinary Linears
-    to ``save_pretrained``: the state dict keys are unchanged)."""
+    to ``save_pretrained``: the state dict keys are unchanged; learned affine scales, which the anchor
+    stores, are left out)."""
+    state = model.state_dict()
+    learned = [k for k in state if f".{LEARNED_ATTR}." in f".{k}"]
+    kwargs = {"state_dict": {k: v for k, v in state.items() if k not in learned}} if learned else {}
     with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, **kwargs)
         if tok is not None:
             tok.save_pretrained(tmp)
 

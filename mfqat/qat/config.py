@@ -102,6 +102,15 @@ class QATConfig:
             ``formats``): MLX's own layout, a bfloat16 scale and bias per group, derived from the
             anchor as W_k = dequantize(mx.quantize(bf16(qdq_anchor(W)), group, k)) (mfqat.quant.derive);
             64 is mlx_lm.convert's default (4.5 bits/weight at k = 4).
+        learn_scales: also train each affine width's bfloat16 scale and bias per group with the weights
+            (LSQ-style; mfqat/qat/learned_scales.py): with (a, c) per group, 0 at the start, and the
+            derived codes q, scale s0 and bias b0 of qdq_anchor(W),
+            W_k = q * bf16(s0 (1 + a)) + bf16(b0 + s0 c), gradients straight through the roundings.
+            save_anchor stores the learned values as the anchor's widths (format version 4), so
+            load_anchor / export-mlx reproduce W_k bit for bit. Needs an affine format in ``formats``
+            and training through the anchor.
+        learned_scales_lr: the learning rate of those (a, c) (their own optimizer group, no weight
+            decay; ``mfqat.param_groups``): relative steps of the scale, so ~1e-3 whatever the model's lr.
     """
 
     formats: List[str] = field(default_factory=lambda: ["mxint8", "mxint6", "mxint4"])
@@ -127,6 +136,8 @@ class QATConfig:
     through_anchor: Optional[bool] = None
     anchor_warmup_steps: int = 0
     affine_group_size: int = DERIVED_GROUP_SIZE
+    learn_scales: bool = False
+    learned_scales_lr: float = 1e-3
 
     def __post_init__(self) -> None:
         self.validate()
@@ -168,6 +179,7 @@ class QATConfig:
                                  f"set through_anchor: false or anchor_format")
             for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
                 check_reachable(self.anchor_format, f, name=f"QATConfig.formats ({f})")
+        self._check_learn_scales()
         searched = sorted(f for f, r in self.scale_rules.items() if r == SEARCH_RULE)
         if searched and self.mask_saturated:
             raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} has a plain straight-through "
@@ -177,6 +189,26 @@ class QATConfig:
             raise ValueError(f"QATConfig.scale_rules: 'search' for {searched} needs training through an 8-bit anchor "
                              f"of their family ({' or '.join(SEARCH_ANCHORS)}, through_anchor true); got "
                              f"anchor_format {self.anchor_format}, through_anchor {self.through_anchor}")
+
+    def _check_learn_scales(self) -> None:
+        """learn_scales trains affine widths through the anchor (their codes come from qdq_anchor(W))."""
+        if not self.learn_scales:
+            return
+        if not self.affine_formats():
+            raise ValueError(f"QATConfig.learn_scales: the formats {self.formats} hold no affine width "
+                             "(affine2..affine8) whose scales could be learned; add one (e.g. formats: [mxint8, "
+                             "affine4]) or set learn_scales: false")
+        if not self.through_anchor:
+            raise ValueError("QATConfig.learn_scales needs through_anchor (the learned scales act on the anchor's "
+                             "derived codes, as load_anchor and export-mlx derive them); set through_anchor: true")
+
+    def affine_formats(self) -> List[str]:
+        """The affine widths the config trains (``formats`` and ``layer_formats``), each once."""
+        seen: List[str] = []
+        for f in self.formats + [f for v in self.layer_formats.values() for f in v]:
+            if get_format(f).family == "affine" and f not in seen:
+                seen.append(f)
+        return seen
 
     def group_multiple(self) -> int:
         """What a layer's width must be a multiple of: the MX block size, and the group of each derived
@@ -256,6 +288,10 @@ class QATConfig:
         if self.through_anchor is not None:
             _check_type("through_anchor", self.through_anchor, (bool,), "true, false or null")
         _check_type("anchor_warmup_steps", self.anchor_warmup_steps, (int,), "an int")
+        _check_type("learn_scales", self.learn_scales, (bool,), "true or false")
+        _check_type("learned_scales_lr", self.learned_scales_lr, (int, float), "a positive number")
+        if not self.learned_scales_lr > 0:
+            _fail("learned_scales_lr", f"must be positive, got {self.learned_scales_lr}")
         if self.anchor_format is not None:
             _check_mx_format("anchor_format", self.anchor_format, self.block_size)
 

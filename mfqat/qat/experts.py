@@ -23,7 +23,7 @@ class ExpertWeight(MFQATMixin):
 
     def __init__(self, owner: nn.Module, name: str, block_size: int, scale_rule: str, mask_saturated: bool,
                  anchor_format: Optional[str]):
-        self._owner, self.name = owner, name
+        self._owner, self.name, self._param_name = owner, name, name
         self._init_qat(block_size, scale_rule, mask_saturated, anchor_format)
 
     @property
@@ -84,6 +84,7 @@ class MFQATExperts(MFQATMixin):
     def to_plain(self) -> nn.Module:
         """Undo :func:`prepare_experts` in place (the parameters are untouched); returns the module."""
         base = self.__dict__.pop("_mfqat_base_class")
+        self._modules.pop("learned_scales", None)  # QATConfig.learn_scales (mfqat.qat.learned_scales)
         for key in ("mfqat_weights", "_mfqat_cache", "block_size", "scale_rule", "mask_saturated", "anchor_format",
                     "affine_group_size", "scale_rules"):
             self.__dict__.pop(key, None)

@@ -20,6 +20,7 @@ from mfqat.quant.scale_rules import SEARCH_RULE, rule_of
 from mfqat.quant.scale_search import (dequantize_through_with_exponents, dequantize_with_exponents, search_exponents,
                                   search_through_anchor, straight_through)
 from mfqat.qat.input_squares import column_square_sums
+from mfqat.qat.learned_scales import ATTR as LEARNED_ATTR, key_of, learned_affine
 
 
 _OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
@@ -62,6 +63,7 @@ class MFQATMixin:
     _pending_since: int = 0  # the optimizer step count at the first pending record
     _searched_key: Optional[tuple] = None  # weight_key of the weight at the last search
     _search_cache: Optional[dict] = None  # {format: (key, exponents)} of the last search, reused by backward
+    _param_name: str = "weight"  # the quantized parameter's name on its owner (learned scales are keyed by it)
 
     def _init_qat(self, block_size: int, scale_rule: str, mask_saturated: bool,
                   anchor_format: Optional[str] = None) -> None:
@@ -100,7 +102,20 @@ class MFQATMixin:
             return fake_quantize_through(w, self.anchor_format, fmt, self.block_size, anchor_rule,
                                          rule_of(rules, fmt), self.mask_saturated)
         w = fake_quantize(w, self.anchor_format, self.block_size, anchor_rule, self.mask_saturated)
+        learned = self.learned_scales_of(fmt)
+        if learned is not None:  # learn_scales (mfqat.qat.learned_scales)
+            return learned_affine(w, fmt, self.affine_group_size, learned)
         return self._qdq(w, fmt, rule_of(rules, fmt))
+
+    def learned_scales_of(self, fmt: Optional[str]) -> Optional[torch.Tensor]:
+        """The trained ``(a, c)`` of this weight in the affine width ``fmt`` (QATConfig.learn_scales), or None."""
+        owner = self.__dict__.get("_scales_owner")  # a tied output head reads its embedding's scales
+        owner = self.__dict__.get("_owner", self) if owner is None else owner
+        scales = owner._modules.get(LEARNED_ATTR) if isinstance(owner, nn.Module) else None
+        if scales is None or fmt is None:
+            return None
+        key = key_of(self._param_name, fmt)
+        return scales[key] if key in scales else None
 
     @property
     def tracks_importance(self) -> bool:
@@ -257,7 +272,8 @@ class MFQATLinear(nn.Linear, MFQATMixin):
         observer = self._modules.get("act_observer")  # static activation observer (mfqat.qat.observers)
         if observer is not None and self.fmt is not None:
             x = observer(x)
-        if self.fmt is not None and not self.mask_saturated and torch.is_grad_enabled() and self.weight.requires_grad:
+        if self.fmt is not None and not self.mask_saturated and torch.is_grad_enabled() and self.weight.requires_grad \
+                and self.learned_scales_of(self.fmt) is None:  # learned scales need their own gradient: autograd
             return _RecomputedQuantLinear.apply(x, self.weight, self.bias, self)
         w = self.quantized_weight()
         if x.dtype != w.dtype and not torch.is_autocast_enabled():

@@ -12,6 +12,7 @@ from mfqat.models import Family, family_of
 from mfqat.quant.scale_rules import resolve_scale_rules
 from mfqat.qat.config import QATConfig
 from mfqat.qat.experts import MFQATExperts, prepare_experts
+from mfqat.qat.learned_scales import make_learned_scales
 from mfqat.qat.modules import MFQATEmbedding, MFQATLinear, MFQATMixin
 from mfqat.qat.observers import make_observer
 from mfqat.qat.schedules import Schedule
@@ -141,6 +142,9 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
                MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated, anchor))
         new.affine_group_size = config.affine_group_size
         new.scale_rules = resolve_scale_rules(config.scale_rule, config.scale_rules)
+        if config.learn_scales:
+            new.learned_scales = make_learned_scales({"weight": new.weight}, config.affine_formats(),
+                                                     config.affine_group_size)
         if is_linear and config.activation_observer:
             new.act_observer = make_observer(config.activation_observer, width, config.observer_window,
                                              m.weight.device)
@@ -180,6 +184,9 @@ def _prepare_experts(module: nn.Module, name: str, params: List[str], config: QA
     rules = resolve_scale_rules(config.scale_rule, config.scale_rules)
     for w in [module, *module.mfqat_weights.values()]:
         w.affine_group_size, w.scale_rules = config.affine_group_size, rules
+    if config.learn_scales:
+        module.learned_scales = make_learned_scales({p: module._parameters[p] for p in params}, config.affine_formats(),
+                                                    config.affine_group_size)
     schedules[name] = config.schedule_for(name)
 
 
@@ -189,7 +196,7 @@ def _warn_uncovered(model: nn.Module, family: Family, config: QATConfig) -> None
     covered = {n for name, m in qat_modules(model) for n in m.target_names(name)}
     left = [f"{n} {tuple(p.shape)}" for n, p in model.named_parameters()
             if p.dim() >= 3 and n not in covered and config.selects(n.rpartition(".")[0])
-            and not family.kept_high(n)]
+            and not family.kept_high(n) and ".learned_scales." not in n]
     if left:
         warnings.warn(f"mfqat.prepare: {family.name} has no rule for {len(left)} weight(s) that stay full "
                       f"precision: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''} (mfqat/models/ lists "
@@ -208,6 +215,8 @@ def _wrap_tied_output(model: nn.Module, config: QATConfig, schedules: Dict[str, 
             new = MFQATLinear.from_linear(out, m.block_size, m.scale_rule, m.mask_saturated, None, m.anchor_format)
             new.affine_group_size = m.affine_group_size
             new.scale_rules = m.scale_rules
+            if "learned_scales" in m._modules:  # the one tensor, one set of learned scales: the embedding's,
+                new.__dict__["_scales_owner"] = m  # read through it (a shared submodule would be a tied tensor to HF)
             _set_submodule(model, head, new)
             schedules[head] = schedules[name]
             return
