@@ -317,6 +317,10 @@ MUTATIONS: List[Mutation] = [
     Mutation("learned-scales-saved-in-the-master", "mfqat/integrations/train_setup.py",
              "    learned = [k for k in state if f\".{LEARNED_ATTR}.\" in f\".{k}\"]\n", "    learned = []\n",
              ("tests/test_learned_scales.py::test_the_master_folder_and_the_state_dict_stay_drop_in",)),
+    Mutation("learned-scales-left-out-of-passes-ddp-fails", "mfqat/qat/modules.py",
+             "        if scales is None or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor):\n",
+             "        if True:\n",
+             ("tests/test_train.py::test_accelerate_ddp_two_ranks_same_weights[learned-scales]",)),
     # issue 34: the replayed sensitivity pass
     Mutation("sensitivity-replay-starts-a-layer-late", "mfqat/export/replay.py",
              "                return int(index)\n", "                return int(index) + 1\n",

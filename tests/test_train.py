@@ -81,18 +81,22 @@ def test_resume_gives_the_uninterrupted_run(tmp_path):
     assert sched_a["last_epoch"] == sched_b["last_epoch"] == 3 and sched_a["_last_lr"] == sched_b["_last_lr"]
 
 
-def test_accelerate_ddp_two_ranks_same_weights(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--qat-config", "affine_joint", "--learn-scales"]], ids=["mxint", "learned-scales"])
+def test_accelerate_ddp_two_ranks_same_weights(tmp_path, extra):
+    """Both ranks end with the same parameters; with learned scales too (each width's (a, c) is used in only
+    some passes of a joint step, and DDP must still reduce it: mfqat's zero term keeps it in every pass)."""
     dump = tmp_path / "w"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), str(ROOT / "scripts" / "train.py"), "--model", "tiny",
-           "--steps", "4", "--seq-len", "32", "--out", str(tmp_path / "ddp"), "--dump-weights", str(dump)]
+           "--steps", "4", "--seq-len", "32", "--out", str(tmp_path / "ddp"), "--dump-weights", str(dump), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     w0, w1 = (Path(f"{dump}.rank{i}").read_text() for i in (0, 1))
     assert w0 == w1
-    assert (tmp_path / "ddp" / "anchor" / "mfqat.json").is_file()
+    meta = json.loads((tmp_path / "ddp" / "anchor" / "mfqat.json").read_text())
+    assert bool(meta.get("refined")) == bool(extra)
 
 
 def test_hf_trainer_callback(tmp_path):

@@ -77,7 +77,7 @@ class MFQATExperts(MFQATMixin):
             return super().forward(*args, **kwargs)
         self.__dict__["_mfqat_cache"] = {}
         try:
-            return super().forward(*args, **kwargs)
+            return self.with_every_learned_scale(super().forward(*args, **kwargs))
         finally:
             self.__dict__["_mfqat_cache"] = None
 

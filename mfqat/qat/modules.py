@@ -107,6 +107,15 @@ class MFQATMixin:
             return learned_affine(w, fmt, self.affine_group_size, learned)
         return self._qdq(w, fmt, rule_of(rules, fmt))
 
+    def with_every_learned_scale(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` + 0 * (every learned scale of this module): each (a, c) takes part in every training forward
+        with a zero gradient when its width is not active, so DDP (which reduces each parameter once per step,
+        in the last backward) finds them all used in every pass and reduces what they accumulated."""
+        scales = self._modules.get(LEARNED_ATTR)
+        if scales is None or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor):
+            return out
+        return out + 0.0 * sum(p.sum() for p in scales.values() if p.requires_grad).to(out.dtype)
+
     def learned_scales_of(self, fmt: Optional[str]) -> Optional[torch.Tensor]:
         """The trained ``(a, c)`` of this weight in the affine width ``fmt`` (QATConfig.learn_scales), or None."""
         owner = self.__dict__.get("_scales_owner")  # a tied output head reads its embedding's scales
@@ -274,11 +283,11 @@ class MFQATLinear(nn.Linear, MFQATMixin):
             x = observer(x)
         if self.fmt is not None and not self.mask_saturated and torch.is_grad_enabled() and self.weight.requires_grad \
                 and self.learned_scales_of(self.fmt) is None:  # learned scales need their own gradient: autograd
-            return _RecomputedQuantLinear.apply(x, self.weight, self.bias, self)
+            return self.with_every_learned_scale(_RecomputedQuantLinear.apply(x, self.weight, self.bias, self))
         w = self.quantized_weight()
         if x.dtype != w.dtype and not torch.is_autocast_enabled():
             w = w.to(x.dtype)
-        return F.linear(x, w, self.bias)
+        return self.with_every_learned_scale(F.linear(x, w, self.bias))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fmt={self.fmt}, block_size={self.block_size}"
@@ -311,5 +320,6 @@ class MFQATEmbedding(nn.Embedding, MFQATMixin):
         return emb
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.quantized_weight(), self.padding_idx, self.max_norm,
-                           self.norm_type, self.scale_grad_by_freq, self.sparse)
+        out = F.embedding(ids, self.quantized_weight(), self.padding_idx, self.max_norm, self.norm_type,
+                          self.scale_grad_by_freq, self.sparse)
+        return self.with_every_learned_scale(out)
