@@ -35,6 +35,8 @@ def load_qat_config(args) -> QATConfig:
         data["loss_weights"] = {k: float(v) for k, v in (x.split("=") for x in args.loss_weights.split(","))}
     if args.distill_weight is not None:
         data["distill_weight"] = args.distill_weight
+    if getattr(args, "keep_quantized_weights", False):
+        data["keep_quantized_weights"] = True
     return QATConfig(**data)
 
 

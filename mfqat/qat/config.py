@@ -102,6 +102,12 @@ class QATConfig:
             ``formats``): MLX's own layout, a bfloat16 scale and bias per group, derived from the
             anchor as W_k = dequantize(mx.quantize(bf16(qdq_anchor(W)), group, k)) (mfqat.quant.derive);
             64 is mlx_lm.convert's default (4.5 bits/weight at k = 4).
+        keep_quantized_weights: keep each Linear's fake-quantized weight from the forward for its
+            backward instead of recomputing it there (same gradients, bit for bit). Trade: one extra
+            weight copy per Linear in flight (per joint format pass, one copy of the quantized weights
+            until that pass's backward; in the output's dtype, bf16 under bf16 autocast) against one
+            fewer fake-quant per weight per format. Default off: a step keeps plain training's memory.
+            Fused MoE experts and mask_saturated already keep it (their autograd saves it).
     """
 
     formats: List[str] = field(default_factory=lambda: ["mxint8", "mxint6", "mxint4"])
@@ -127,6 +133,7 @@ class QATConfig:
     through_anchor: Optional[bool] = None
     anchor_warmup_steps: int = 0
     affine_group_size: int = DERIVED_GROUP_SIZE
+    keep_quantized_weights: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -229,7 +236,7 @@ class QATConfig:
             _fail("formats", f"the fixed schedule takes exactly one format, got {list(self.formats)}")
         _check_regexes("targets", self.targets)
         _check_regexes("exclude", self.exclude, optional=True)
-        for flag in ("quantize_embeddings", "quantize_activations", "mask_saturated"):
+        for flag in ("quantize_embeddings", "quantize_activations", "mask_saturated", "keep_quantized_weights"):
             _check_type(flag, getattr(self, flag), (bool,), "true or false")
         if self.activation_format is not None:
             _check_mx_format("activation_format", self.activation_format, self.block_size)

@@ -141,6 +141,8 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
                MFQATEmbedding.from_embedding(m, config.block_size, config.scale_rule, config.mask_saturated, anchor))
         new.affine_group_size = config.affine_group_size
         new.scale_rules = resolve_scale_rules(config.scale_rule, config.scale_rules)
+        if is_linear:
+            new.keep_quantized_weights = config.keep_quantized_weights
         if is_linear and config.activation_observer:
             new.act_observer = make_observer(config.activation_observer, width, config.observer_window,
                                              m.weight.device)
@@ -208,6 +210,7 @@ def _wrap_tied_output(model: nn.Module, config: QATConfig, schedules: Dict[str, 
             new = MFQATLinear.from_linear(out, m.block_size, m.scale_rule, m.mask_saturated, None, m.anchor_format)
             new.affine_group_size = m.affine_group_size
             new.scale_rules = m.scale_rules
+            new.keep_quantized_weights = config.keep_quantized_weights
             _set_submodule(model, head, new)
             schedules[head] = schedules[name]
             return
