@@ -3,8 +3,8 @@
 
     python scripts/bench_train.py [--rounds 6] [--batch-size 4] [--seq-len 128] [--format mxint4]
                                   [--backends reference,auto] [--joint mxint8,mxint6,mxint4]
-                                  [--two-pass] [--search]
-    python scripts/bench_train.py --memory     # peak RSS of plain / MF-QAT / joint steps
+                                  [--two-pass] [--search] [--keep-quantized]
+    python scripts/bench_train.py --memory [--keep-quantized]  # peak RSS of plain / MF-QAT / joint steps
     python scripts/bench_train.py --components # where the joint search step's quantizer time goes
     python scripts/bench_train.py --device cuda --dtype bfloat16 --backends auto,cuda   # on a GPU
 
@@ -21,12 +21,16 @@ parts the search adds, robust to the noise that swings whole-step ratios here. `
 times the joint step with the ``search`` scale rule for its formats below the anchor
 (mfqat/configs/mxint_joint_search.yaml, mxfp_joint_search.yaml: the per-block exponent search inside
 training); ``--joint mxfp8_e4m3,mxfp6_e2m3,mxfp4_e2m1 --format mxfp4_e2m1`` times the float family.
+``--keep-quantized`` also times each joint step with ``QATConfig.keep_quantized_weights`` (the
+backward uses the forward's quantized weight instead of recomputing it; rows ``[keep]``, the same
+model and optimizer with the flag switched on for that step), and with ``--memory`` adds a
+``joint-keep`` process.
 
 Steps are interleaved (plain, then MF-QAT with each backend, round after round) and the median per
 configuration is reported, so slow drifts of the machine hit every configuration alike. The joint
 steps also get a paired ratio: the median over rounds of joint / plain xK accumulated, both timed in
-the same round (``[auto]`` right after it, the others a step or two later), which cancels drifts
-slower than a round. Also prints
+the same round (the joint rows right after it, their order rotated each round so that none always
+runs first), which cancels drifts slower than a round. Also prints
 the time of fake-quantizing every targeted weight once (the part MF-QAT adds to a step).
 """
 from __future__ import annotations
@@ -84,6 +88,22 @@ def make_joint_step(model, batch, formats):
                                                     lambda f: 1.0, lambda loss: loss.backward()))
 
 
+def keeping(model, step, keep: bool):
+    """``step`` with every MFQATLinear's ``keep_quantized_weights`` set to ``keep`` while it runs."""
+    from mfqat.qat.modules import MFQATLinear
+
+    def run() -> Tuple[float, float]:
+        layers = [m for _, m in qat_modules(model) if isinstance(m, MFQATLinear)]
+        for m in layers:
+            m.keep_quantized_weights = keep
+        try:
+            return step()
+        finally:
+            for m in layers:
+                m.keep_quantized_weights = False
+    return run
+
+
 def memory_child(kind: str, a) -> None:
     """Run 3 steps of one configuration and print this process's peak RSS (MiB)."""
     model, tok = load_model()
@@ -92,9 +112,10 @@ def memory_child(kind: str, a) -> None:
     after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if kind == "plain":
         step = make_step(model, batch)
-    elif kind == "joint":
+    elif kind in ("joint", "joint-keep"):
         formats = a.joint.split(",")
-        mfqat.prepare(model, mfqat.QATConfig(formats=formats, schedule="joint"))
+        mfqat.prepare(model, mfqat.QATConfig(formats=formats, schedule="joint",
+                                             keep_quantized_weights=kind == "joint-keep"))
         step = make_joint_step(model, batch, formats)
     else:
         mfqat.prepare(model, mfqat.QATConfig(formats=[a.format], schedule="fixed"))
@@ -108,7 +129,7 @@ def memory_child(kind: str, a) -> None:
 def memory_report(a) -> None:
     """Peak RSS per configuration, each in a fresh process."""
     rows = {}
-    for kind in ("plain", "qat", "joint"):
+    for kind in ("plain", "qat", "joint") + (("joint-keep",) if a.keep_quantized else ()):
         cmd = [sys.executable, __file__, "--memory-child", kind, "--format", a.format, "--joint", a.joint,
                "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -117,7 +138,7 @@ def memory_report(a) -> None:
         rows[kind] = (float(peak), float(loaded))
     base = rows["plain"][0] - rows["plain"][1]
     for kind, (peak, loaded) in rows.items():
-        print(f"{kind:<6} peak RSS {peak:.0f} MiB (after loading {loaded:.0f}; training adds {peak - loaded:.0f}, "
+        print(f"{kind:<10} peak RSS {peak:.0f} MiB (after loading {loaded:.0f}; training adds {peak - loaded:.0f}, "
               f"{(peak - loaded) / base:.2f}x plain's)")
 
 
@@ -172,7 +193,7 @@ def report(samples: Dict[str, List[float]], formats: List[str], unit: str) -> No
     for name, ts in samples.items():
         med = statistics.median(ts)
         k = len(formats) if name.startswith("joint") else 1
-        line = f"{name:<22} median {med:.3f} {unit} (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain {med / plain:.3f}x"
+        line = f"{name:<24} median {med:.3f} {unit} (min {min(ts):.3f}, max {max(ts):.3f}) | ratio to plain {med / plain:.3f}x"
         if k > 1:
             line += f" | per format {med / (k * plain):.3f}x"
             if accum:
@@ -192,6 +213,8 @@ def main() -> None:
     p.add_argument("--joint", default="mxint8,mxint6,mxint4", help="formats of the joint step (empty: skip)")
     p.add_argument("--two-pass", action="store_true", help="also time the joint step without the fused op")
     p.add_argument("--search", action="store_true", help="also time the joint step with the search scale rule")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="also time each joint step with keep_quantized_weights (rows [keep])")
     p.add_argument("--model", default=None, help="a local HF model folder (default: the embedded SmolLM2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the steps' timings synchronize the GPU)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -223,6 +246,8 @@ def main() -> None:
         joint_step = make_joint_step(joint, batch, formats)
         runs[f"plain x{len(formats)} accumulated"] = (make_step(model, batch, len(formats)), None, True)
         runs[f"joint x{len(formats)} [auto]"] = (joint_step, "auto", True)
+        if a.keep_quantized:
+            runs[f"joint x{len(formats)} [keep]"] = (keeping(joint, joint_step, True), "auto", True)
         if a.two_pass:
             runs[f"joint x{len(formats)} [two-pass]"] = (joint_step, "auto", False)
         if a.search:
@@ -231,12 +256,19 @@ def main() -> None:
             searched = copy.deepcopy(model)
             rules = {f: "search" for f in formats if f in SEARCH_RULE_FORMATS}
             mfqat.prepare(searched, mfqat.QATConfig(formats=formats, schedule="joint", scale_rules=rules))
-            runs[f"joint x{len(formats)} [search]"] = (make_joint_step(searched, batch, formats), "auto", True)
+            search_step = make_joint_step(searched, batch, formats)
+            runs[f"joint x{len(formats)} [search]"] = (search_step, "auto", True)
+            if a.keep_quantized:
+                runs[f"joint x{len(formats)} [search, keep]"] = (keeping(searched, search_step, True), "auto", True)
     fused_built = cpp.THROUGH_AVAILABLE
     times = {k: [] for k in runs}
     cpu = {k: [] for k in runs}
+    joints = [n for n in runs if n.startswith("joint")]
     for r in range(a.rounds + 1):  # round 0 warms up
-        for name, (step, backend, fused) in runs.items():
+        shift = r % max(len(joints), 1)
+        order = [n for n in runs if n not in joints] + joints[shift:] + joints[:shift]
+        for name in order:
+            step, backend, fused = runs[name]
             if backend:
                 os.environ["MFQAT_BACKEND"] = backend
             cpp.THROUGH_AVAILABLE = fused_built and fused

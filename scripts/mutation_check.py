@@ -578,6 +578,9 @@ MUTATIONS: List[Mutation] = [
              '    meta = {"kind": KIND, "step": int(step), **(extra or {}),',
              '    meta = {"kind": KIND, "step": int(step), "written_at": 0, **(extra or {}),',
              ("tests/test_file_formats_doc.py::test_every_training_checkpoint_file_and_step_field_is_in_the_doc",)),
+    Mutation("kept-quantized-weight-is-the-anchors", "mfqat/qat/modules.py",
+             "[wq.to(out.dtype)] if ctx.keep", "[module.quantized_weight(module.anchor_format).to(out.dtype)] if ctx.keep",
+             ("tests/test_keep_quantized.py::test_kept_weight_gives_the_recomputed_gradients_bit_for_bit",)),
 ]
 
 

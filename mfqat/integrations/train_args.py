@@ -54,6 +54,10 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
                    help="learning rate of the learned scales (default: the config's learned_scales_lr, 1e-3)")
     p.add_argument("--joint-sample", type=int, default=None, metavar="K",
                    help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
+    p.add_argument("--keep-quantized-weights", action="store_true",
+                   help="keep each Linear's fake-quantized weight from the forward for its backward instead of "
+                        "recomputing it (same gradients; one fewer fake-quant per weight per format, one extra "
+                        "weight copy held per format pass)")
     p.add_argument("--steps", "--max-steps", "--iters", dest="steps", type=int, default=120, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)

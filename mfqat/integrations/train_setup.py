@@ -40,6 +40,8 @@ def load_qat_config(args) -> QATConfig:
         data["learn_scales"] = True
     if getattr(args, "learned_scales_lr", None) is not None:
         data["learned_scales_lr"] = args.learned_scales_lr
+    if getattr(args, "keep_quantized_weights", False):
+        data["keep_quantized_weights"] = True
     return QATConfig(**data)
 
 

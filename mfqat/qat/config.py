@@ -110,7 +110,13 @@ class QATConfig:
             load_anchor / export-mlx reproduce W_k bit for bit. Needs an affine format in ``formats``
             and training through the anchor.
         learned_scales_lr: the learning rate of those (a, c) (their own optimizer group, no weight
-            decay; ``mfqat.param_groups``): relative steps of the scale, so ~1e-3 whatever the model's lr.
+            decay; ``mfqat.qat.learned_scales.param_groups``): relative steps of the scale, so ~1e-3 whatever the model's lr.
+        keep_quantized_weights: keep each Linear's fake-quantized weight from the forward for its
+            backward instead of recomputing it there (same gradients, bit for bit). Trade: one extra
+            weight copy per Linear in flight (per joint format pass, one copy of the quantized weights
+            until that pass's backward; in the output's dtype, bf16 under bf16 autocast) against one
+            fewer fake-quant per weight per format. Default off: a step keeps plain training's memory.
+            Fused MoE experts and mask_saturated already keep it (their autograd saves it).
     """
 
     formats: List[str] = field(default_factory=lambda: ["mxint8", "mxint6", "mxint4"])
@@ -138,6 +144,7 @@ class QATConfig:
     affine_group_size: int = DERIVED_GROUP_SIZE
     learn_scales: bool = False
     learned_scales_lr: float = 1e-3
+    keep_quantized_weights: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -261,7 +268,7 @@ class QATConfig:
             _fail("formats", f"the fixed schedule takes exactly one format, got {list(self.formats)}")
         _check_regexes("targets", self.targets)
         _check_regexes("exclude", self.exclude, optional=True)
-        for flag in ("quantize_embeddings", "quantize_activations", "mask_saturated"):
+        for flag in ("quantize_embeddings", "quantize_activations", "mask_saturated", "keep_quantized_weights"):
             _check_type(flag, getattr(self, flag), (bool,), "true or false")
         if self.activation_format is not None:
             _check_mx_format("activation_format", self.activation_format, self.block_size)

@@ -214,7 +214,9 @@ class _RecomputedQuantLinear(torch.autograd.Function):
     """``linear(x, qdq(W), b)`` that saves x and the master W, not qdq(W): the quantized weight is
     recomputed in backward (in the format the forward used, also when the active format changed
     since), so a step keeps no second copy of each weight (plain training's memory).
-    Straight-through: dL/dW = dL/d(qdq(W))."""
+    With ``module.keep_quantized_weights`` the forward's qdq(W) (cast to the dtype of the output, which
+    the gradient has) is saved instead and backward uses it: the same bits, one fake-quant fewer per
+    pass, one weight copy held until this Linear's backward. Straight-through: dL/dW = dL/d(qdq(W))."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, module):  # type: ignore[override]
@@ -223,15 +225,16 @@ class _RecomputedQuantLinear(torch.autograd.Function):
             if x.dtype != wq.dtype and not torch.is_autocast_enabled():
                 wq = wq.to(x.dtype)
             out = F.linear(x, wq, bias)
-        ctx.save_for_backward(x, weight)
+        ctx.keep = bool(module.keep_quantized_weights)
+        ctx.save_for_backward(x, weight, *([wq.to(out.dtype)] if ctx.keep else []))
         ctx.module, ctx.fmt, ctx.has_bias = module, module.fmt, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        with torch.no_grad():
-            wq = ctx.module.quantized_weight(ctx.fmt).to(grad.dtype)  # the format of the forward
+        x, weight, *kept = ctx.saved_tensors
+        with torch.no_grad():  # the kept qdq(W), or recomputed in the format of the forward
+            wq = (kept[0] if ctx.keep else ctx.module.quantized_weight(ctx.fmt)).to(grad.dtype)
             grad_x = (grad @ wq).to(x.dtype) if ctx.needs_input_grad[0] else None
             g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]).to(grad.dtype)
             grad_w = (g2.t() @ x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -240,7 +243,13 @@ class _RecomputedQuantLinear(torch.autograd.Function):
 
 
 class MFQATLinear(nn.Linear, MFQATMixin):
-    """nn.Linear whose forward uses the MX fake-quantized weight of the active format."""
+    """nn.Linear whose forward uses the MX fake-quantized weight of the active format.
+
+    ``keep_quantized_weights`` (set by prepare from QATConfig): backward uses the forward's quantized
+    weight instead of recomputing it (same gradients; one weight copy per Linear until its backward).
+    """
+
+    keep_quantized_weights: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, block_size: int = 32,
                  scale_rule: str = "floor", mask_saturated: bool = False,

@@ -145,6 +145,8 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
         if config.learn_scales:
             new.learned_scales = make_learned_scales({"weight": new.weight}, config.affine_formats(),
                                                      config.affine_group_size)
+        if is_linear:
+            new.keep_quantized_weights = config.keep_quantized_weights
         if is_linear and config.activation_observer:
             new.act_observer = make_observer(config.activation_observer, width, config.observer_window,
                                              m.weight.device)
@@ -217,6 +219,7 @@ def _wrap_tied_output(model: nn.Module, config: QATConfig, schedules: Dict[str, 
             new.scale_rules = m.scale_rules
             if "learned_scales" in m._modules:  # the one tensor, one set of learned scales: the embedding's,
                 new.__dict__["_scales_owner"] = m  # read through it (a shared submodule would be a tied tensor to HF)
+            new.keep_quantized_weights = config.keep_quantized_weights
             _set_submodule(model, head, new)
             schedules[head] = schedules[name]
             return
