@@ -132,3 +132,72 @@ def test_mfqat_train_learns_scales_and_refuses_them_with_lora(tmp_path, capsys):
     assert set(meta["refined"]) == {"affine4", "affine3"}
     with pytest.raises(SystemExit, match="LoRA freezes"):
         main(base + ["--out", str(tmp_path / "lora"), "--lora-rank", "4"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_tied_embeddings_and_bf16_masters_store_what_they_trained(tmp_path, dtype):
+    from tests.test_families import MOE, build  # the tiny random models of every family
+    from mfqat.qat.experts import MFQATExperts
+    model = build("qwen3_moe", dict(head_dim=16, **MOE, tie_word_embeddings=True), 320).to(dtype)
+    mfqat.prepare(model, mfqat.QATConfig(formats=FORMATS, affine_group_size=32, learn_scales=True,
+                                         quantize_embeddings=True))
+    opt = torch.optim.AdamW(param_groups(model, 1e-3, 0.0, 5e-2))
+    ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        opt.zero_grad()
+        joint_backward(model, model, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda x: x.backward())
+        opt.step()
+    assert all(p.detach().abs().max() > 0 for p in learned_parameters(model))
+    path = mfqat.save_anchor(model, tmp_path / "anchor")
+    model.eval()
+    for fmt in ("affine4", "affine3"):
+        loaded = mfqat.load_anchor(path, fmt, group_size=32)
+        set_format(model, fmt)
+        with torch.no_grad():
+            for name, m in qat_modules(model):
+                pairs = [(f"{name}.{n}", w) for n, w in m.mfqat_weights.items()] if isinstance(m, MFQATExperts) \
+                    else [(f"{name}.weight", m)]
+                for key, w in pairs:
+                    assert torch.equal(loaded.get_parameter(key).float(), w.quantized_weight().float()), (fmt, key)
+
+
+def test_frozen_scales_train_nothing_and_break_nothing():
+    peft = pytest.importorskip("peft")
+    tok = tiny_tokenizer()
+    model = mfqat.prepare(tiny_llama(vocab_size=len(tok)), mfqat.QATConfig(formats=["mxint8", "affine4"],
+                                                                           affine_group_size=32, learn_scales=True))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
+    set_format(model, "affine4")
+    lora(input_ids=ids, labels=ids).loss.backward()  # PEFT froze the scales with the base weights
+    assert all(p.grad is None for p in learned_parameters(model))
+
+
+def test_an_anchor_of_some_layers_or_of_another_format_is_handled(tmp_path):
+    model, tok, _ = _trained(steps=1, tie=False)
+    one = "model.layers.0.self_attn.q_proj.weight"
+    path = mfqat.save_anchor(model, tmp_path / "subset", targets=[one])  # the other layers stay fp, no width
+    loaded = mfqat.load_anchor(path, "affine4", group_size=32)
+    set_format(model, "affine4")
+    with torch.no_grad():
+        assert torch.equal(loaded.get_parameter(one), model.get_submodule(one[:-7]).quantized_weight())
+    with pytest.raises(ValueError, match="trained on the codes derived from a mxint8 anchor"):
+        mfqat.save_anchor(model, tmp_path / "fp8", "mxfp8_e4m3")
+    assert not (tmp_path / "fp8").exists()
+
+
+def test_mlx_training_refuses_learned_scales():
+    pytest.importorskip("mlx")
+    from mfqat.mlx.qat import prepare as mlx_prepare
+    with pytest.raises(ValueError, match="PyTorch-only"):
+        mlx_prepare(object(), mfqat.QATConfig(formats=["mxint8", "affine4"], learn_scales=True))
+
+
+def test_an_optimizer_the_user_passes_is_left_as_given(tmp_path):
+    tok = tiny_tokenizer()
+    model = mfqat.prepare(tiny_llama(vocab_size=len(tok)), mfqat.QATConfig(formats=FORMATS, affine_group_size=32,
+                                                                           learn_scales=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no")
+    trainer = MFQATTrainer(model=model, args=args, train_dataset=[], processing_class=tok, optimizers=(opt, None))
+    assert trainer.create_optimizer() is opt and len(opt.param_groups) == 1

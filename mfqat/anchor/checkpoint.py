@@ -154,6 +154,12 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
                          "that would be labelled " + f.name + " while holding only full-precision weights")
     fp = full_precision(model, sd, entries, block_size)
     group = next((m.affine_group_size for _, m in qat_modules(model)), DERIVED_GROUP_SIZE)
+    learned = {k: v for k, v in learned.items() if k[0] in entries}  # a layer left out of the anchor: no width
+    trained_through = {m.anchor_format for _, m in qat_modules(model) if m.anchor_format}
+    if learned and trained_through != {f.name}:
+        raise ValueError(f"save_anchor: the learned affine scales were trained on the codes derived from a "
+                         f"{'/'.join(sorted(trained_through))} anchor, not {f.name}; they would decode this anchor's "
+                         f"codes wrongly: save the anchor in {'/'.join(sorted(trained_through))}")
     widths = learned_widths(sd, learned, f, block_size, scale_rule, group)
     if widths:
         version = max(version, REFINED_VERSION)

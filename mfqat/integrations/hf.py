@@ -185,11 +185,12 @@ class MFQATTrainer(Trainer):
     def create_optimizer(self, model=None):
         """The Trainer's optimizer, with a model's learned affine scales (``QATConfig.learn_scales``) moved into
         their own group at ``learned_scales_lr`` without weight decay (a fine-tuning lr would barely move them)."""
+        built_here = self.optimizer is None  # an optimizer the user passed (optimizers=(opt, ...)) is left as given
         opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
         base = self.accelerator.unwrap_model(model if model is not None else self.model)
         learned = [p for p in learned_parameters(base) if p.requires_grad]
         ids = {id(p) for p in learned}
-        if learned and not any(g.get("mfqat_learned_scales") for g in opt.param_groups):
+        if built_here and learned and not any(g.get("mfqat_learned_scales") for g in opt.param_groups):
             for g in opt.param_groups:
                 g["params"] = [p for p in g["params"] if id(p) not in ids]
             opt.param_groups[:] = [g for g in opt.param_groups if g["params"]]

@@ -169,6 +169,9 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     here; the static ``activation_observer`` is supported (:mod:`mfqat.mlx.observers`).
     """
     config = config or QATConfig()
+    if config.learn_scales:
+        raise ValueError("mfqat.mlx.prepare: learn_scales (affine scales learned with the weights) is PyTorch-only; "
+                         "set it to false for MLX training, and learn the scales after it with mfqat refine ANCHOR")
     if config.quantize_activations or config.quantize_embeddings:
         raise ValueError("mfqat.mlx.prepare: quantize_activations / quantize_embeddings are not supported "
                          "on MLX yet (weight-only MF-QAT); set them to false in the QATConfig")

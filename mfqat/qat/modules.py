@@ -114,7 +114,8 @@ class MFQATMixin:
         scales = self._modules.get(LEARNED_ATTR)
         if scales is None or not torch.is_grad_enabled() or not isinstance(out, torch.Tensor):
             return out
-        return out + 0.0 * sum(p.sum() for p in scales.values() if p.requires_grad).to(out.dtype)
+        terms = [p.sum() for p in scales.values() if p.requires_grad]  # none when frozen (e.g. under PEFT)
+        return out + 0.0 * torch.stack(terms).sum().to(out.dtype) if terms else out
 
     def learned_scales_of(self, fmt: Optional[str]) -> Optional[torch.Tensor]:
         """The trained ``(a, c)`` of this weight in the affine width ``fmt`` (QATConfig.learn_scales), or None."""
