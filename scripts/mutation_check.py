@@ -311,7 +311,7 @@ MUTATIONS: List[Mutation] = [
              "                and self.learned_scales_of(self.fmt) is None:", "                and True:",
              ("tests/test_learned_scales.py::test_training_moves_the_scales_and_the_anchor_reproduces_every_width_bit_exact",)),
     Mutation("trainer-scales-at-the-model-lr", "mfqat/integrations/hf.py",
-             "        if learned and not any(g.get(\"mfqat_learned_scales\") for g in opt.param_groups):\n",
+             "        if built_here and learned and not any(g.get(\"mfqat_learned_scales\") for g in opt.param_groups):\n",
              "        if False:\n",
              ("tests/test_learned_scales.py::test_mfqat_trainer_gives_the_scales_their_own_learning_rate",)),
     Mutation("learned-scales-saved-in-the-master", "mfqat/integrations/train_setup.py",
