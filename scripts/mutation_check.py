@@ -55,7 +55,7 @@ MUTATIONS: List[Mutation] = [
              "            x = x\n",
              ("tests/test_qat.py::test_activation_fake_quant_equals_manual_qdq_of_inputs",)),
     Mutation("embedding-fake-quant-off", "mfqat/qat/modules.py",
-             "return F.embedding(ids, self.quantized_weight(), ", "return F.embedding(ids, self.weight, ",
+             "out = F.embedding(ids, self.quantized_weight(), ", "out = F.embedding(ids, self.weight, ",
              ("tests/test_qat.py::test_embedding_fake_quant_equals_manual_qdq_of_table",)),
     Mutation("distill-kl-direction-swapped", "mfqat/integrations/train_loop.py",
              "alpha * token_kl(out.logits, teacher)", "alpha * token_kl(teacher, out.logits)",
