@@ -298,7 +298,8 @@ MUTATIONS: List[Mutation] = [
              ("tests/test_anchor_refined.py::test_a_changed_refined_file_is_refused_by_name",)),
     # issue 32: affine scales learned with the weights (QATConfig.learn_scales)
     Mutation("learned-scales-never-applied", "mfqat/qat/learned_scales.py",
-             "    s, b = scales_biases(q, ac.detach())\n", "    s, b = scales_biases(q, 0 * ac.detach())\n",
+             "    return _rounded(q, *scales_biases(q, ac.detach()))\n",
+             "    return _rounded(q, *scales_biases(q, 0 * ac.detach()))\n",
              ("tests/test_learned_scales.py::test_the_gradient_is_the_formula_and_the_value_is_mlx_dequantize",)),
     Mutation("learned-scales-gradient-without-codes", "mfqat/qat/learned_scales.py",
              "(codes * s.unsqueeze(-1) + b.unsqueeze(-1))", "(s.unsqueeze(-1) + b.unsqueeze(-1)).expand_as(codes)",

@@ -26,13 +26,36 @@ def _trained(steps: int = 3, tie: bool = True):
     model = mfqat.prepare(tiny_llama(vocab_size=len(tok), tie=tie),
                           mfqat.QATConfig(formats=FORMATS, affine_group_size=32, learn_scales=True,
                                           quantize_embeddings=True))
-    opt = torch.optim.AdamW(param_groups(model, 1e-4, 0.0, 2e-2))
     ids = torch.randint(0, len(tok), (2, 32), generator=torch.Generator().manual_seed(0))
+    _train(model, ids, steps, lr=1e-4, scales_lr=2e-2)
+    return model, tok, ids
+
+
+def _train(model, ids, steps: int, lr: float, scales_lr: float) -> None:
+    """``steps`` joint MF-QAT steps over FORMATS on ``ids``, the scales in their own optimizer group."""
+    opt = torch.optim.AdamW(param_groups(model, lr, 0.0, scales_lr))
     for _ in range(steps):
         opt.zero_grad()
         joint_backward(model, model, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda x: x.backward())
         opt.step()
-    return model, tok, ids
+
+
+def _assert_every_width_reproduced(model, path, ids=None) -> None:
+    """Every quantized weight (fused experts per parameter) of ``load_anchor(path, fmt, group_size=32)``
+    equals the trained model's forward in fmt, bit for bit, for affine4 and affine3; and the logits on ``ids``."""
+    from mfqat.qat.experts import MFQATExperts
+    model.eval()
+    for fmt in ("affine4", "affine3"):
+        loaded = mfqat.load_anchor(path, fmt, group_size=32)
+        set_format(model, fmt)
+        with torch.no_grad():
+            for name, m in qat_modules(model):
+                pairs = [(f"{name}.{n}", w) for n, w in m.mfqat_weights.items()] if isinstance(m, MFQATExperts) \
+                    else [(f"{name}.weight", m)]
+                for key, w in pairs:
+                    assert torch.equal(loaded.get_parameter(key).float(), w.quantized_weight().float()), (fmt, key)
+            if ids is not None:
+                assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_the_gradient_is_the_formula_and_the_value_is_mlx_dequantize():
@@ -60,14 +83,7 @@ def test_training_moves_the_scales_and_the_anchor_reproduces_every_width_bit_exa
     assert meta["format_version"] == 4 and set(meta["refined"]) == {"affine4", "affine3"}
     assert meta["refined"]["affine4"]["group_size"] == 32 and meta["refined"]["affine4"]["file"] in meta["manifest"]
     assert not [k for k in list(meta["tensors"]) + list(meta["full_precision"]) if "learned" in k]
-    model.eval()
-    for fmt in ("affine4", "affine3"):
-        loaded = mfqat.load_anchor(path, fmt, group_size=32)
-        set_format(model, fmt)
-        with torch.no_grad():
-            for name, m in qat_modules(model):
-                assert torch.equal(loaded.get_parameter(f"{name}.weight"), m.quantized_weight()), (fmt, name)
-            assert torch.equal(loaded(ids).logits, model(ids).logits)
+    _assert_every_width_reproduced(model, path, ids)
 
 
 def test_an_export_ships_the_scales_training_learned(tmp_path):
@@ -137,28 +153,13 @@ def test_mfqat_train_learns_scales_and_refuses_them_with_lora(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts_tied_embeddings_and_bf16_masters_store_what_they_trained(tmp_path, dtype):
     from tests.test_families import MOE, build  # the tiny random models of every family
-    from mfqat.qat.experts import MFQATExperts
     model = build("qwen3_moe", dict(head_dim=16, **MOE, tie_word_embeddings=True), 320).to(dtype)
     mfqat.prepare(model, mfqat.QATConfig(formats=FORMATS, affine_group_size=32, learn_scales=True,
                                          quantize_embeddings=True))
-    opt = torch.optim.AdamW(param_groups(model, 1e-3, 0.0, 5e-2))
     ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        opt.zero_grad()
-        joint_backward(model, model, {"input_ids": ids, "labels": ids}, FORMATS, lambda f: 1.0, lambda x: x.backward())
-        opt.step()
+    _train(model, ids, 2, lr=1e-3, scales_lr=5e-2)
     assert all(p.detach().abs().max() > 0 for p in learned_parameters(model))
-    path = mfqat.save_anchor(model, tmp_path / "anchor")
-    model.eval()
-    for fmt in ("affine4", "affine3"):
-        loaded = mfqat.load_anchor(path, fmt, group_size=32)
-        set_format(model, fmt)
-        with torch.no_grad():
-            for name, m in qat_modules(model):
-                pairs = [(f"{name}.{n}", w) for n, w in m.mfqat_weights.items()] if isinstance(m, MFQATExperts) \
-                    else [(f"{name}.weight", m)]
-                for key, w in pairs:
-                    assert torch.equal(loaded.get_parameter(key).float(), w.quantized_weight().float()), (fmt, key)
+    _assert_every_width_reproduced(model, mfqat.save_anchor(model, tmp_path / "anchor"))
 
 
 def test_frozen_scales_train_nothing_and_break_nothing():

@@ -73,10 +73,11 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float, scales_lr: fl
     """Optimizer parameter groups: the model's trainable parameters at ``lr`` / ``weight_decay``, and its
     learned scales (when it has any) at ``scales_lr`` without weight decay (they are relative steps of
     the derived scale, which a fine-tuning learning rate would barely move)."""
-    learned = {id(p) for p in learned_parameters(model)}
+    every = learned_parameters(model)
+    learned = {id(p) for p in every}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in learned]
     groups = [{"params": rest, "lr": lr, "weight_decay": weight_decay}]
-    scales = [p for p in learned_parameters(model) if p.requires_grad]
+    scales = [p for p in every if p.requires_grad]
     if scales:
         groups.append({"params": scales, "lr": scales_lr, "weight_decay": 0.0})
     return groups
@@ -92,12 +93,16 @@ def scales_biases(q: MXTensor, ac: torch.Tensor) -> Tuple[torch.Tensor, torch.Te
     return s0 * (1 + ac[0]), q.biases.to(ac.device) + s0 * ac[1]
 
 
+def _rounded(q: MXTensor, s: torch.Tensor, b: torch.Tensor) -> MXTensor:
+    """``q``'s codes with the bfloat16 roundings of ``s`` and ``b`` (held in float32, as MXTensor holds
+    affine scales): what the anchor stores and ``mx.dequantize`` decodes."""
+    return MXTensor(q.codes, s.detach().to(DERIVED_DTYPE).float(), q.fmt, q.block_size, q.dtype,
+                    b.detach().to(DERIVED_DTYPE).float(), q.scale_rule)
+
+
 def with_learned(q: MXTensor, ac: torch.Tensor) -> MXTensor:
-    """The derived tensor ``q`` (codes, s0, b0) with the learned bfloat16 ``s`` and ``b`` (held in float32,
-    as MXTensor holds affine scales): what the anchor stores and ``mx.dequantize`` decodes."""
-    s, b = scales_biases(q, ac.detach())
-    return MXTensor(q.codes, s.to(DERIVED_DTYPE).float(), q.fmt, q.block_size, q.dtype,
-                    b.to(DERIVED_DTYPE).float(), q.scale_rule)
+    """The derived tensor ``q`` (codes, s0, b0) with the learned bfloat16 ``s`` and ``b``."""
+    return _rounded(q, *scales_biases(q, ac.detach()))
 
 
 def learned_tensor(values: torch.Tensor, fmt: str, group_size: int, ac: torch.Tensor) -> MXTensor:
@@ -110,9 +115,10 @@ def learned_affine(w_anchor: torch.Tensor, fmt: str, group_size: int, ac: torch.
     straight through to ``w_anchor`` and through the scale formula to ``ac``."""
     with torch.no_grad():
         q = derive_affine(w_anchor.detach(), fmt, group_size)
-        exact = with_learned(q, ac).dequantize(torch.float32).to(w_anchor.device)
         codes = q.codes.to(torch.float32).reshape(*q.scales.shape, group_size)
-    s, b = scales_biases(q, ac)
+    s, b = scales_biases(q, ac)  # once: the exact value and the surrogate's gradient both come from it
+    with torch.no_grad():
+        exact = _rounded(q, s, b).dequantize(torch.float32).to(w_anchor.device)
     surrogate = (codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(w_anchor.shape)
     out = exact + (w_anchor - w_anchor.detach()).float() + (surrogate - surrogate.detach())
     return out.to(w_anchor.dtype)
