@@ -331,6 +331,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("trainer-rewrites-the-users-optimizer", "mfqat/integrations/hf.py",
              "        if built_here and learned and", "        if learned and",
              ("tests/test_learned_scales.py::test_an_optimizer_the_user_passes_is_left_as_given",)),
+    Mutation("resume-ignores-learned-scales", "mfqat/integrations/train_args.py",
+             '"base", "learn_scales")', '"base")',
+             ("tests/test_semantics_train.py::test_resume_refuses_switching_learned_scales",)),
     # issue 34: the replayed sensitivity pass
     Mutation("sensitivity-replay-starts-a-layer-late", "mfqat/export/replay.py",
              "                return int(index)\n", "                return int(index) + 1\n",

@@ -174,6 +174,19 @@ def test_resume_from_a_missing_or_foreign_folder_fails_before_any_work(tmp_path)
     assert len(s["losses"]) == 1
 
 
+def test_resume_refuses_switching_learned_scales(tmp_path):
+    """--learn-scales adds parameters and an optimizer group: a checkpoint written without it cannot
+    resume with it (nor the reverse); the error names --resume and --learn-scales before any work."""
+    common = ["--model", "tiny", "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--eval-blocks", "1",
+              "--qat-config", "affine_joint"]
+    train_main(common + ["--out", str(tmp_path / "run"), "--save-every", "1"])
+    ck = tmp_path / "run" / "checkpoint-1"
+    with pytest.raises(ValueError) as e:
+        train_main(common + ["--learn-scales", "--out", str(tmp_path / "out"), "--resume", str(ck)])
+    assert f"--resume {ck}" in str(e.value) and "--learn-scales" in str(e.value), str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 # 10. MX-QLoRA: the joint loss is the mean over formats ----------------------------------------------
 
 def test_mx_qlora_joint_loss_is_the_mean_of_the_formats_losses(tmp_path):

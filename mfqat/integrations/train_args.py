@@ -115,7 +115,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
 # What a checkpoint must share with the run that resumes it (the model, the data and its order, the
 # batches per optimizer step, the recipe); recorded in checkpoint-N/mfqat_step.json under "run".
 RUN_KEYS = ("model", "text", "dataset", "qat_config", "formats", "schedule", "batch_size", "grad_accum",
-            "seq_len", "seed", "lora_rank", "base")
+            "seq_len", "seed", "lora_rank", "base", "learn_scales")
 
 
 def run_identity(args: argparse.Namespace) -> dict:
