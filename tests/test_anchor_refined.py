@@ -114,10 +114,15 @@ def test_the_refine_command_stores_a_width_and_prints_the_table(refined, tmp_pat
 
     plain, _, _ = refined
     target = shutil.copytree(plain, tmp_path / "a")
-    main(["refine", str(target), "--formats", "affine2", "--group-size", "32", "--steps", "3", "--lr", "3e-3"])
+    calib = tmp_path / "calib.txt"
+    calib.write_text("a calibration text of its own " * 400)
+    main(["refine", str(target), "--formats", "affine2", "--group-size", "32", "--steps", "3", "--lr", "3e-3",
+          "--calib-text", f"{calib}:1,pydoc:1"])
     out = capsys.readouterr().out
     assert "| affine2 | 32" in out and "validation KL before" in out
-    assert "affine2" in json.loads((target / "mfqat.json").read_text()).get("refined", {}) or "no (not lower)" in out
+    manifest = (target / "mfqat.json").read_text()
+    assert "affine2" in json.loads(manifest).get("refined", {}) or "no (not lower)" in out
+    assert "calibration text of its own" not in manifest  # described (size, hash), not copied in
     with pytest.raises(SystemExit) as e:
         main(["refine", str(target), "--formats", "mxint4"])
     assert e.value.code == 2 and "not an affine width" in capsys.readouterr().err

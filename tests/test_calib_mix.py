@@ -47,3 +47,58 @@ def test_export_refuses_a_bad_mix_before_any_work(spec, message, two, tmp_path):
                         "--recipe", "auto:4.5", "--calib-text", spec], capture_output=True, text=True)
     assert p.returncode == 2 and message in p.stderr, p.stderr[-500:]
     assert not (tmp_path / "o").exists()
+
+
+def _source_of(block, tok) -> str:
+    chars = set(tok.decode(block.tolist()))  # "alpha " and "beta " share only "a" and the space
+    return "alpha" if not chars & set("bet") else "beta" if not chars & set("lph") else "both"
+
+
+@pytest.mark.parametrize("n_blocks, want", [(4, ["alpha", "alpha", "beta", "alpha"]), (8, None)])
+def test_calibration_blocks_of_a_mix_are_in_proportion_from_the_first_block(two, n_blocks, want):
+    """The consumers take the first few blocks (the sensitivity pass 4 x 128 tokens, about 2,000
+    characters of English): each source must be there in proportion, whole blocks from one source."""
+    from mfqat.data.sources import calibration_blocks, tiny_tokenizer
+
+    a, b = two
+    tok = tiny_tokenizer()
+    blocks = calibration_blocks(tok, mixed_text(f"{a}:3,{b}:1"), n_blocks=n_blocks, seq_len=128)
+    got = [_source_of(blk, tok) for blk in blocks]
+    assert "both" not in got and got.count("alpha") == 3 * got.count("beta"), got
+    if want:
+        assert got == want
+
+
+def test_a_source_shorter_than_a_block_drops_out_and_none_long_enough_is_refused(two, tmp_path):
+    from mfqat.data.sources import calibration_blocks, tiny_tokenizer
+
+    a, _ = two
+    short = tmp_path / "short.txt"
+    short.write_text("beta " * 5)
+    tok = tiny_tokenizer()
+    blocks = calibration_blocks(tok, mixed_text(f"{a}:1,{short}:1"), n_blocks=4, seq_len=128)
+    assert [_source_of(blk, tok) for blk in blocks] == ["alpha"] * 4
+    with pytest.raises(ValueError, match="fewer tokens than one block"):
+        calibration_blocks(tok, mixed_text(f"{short}:1,{short}:2"), n_blocks=4, seq_len=128)
+
+
+def test_the_command_lines_calibration_keeps_the_mix(two):
+    """The route --calib-text takes (the CLI's mixed_text, then calibration_blocks): both sources in
+    the first 8 blocks, as the scale search uses them."""
+    from mfqat.cli.commands import calibration_ids
+    from mfqat.data.sources import tiny_tokenizer
+
+    a, b = two
+    tok = tiny_tokenizer()
+    got = [_source_of(blk, tok) for blk in calibration_ids(tok, f"{a}:1,{b}:1")]
+    assert got.count("alpha") == got.count("beta") == 4, got
+
+
+def test_reports_describe_the_calibration_text_without_holding_it(two):
+    from mfqat.data.sources import describe_calibration
+
+    a, b = two
+    text = mixed_text(f"{a}:1,{b}:1")
+    said = describe_calibration(text)
+    assert "alpha" not in said and "2 sources" in said and str(len(text)) in said
+    assert describe_calibration(None) == "pydoc training split"

@@ -1,10 +1,13 @@
 """Calibration text mixed from several sources with weights: ``--calib-text a.txt:2,notes/,pydoc``.
 
 Every calibration consumer (``auto:BPW``'s sensitivity, AWQ, ``--refine``, the scale search) takes
-the *first* blocks of its text, so a mix must be in proportion from its first token on. The sources
-are therefore interleaved in rounds: each round takes from source ``i`` the next ``chunk * w_i /
-max(w)`` characters (cut after a whitespace so that no word is split), until every source is used
-up; a source that ends early simply drops out of later rounds.
+the *first* blocks of its text, so a mix must be in proportion from its first token on. A mix is a
+:class:`mfqat.data.sources.MixedText`: ``calibration_blocks`` takes whole token blocks from each source
+in proportion to the weights from the first block on (4 blocks of 128 tokens, the sensitivity pass's,
+are about 2,000 characters: less than one round of the character interleave below). As a plain
+string, the sources are interleaved in rounds: each round takes from source ``i`` the next ``chunk *
+w_i / max(w)`` characters (cut after a whitespace so that no word is split), until every source is
+used up; a source that ends early simply drops out of later rounds.
 
 ``pydoc`` in a mix means the pydoc *training* split (never its held-out part, which the benchmarks
 score); a file or folder is read as ``mfqat.data.sources.load_text`` reads it. A single source
@@ -15,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Tuple
 
-from mfqat.data.sources import load_text, split_text
+from mfqat.data.sources import MixedText, load_text, split_text
 
 CHUNK_CHARS = 4096  # characters per round of the heaviest source
 
@@ -81,4 +84,4 @@ def mixed_text(spec: str, chunk: int = CHUNK_CHARS) -> str:
                 end = _cut(text, pos[i], sizes[i])
                 parts.append(text[pos[i]:end])
                 pos[i] = end
-    return "".join(parts)
+    return MixedText("".join(parts), [(t, w) for t, (_, w) in zip(texts, sources)])

