@@ -102,3 +102,41 @@ def test_reports_describe_the_calibration_text_without_holding_it(two):
     said = describe_calibration(text)
     assert "alpha" not in said and "2 sources" in said and str(len(text)) in said
     assert describe_calibration(None) == "pydoc training split"
+
+
+@pytest.fixture(scope="module")
+def tiny_anchor(tmp_path_factory):
+    import torch
+
+    import mfqat
+    from mfqat.data.sources import tiny_llama, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok)), tmp_path_factory.mktemp("gen") / "a", "mxint8", tok)
+
+
+def test_the_generated_source_samples_the_model_reproducibly_and_mixes_by_blocks(tiny_anchor):
+    """``generated`` is text the model itself samples (fixed seed: the same text twice, another seed
+    another text); in a 1:1 mix with pydoc the blocks alternate, pydoc's first, each whole."""
+    import torch
+
+    from mfqat.data.generated import generated_text
+    from mfqat.data.sources import calibration_blocks, tiny_tokenizer, token_blocks
+
+    one = generated_text(str(tiny_anchor), n_tokens=96, seq_len=32)
+    assert one and one == generated_text(str(tiny_anchor), n_tokens=96, seq_len=32)
+    assert one != generated_text(str(tiny_anchor), n_tokens=96, seq_len=32, seed=1)
+    tok = tiny_tokenizer()
+    mix = mixed_text("pydoc:1,generated:1", model=str(tiny_anchor))
+    blocks = calibration_blocks(tok, mix, n_blocks=4, seq_len=32)
+    pydoc = token_blocks(tok, split_text(load_text(None))[0], 32, max_blocks=2)
+    generated = token_blocks(tok, mix.sources[1][0], 32, max_blocks=2)
+    assert torch.equal(blocks[0], pydoc[0]) and torch.equal(blocks[2], pydoc[1])
+    assert torch.equal(blocks[1], generated[0]) and torch.equal(blocks[3], generated[1])
+    assert not torch.equal(pydoc[0], generated[0])
+
+
+def test_generated_without_a_model_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="needs the model"):
+        mixed_text("pydoc:1,generated:1")

@@ -33,8 +33,9 @@ class CommandError(SystemExit):
         return self.message
 
 
-CALIB_HELP = ("calibration text: FILE, FOLDER or pydoc, or a mix PATH:WEIGHT,... interleaved in proportion "
-              "from the first token (pydoc: its training split, never the held-out text; default: pydoc)")
+CALIB_HELP = ("calibration text: FILE, FOLDER, pydoc or generated, or a mix PATH:WEIGHT,... in proportion from the "
+              "first block (pydoc: its training split, never the held-out text; generated: 4096 tokens sampled from "
+              "the model itself, e.g. pydoc:1,generated:1; default: pydoc)")
 
 def fail(cmd: str, message: str) -> NoReturn:
     """Print ``mfqat <cmd>: error: message`` on stderr and exit with status 2."""

@@ -69,7 +69,8 @@ def need_searched_format(fmt: Optional[str]) -> None:
 
 
 def need_calib_sources(spec: Optional[str]) -> None:
-    """``--calib-text PATH[:WEIGHT],...``: every source exists ('pydoc' is built in), weights positive."""
+    """``--calib-text PATH[:WEIGHT],...``: every source exists ('pydoc' and 'generated' are built in),
+    weights positive."""
     if not spec:
         return
     from mfqat.data.mix import parse_mix
@@ -79,7 +80,7 @@ def need_calib_sources(spec: Optional[str]) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     for path, _ in sources:
-        if path != "pydoc":
+        if path not in ("pydoc", "generated"):
             need_path(path, "--calib-text")
 
 

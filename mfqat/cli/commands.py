@@ -15,7 +15,7 @@ def convert(a: argparse.Namespace) -> None:
     from mfqat.storage.manifest import seal
     from mfqat.storage.model_card import write_model_card
 
-    calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text) if a.scale_search else None
+    calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text, a.anchor) if a.scale_search else None
     model = load_anchor(a.anchor, a.to, calib=calib)
     with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
         model.save_pretrained(tmp)
@@ -95,7 +95,7 @@ def evaluate(a: argparse.Namespace) -> None:
     if is_anchor:
         anchor = read_anchor(a.model)
         if a.scale_search:
-            search_for_eval(anchor, tok, formats, a.calib_text)
+            search_for_eval(anchor, tok, formats, a.calib_text, a.model)
         rows = evaluate_formats(model, {f: anchor_state(anchor, f) for f in formats}, blocks)
     else:
         rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
@@ -130,7 +130,7 @@ def export(a: argparse.Namespace) -> None:
     from mfqat.data.mix import mixed_text
     from mfqat.export import to_mlx
 
-    calib = mixed_text(a.calib_text) if a.calib_text else None
+    calib = mixed_text(a.calib_text, model=a.anchor) if a.calib_text else None
     refine = None
     if a.refine:
         from mfqat.export.refine import RefineConfig
@@ -151,16 +151,16 @@ def export(a: argparse.Namespace) -> None:
           f"max |logit diff| {v.get('max_abs_logit_diff')}")
 
 
-def calibration_ids(tok, calib_text: Optional[str]):
-    """``--scale-search``'s calibration token ids: 8 x 128 tokens of ``--calib-text`` (a file or
-    folder), else of the pydoc training split (never the held-out text)."""
+def calibration_ids(tok, calib_text: Optional[str], model: Optional[str] = None):
+    """``--scale-search``'s calibration token ids: 8 x 128 tokens of ``--calib-text`` (a file, folder or
+    mix; ``generated`` samples ``model``), else of the pydoc training split (never the held-out text)."""
     from mfqat.data.mix import mixed_text
     from mfqat.data.sources import calibration_blocks
 
-    return calibration_blocks(tok, mixed_text(calib_text) if calib_text else None, n_blocks=8)
+    return calibration_blocks(tok, mixed_text(calib_text, model=model) if calib_text else None, n_blocks=8)
 
 
-def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> None:
+def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str], model: Optional[str] = None) -> None:
     """``eval --scale-search``: mark the anchor so that the evaluated formats the search serves are searched."""
     from mfqat.anchor.search import search_scales, searchable_formats
     from mfqat.formats import canonical_name
@@ -171,7 +171,7 @@ def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str]) -> No
         print(f"scale search: none of {', '.join(formats)} is searched from a {anchor.format} anchor "
               f"(it serves {', '.join(can) or 'no format of this family'})")
         return
-    rep = search_scales(anchor, calibration_ids(tok, calib_text), served)
+    rep = search_scales(anchor, calibration_ids(tok, calib_text, model), served)
     print(f"scale search: {', '.join(rep['formats'])} lowered with the output-aware per-block exponent "
           f"({rep['tensors']} tensors, {rep['calibration_tokens']} calibration tokens); other formats keep their rule")
 
@@ -182,7 +182,7 @@ def refine(a: argparse.Namespace) -> None:
     from mfqat.eval.report import format_table
     from mfqat.export.refine import RefineConfig, refine_anchor
 
-    calib = mixed_text(a.calib_text) if a.calib_text else None
+    calib = mixed_text(a.calib_text, model=a.anchor) if a.calib_text else None
     try:
         rows = refine_anchor(Path(a.anchor), [f for f in a.formats.split(",") if f], a.group_size, calib,
                              RefineConfig(steps=a.steps, lr=a.lr), overwrite=a.overwrite)

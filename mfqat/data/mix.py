@@ -10,13 +10,15 @@ w_i / max(w)`` characters (cut after a whitespace so that no word is split), unt
 used up; a source that ends early simply drops out of later rounds.
 
 ``pydoc`` in a mix means the pydoc *training* split (never its held-out part, which the benchmarks
-score); a file or folder is read as ``mfqat.data.sources.load_text`` reads it. A single source
-without a weight is returned exactly as ``load_text`` / the default calibration gives it.
+score); ``generated`` means text sampled from the model being calibrated (``model``: the command's
+anchor or model; mfqat.data.generated); a file or folder is read as ``mfqat.data.sources.load_text``
+reads it. A single source without a weight is returned exactly as ``load_text`` / the default
+calibration gives it.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from mfqat.data.sources import MixedText, load_text, split_text
 
@@ -49,13 +51,21 @@ def _is_number(s: str) -> bool:
         return False
 
 
-def source_text(path: str) -> str:
-    """One source of a mix: ``pydoc`` is its training split, else a file or folder (load_text)."""
+def source_text(path: str, model: Optional[str] = None) -> str:
+    """One source of a mix: ``pydoc`` is its training split, ``generated`` text sampled from ``model``,
+    else a file or folder (load_text)."""
+    from mfqat.data.generated import GENERATED_SOURCE, generated_text
+
     if path == "pydoc":
         return split_text(load_text(None))[0]
+    if path == GENERATED_SOURCE:
+        if model is None:
+            raise ValueError(f"--calib-text {GENERATED_SOURCE}: text sampled from the model needs the model; use it "
+                             "with export-mlx, refine, convert or eval, or pass model= to mixed_text")
+        return generated_text(model)
     if not Path(path).exists():
-        raise FileNotFoundError(f"--calib-text: {path}: no such file or folder (give files, folders or 'pydoc', "
-                                "each optionally :WEIGHT)")
+        raise FileNotFoundError(f"--calib-text: {path}: no such file or folder (give files, folders, 'pydoc' or "
+                                "'generated', each optionally :WEIGHT)")
     return load_text(path)
 
 
@@ -68,13 +78,13 @@ def _cut(text: str, start: int, size: int) -> int:
     return space + 1
 
 
-def mixed_text(spec: str, chunk: int = CHUNK_CHARS) -> str:
-    """The calibration text of ``spec`` (see the module docstring)."""
+def mixed_text(spec: str, chunk: int = CHUNK_CHARS, model: Optional[str] = None) -> str:
+    """The calibration text of ``spec`` (see the module docstring); ``model``: what ``generated`` samples from."""
     sources = parse_mix(spec)
     if len(sources) == 1 and ":" not in spec:
         path = sources[0][0]
-        return load_text(path) if path != "pydoc" else source_text(path)
-    texts = [source_text(p) for p, _ in sources]
+        return load_text(path) if path not in ("pydoc", "generated") else source_text(path, model)
+    texts = [source_text(p, model) for p, _ in sources]
     top = max(w for _, w in sources)
     sizes = [max(1, int(chunk * w / top)) for _, w in sources]
     pos, parts = [0] * len(texts), []
