@@ -6,8 +6,8 @@ so the calibration covers what the model has learned rather than one domain. ``g
 with a fixed seed (the same text for the same model and machine; a different BLAS may sample
 differently). The model is read as ``mfqat.data.sources.load_model`` reads it: an anchor in its own
 format, an HF folder or a GGUF. Measured on SmolLM2 (BENCHMARKS.md "Calibration on self-generated
-text"): mixing it 1:1 with the training text lowered ``auto:4.7:affine``'s perplexity in domain and on
-a text of another domain.
+text"): mixing it 1:1 with the training text lowered ``auto:4.7:affine``'s perplexity on a text of
+another domain by 9-11% and left it within 1% in domain.
 """
 from __future__ import annotations
 
