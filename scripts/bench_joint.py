@@ -11,6 +11,11 @@ as one dedicated run). Perplexity on two held-out texts: the pydoc split no run 
 numpy's licence file (a different domain, so in-domain fine-tuning cannot hide a gap).
 
     python scripts/bench_joint.py [--steps 60] [--family mxint|mxfp] [--lr 2e-5] [--out out/joint]
+                                  [--seed 0] [--dedicated mxint6] [--diagnose]
+
+``--dedicated`` trains dedicated models for some evaluated formats only; ``--diagnose`` also scores each
+master unquantized and each joint master quantized directly to every format (not sliced from the
+anchor), which separates a gap of the weights from a gap of the anchor's slicing.
 
 Runs land in OUT/<name>/ and are reused when their summary.json exists. Prints one table (and the
 gap of each joint model to the dedicated model per format), writes OUT/joint.json and OUT/joint.png.
@@ -104,6 +109,11 @@ def main() -> None:
     p.add_argument("--lr", default="2e-5", help="learning rate of every run, dedicated and joint")
     p.add_argument("--eval-formats", default="", help="comma list replacing the family's evaluated formats")
     p.add_argument("--only", default="", help="comma list of joint recipe names to run (default: all)")
+    p.add_argument("--dedicated", default="",
+                   help="comma list of the formats that get a dedicated run (default: every evaluated format)")
+    p.add_argument("--diagnose", action="store_true",
+                   help="also score each joint run's master unquantized ('fp') and directly quantized to each "
+                        "format ('direct'), and each dedicated master unquantized: where a gap comes from")
     p.add_argument("--out", default="out/joint")
     a = p.parse_args()
     out = Path(a.out)
@@ -125,7 +135,8 @@ def main() -> None:
         return cache[name]
 
     dedicated: Dict[str, Dict[str, float]] = {t: {} for t in held}
-    for f in fam["eval"]:
+    diag: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for f in (a.dedicated.split(",") if a.dedicated else fam["eval"]):
         for name, (extra, rule) in dedicated_runs(f, a.steps).items():
             s = run(out, name, common + extra)
 
@@ -135,6 +146,8 @@ def main() -> None:
             res = cached(name if rule == "floor" else f"{name}@{rule}", evaluate_dedicated)
             for t in held:
                 dedicated[t][f] = res[t][f]
+            if a.diagnose:
+                diag[name] = cached(f"{name}@fp", lambda: evaluate(load_model(s["master"])[0], held, {"fp": {}}))
     joint: Dict[str, Dict[str, Dict[str, float]]] = {}
     only = [x for x in a.only.split(",") if x]
     for name, extra in recipes(a.family, a.steps).items():
@@ -146,7 +159,18 @@ def main() -> None:
         if key in cache and any(f not in cache[key]["pydoc"] for f in fam["eval"]):
             del cache[key]  # evaluated before at other formats
         joint[name] = cached(key, lambda: evaluate(model, held, {f: anchor_state(anchor, f) for f in fam["eval"]}))
+        if a.diagnose:
+            def direct():  # the joint master itself: unquantized, and quantized directly (no anchor, no slicing)
+                master, _ = load_model(s["master"])
+                return evaluate(master, held, {"fp": {}, **{f: ptq_state(master, f, scale_rule=DEFAULT_SCALE_RULE.get(
+                    f, "floor")) for f in fam["eval"]}})
+            diag[name] = cached(f"{name}@direct", direct)
     report(out, a, fam["eval"], dedicated, joint)
+    if diag:
+        rows = [{"run": n, "text": t, **{f: f"{v:.3f}" for f, v in r[t].items()}} for n, r in diag.items() for t in held]
+        print("\nmasters: unquantized (fp) and, for joint runs, quantized directly to each format (not sliced)")
+        print(format_table(rows, sorted({k for r in rows for k in r}, key=lambda k: (k not in ("run", "text"), k))))
+        (out / f"joint-{a.family}-diagnose.json").write_text(json.dumps(diag, indent=2))
 
 
 def report(out: Path, a, formats: List[str], dedicated, joint) -> None:
@@ -154,14 +178,16 @@ def report(out: Path, a, formats: List[str], dedicated, joint) -> None:
     rows = []
     for t in dedicated:
         for f in formats:
-            row = {"text": t, "format": f, "dedicated QAT": dedicated[t][f]}
+            row = {"text": t, "format": f, "dedicated QAT": dedicated[t].get(f, float("nan"))}
             for name, res in joint.items():
-                row[name] = f"{res[t][f]:.3f} ({100 * (res[t][f] / dedicated[t][f] - 1):+.1f}%)"
+                gap = f" ({100 * (res[t][f] / dedicated[t][f] - 1):+.1f}%)" if f in dedicated[t] else ""
+                row[name] = f"{res[t][f]:.3f}{gap}"
             rows.append(row)
     print(f"\n{a.family}, {a.steps} steps; joint columns: perplexity (gap to the dedicated model)")
     print(format_table(rows, list(rows[0])))
     bpw = lambda f: mfqat.get_format(f).bits_per_weight(32)  # noqa: E731
-    series = {"dedicated QAT (one model per format)": [(bpw(f), dedicated["pydoc"][f], f) for f in formats]}
+    series = {"dedicated QAT (one model per format)": [(bpw(f), dedicated["pydoc"][f], f) for f in formats
+                                                       if f in dedicated["pydoc"]]}
     series.update({f"{n} (one anchor)": [(bpw(f), r["pydoc"][f], f) for f in formats] for n, r in joint.items()})
     plot = plot_ppl_vs_bpw(series, out / f"joint-{a.family}.png",
                            title=f"SmolLM2-135M, {a.family}, {a.steps} steps, held-out pydoc")
