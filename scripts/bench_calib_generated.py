@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -59,9 +60,7 @@ def main() -> None:
             refined = {"refine KL before/after": f"{r['validation_kl_before']:.4f}/{r['validation_kl_after']:.4f}"
                                                  f"{'' if r['kept'] else ' (not kept)'}"}
         model.load_state_dict(reference_state(anchor, plan), strict=False)
-        counts: dict = {}
-        for f in plan.formats.values():
-            counts[f] = counts.get(f, 0) + 1
+        counts = Counter(plan.formats.values())
         rows.append({"--calib-text": spec, "bits/weight": f"{plan.bits_per_weight(anchor):.3f}",
                      **{f"{k} ppl": f"{perplexity(model, v):.3f}" for k, v in held.items()},
                      "plan": " ".join(f"{f}x{n}" for f, n in sorted(counts.items())), **refined,
