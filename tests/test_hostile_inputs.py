@@ -342,19 +342,19 @@ def _disk_full(*a, **k):
 
 def test_a_full_disk_while_saving_an_anchor_leaves_the_previous_one_intact(tmp_path, monkeypatch):
     """ENOSPC in the middle of the real tensor write (half a file on disk, then the error)."""
-    import safetensors.torch
+    from mfqat.storage import tensor_files
 
     tok = tiny_tokenizer()
     path = mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), tmp_path / "anchor", "mxint8", tok)
     before = _files(path)
-    real = safetensors.torch.save_file
+    real = tensor_files._Shard.assemble
 
-    def half_then_full(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        data = Path(filename).read_bytes()
-        Path(filename).write_bytes(data[: len(data) // 2])
+    def half_then_full(self, dest, metadata):
+        real(self, dest, metadata)
+        data = Path(dest).read_bytes()
+        Path(dest).write_bytes(data[: len(data) // 2])
         _disk_full()
-    monkeypatch.setattr(safetensors.torch, "save_file", half_then_full)
+    monkeypatch.setattr(tensor_files._Shard, "assemble", half_then_full)
     with pytest.raises(OSError, match=rf"^{path}: No space left on device while saving; the previous anchor is "
                                       r"intact") as e:
         mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True, seed=1), path, "mxint8", tok, overwrite=True)

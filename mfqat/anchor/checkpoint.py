@@ -15,13 +15,13 @@ Version-1 anchors (no manifest) are still read; their config and tokenizer are n
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 import torch
-from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
 from mfqat import __version__
@@ -39,6 +39,8 @@ from mfqat.storage.manifest import AnchorError, Snapshot, load_meta, retry_read,
 from mfqat.storage.model_card import write_model_card
 from mfqat.qat.prepare import qat_modules
 from mfqat.storage.shard_files import MAX_SHARD_BYTES, write_safetensors
+from mfqat.storage.tensor_files import TensorFile, TensorFileError, sha256_fd
+from mfqat.anchor.lazy import LazyQuantized, LazyTensors, tensor_shape
 from mfqat.storage.sharded import unique_state_dict
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derive, is_derived
@@ -58,6 +60,21 @@ class Anchor:
     plain: Dict[str, torch.Tensor] = field(default_factory=dict)
     config: Optional[dict] = None  # config.json as read (checked from version 2), less mfqat's quantization_config
     refined: Dict[str, RefinedWidth] = field(default_factory=dict)  # learned affine scales per width (version 4)
+    files: Dict[str, TensorFile] = field(default_factory=dict, repr=False)  # open weight files (lazy reads)
+
+    def materialize(self) -> "Anchor":
+        """Read every tensor now and keep it (plain dicts; the weight files are closed). Returns self."""
+        if isinstance(self.quantized, LazyTensors):
+            self.quantized = {k: self.quantized[k] for k in self.quantized}
+        if isinstance(self.plain, LazyTensors):
+            self.plain = {k: self.plain[k] for k in self.plain}
+        _close(self.files)
+        self.files = {}
+        return self
+
+    def shape(self, name: str) -> tuple:
+        """Shape of tensor ``name`` (quantized or plain) without reading it."""
+        return tensor_shape(self.quantized if name in self.quantized else self.plain, name)
 
     @property
     def format(self) -> str:
@@ -189,22 +206,35 @@ def read_meta(path: PathLike) -> dict:
     return retry_read(Path(path), read)
 
 
-def _parse_weights(snap: Snapshot, meta: dict, verify: bool) -> tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """Every tensor of the weight files, parsed from the very bytes that were hashed; {tensor: file}."""
-    raw: Dict[str, torch.Tensor] = {}
-    origin: Dict[str, str] = {}
-    for name, digest in weight_files(meta).items():
-        data = snap.read_checked(name, digest if verify else None)
-        try:
-            tensors = load_safetensors_bytes(data)
-        except Exception as e:  # safetensors raises its own error types on a bad header
-            raise AnchorError(f"{snap.path / name}: cannot read safetensors ({e})") from None
-        raw.update(tensors)
-        origin.update(dict.fromkeys(tensors, name))
-    return raw, origin
+def _open_weights(snap: Snapshot, meta: dict, verify: bool) -> Dict[str, TensorFile]:
+    """Every weight file opened (and hashed in chunks, from the descriptor it will be read through);
+    {file: TensorFile} with each header checked."""
+    files: Dict[str, TensorFile] = {}
+    try:
+        for name, digest in weight_files(meta).items():
+            fd = snap.open(name)
+            try:
+                if verify:
+                    snap.check_digest(name, sha256_fd(fd), digest)
+                files[name] = TensorFile(fd, str(snap.path / name))
+            except BaseException:
+                os.close(fd)
+                raise
+    except TensorFileError as e:
+        _close(files)
+        raise AnchorError(str(e)) from None
+    except BaseException:
+        _close(files)
+        raise
+    return files
 
 
-def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
+def _close(files: Dict[str, TensorFile]) -> None:
+    for f in files.values():
+        f.close()
+
+
+def _read_snapshot(snap: Snapshot, verify: bool, lazy: bool = False) -> Anchor:
     """One consistent read of an anchor folder (see read_anchor)."""
     where = snap.path / META_FILE
     meta = validate_meta(load_meta(snap, META_FILE, "anchor", check_version), str(where))
@@ -221,39 +251,83 @@ def _read_snapshot(snap: Snapshot, verify: bool) -> Anchor:
                                                                else None)))
         except ValueError as e:
             raise AnchorError(f"{snap.path / 'config.json'}: corrupt JSON ({e})") from None
-    raw, origin = _parse_weights(snap, meta, verify)
-    anchor = Anchor(snap.path, meta, config=config)
-    bs = meta["block_size"]
-    rules = anchor_scale_rules(meta)
-    for k, e in meta["tensors"].items():
-        if f"{k}.codes" not in raw or f"{k}.scales" not in raw:
-            raise AnchorError(f"{snap.path}: tensor {k}: codes or scales missing from the weight files")
-        f = get_format(e["format"])
-        codes, scales = raw.pop(f"{k}.codes"), raw.pop(f"{k}.scales")
-        check_quantized(k, codes, scales, e, f.bits, bs, str(snap.path / origin[f"{k}.codes"]))
-        anchor.quantized[k] = MXTensor.unpack(codes, scales, f, bs, tuple(e["shape"]),
-                                              TENSOR_DTYPES[e.get("dtype", "float32")], scale_rule=meta["scale_rule"])
-        anchor.quantized[k].slice_rules = rules
-        if f"{k}.importance" in raw:
-            anchor.quantized[k].importance = check_importance(k, raw.pop(f"{k}.importance"), e,
-                                                              str(snap.path / origin[f"{k}.importance"]))
-    stray = [k for k in raw if k.endswith(".importance")]
-    if stray:
-        raise AnchorError(f"{snap.path / origin[stray[0]]}: tensor {stray[0]} belongs to no quantized tensor of "
-                          f"mfqat.json; the weight files do not match the metadata: save the anchor again")
-    anchor.plain = raw
+    files = _open_weights(snap, meta, verify)
+    try:
+        anchor = _index_tensors(snap, meta, files, config)
+    except BaseException:
+        _close(files)
+        raise
     anchor.refined = read_refined(meta, lambda name: snap.read_checked(name, manifest.get(name) if verify else None),
                                   snap.path)
+    if not lazy:
+        anchor.materialize()
     return anchor
 
 
-def read_anchor(path: PathLike, verify: bool = True) -> Anchor:
+def _index_tensors(snap: Snapshot, meta: dict, files: Dict[str, TensorFile], config: Optional[dict]) -> Anchor:
+    """The anchor's lazy tensor mappings, every name, shape and dtype checked against mfqat.json from the
+    headers (values are read when asked for, and checked then)."""
+    refs: Dict[str, tuple] = {}
+    for f in files.values():
+        for name, info in f.infos.items():
+            if name in refs:
+                raise AnchorError(f"{f.where}: tensor {name} is also in {refs[name][0].where}; the weight files do "
+                                  "not match the metadata: save the anchor again")
+            refs[name] = (f, info)
+    bs = meta["block_size"]
+    rules = anchor_scale_rules(meta)
+    importance: Dict[str, torch.Tensor] = {}
+    for k, e in meta["tensors"].items():
+        if f"{k}.codes" not in refs or f"{k}.scales" not in refs:
+            raise AnchorError(f"{snap.path}: tensor {k}: codes or scales missing from the weight files")
+        (cf, ci), (_, si) = refs.pop(f"{k}.codes"), refs.pop(f"{k}.scales")
+        meta_tensor = lambda i: torch.empty(i.shape, dtype=i.dtype, device="meta")  # noqa: E731
+        check_quantized(k, meta_tensor(ci), meta_tensor(si), e, get_format(e["format"]).bits, bs, cf.where)
+        if f"{k}.importance" in refs:
+            f, _ = refs.pop(f"{k}.importance")
+            importance[k] = check_importance(k, f.read(f"{k}.importance"), e, f.where)
+    stray = [k for k in refs if k.endswith(".importance")]
+    if stray:
+        raise AnchorError(f"{refs[stray[0]][0].where}: tensor {stray[0]} belongs to no quantized tensor of "
+                          f"mfqat.json; the weight files do not match the metadata: save the anchor again")
+    codes = {k: refs_of(files, f"{k}.codes") for k in meta["tensors"]}
+
+    def build(k: str) -> MXTensor:
+        e = meta["tensors"][k]
+        (cf, _), (sf, _) = codes[k], refs_of(files, f"{k}.scales")
+        f = get_format(e["format"])
+        c, s = cf.read(f"{k}.codes"), sf.read(f"{k}.scales")
+        check_quantized(k, c, s, e, f.bits, bs, cf.where)
+        q = MXTensor.unpack(c, s, f, bs, tuple(e["shape"]), TENSOR_DTYPES[e.get("dtype", "float32")],
+                            scale_rule=meta["scale_rule"])
+        q.slice_rules = rules
+        q.importance = importance.get(k)
+        return q
+
+    anchor = Anchor(snap.path, meta, config=config)
+    anchor.quantized = LazyQuantized({k: tuple(e["shape"]) for k, e in meta["tensors"].items()}, build)
+    anchor.plain = LazyTensors(refs)
+    anchor.files = files
+    return anchor
+
+
+def refs_of(files: Dict[str, TensorFile], name: str) -> tuple:
+    """(file, info) of tensor ``name`` among an anchor's weight files."""
+    for f in files.values():
+        if name in f.infos:
+            return f, f.infos[name]
+    raise KeyError(name)
+
+
+def read_anchor(path: PathLike, verify: bool = True, lazy: bool = False) -> Anchor:
     """Read an anchor: check hashes, shapes and formats; name the file or tensor that is wrong.
 
-    Each file is read once and the bytes hashed are the bytes parsed; all files come from one
-    folder even while another process saves over ``path`` (then the read is retried).
+    Each weight file is hashed (in chunks) and read through one descriptor, so the bytes hashed are the
+    bytes parsed; all files come from one folder even while another process saves over ``path`` (then
+    the read is retried). ``lazy``: the tensors are read when asked for, one at a time and not kept
+    (mfqat.anchor.lazy; what the streaming export uses), else all of them now.
     """
-    return retry_read(Path(path), lambda snap: _read_snapshot(snap, verify))
+    return retry_read(Path(path), lambda snap: _read_snapshot(snap, verify, lazy))
 
 
 def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",

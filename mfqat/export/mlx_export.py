@@ -33,6 +33,8 @@ import torch
 from mfqat.anchor.refined import pick
 from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
+from mfqat.storage.tensor_files import ShardWriter
+from mfqat.progress import progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
 from mfqat.formats import get_format
 from mfqat.models import family_for
@@ -48,8 +50,6 @@ from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_st
                                  verify_export)
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
-    import mlx.core as mx
-
     from mfqat.export.refine import RefineConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -139,7 +139,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
            group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
            imatrix_path: Optional[str] = None, scale_search: bool = False,
-           refine: Optional["RefineConfig"] = None) -> dict:
+           refine: Optional["RefineConfig"] = None, max_memory: Optional[int] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -155,7 +155,13 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
     ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
     against the anchor on ``calib_text`` (mfqat.export.refine.RefineConfig, DWQ's lever; codes and
-    bytes unchanged). Returns the report.
+    bytes unchanged). ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
+    logits check when it fits, else the check on the model's first layers).
+
+    Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
+    written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
+    tensor whatever the model's size. ``auto:``, ``--scale-search`` and ``--refine`` hold the model. Returns
+    the report.
     """
     import time
 
@@ -172,7 +178,10 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if not is_anchor:
             src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe),
                               imatrix_path)
-        anchor = read_anchor(src)
+        calibrated = scale_search or refine is not None or recipe.startswith("auto:")
+        anchor = read_anchor(src, lazy=True)
+        if calibrated:  # these steps run the model: they hold it anyway, and read each tensor many times
+            anchor.materialize()
         tok_dir = Path(tokenizer) if tokenizer else src
         tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None)
         if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -211,7 +220,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             shutil.rmtree(src)  # the temporary PTQ anchor is not part of the export
         report.update(stored_size(tmp, anchor_parameters(anchor), plan.numels(anchor)))
         if verify:
-            report["verify"] = verify_export(tmp, anchor, plan, prompt)
+            report["verify"] = verify_export(tmp, anchor, plan, prompt, max_memory)
         report["bits_per_weight"] = plan.bits_per_weight(anchor)
         if plan.sensitivity is not None:
             write_json(tmp / "sensitivity.json", plan.sensitivity)
@@ -223,9 +232,21 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
 def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report: dict,
                 fmt: str = "mxint8", imatrix_path: Optional[str] = None) -> Path:
     """Quantize a plain HF model (AWQ first when asked, from ``imatrix_path`` if given) to an anchor in
-    ``fmt`` at ``dest``."""
+    ``fmt`` at ``dest``: tensor by tensor from its safetensors shards when its names map one to one
+    (mfqat.anchor.stream), else through the loaded model."""
+    from mfqat.anchor.stream import anchor_from_folder, streamable
     from mfqat.data.sources import calibration_blocks, load_model
 
+    why = None if awq else streamable(source)
+    if not awq and why is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(source))
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        report["ptq"] = "tensor by tensor"
+        return anchor_from_folder(source, dest, fmt, tok)
+    report["ptq"] = "AWQ on the loaded model" if awq else f"loaded model ({why})"
     model, tok = load_model(str(source))
     if awq:
         from mfqat.export.awq import apply_awq, awq_pairs
@@ -239,7 +260,7 @@ def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report
     return save_anchor(model, dest, fmt, tok)
 
 
-def _pieces(plan: Plan, name: str, parts: Dict[str, "mx.array"]) -> Dict[str, "mx.array"]:
+def _pieces(plan: Plan, name: str, parts: Dict[str, object]) -> Dict[str, object]:
     """One tensor's MLX arrays (``weight`` [+ ``scales``, ``biases``]) under their mlx-lm names: a split
     expert parameter gives each piece its rows (axis -2) of every array, so every code is kept."""
     rows = parts["weight"].shape[-2] if parts["weight"].ndim > 1 else 1
@@ -284,44 +305,59 @@ def tokenizer_files(meta: dict, folder: Path, explicit: bool = False,
     return out
 
 
+def _storage_parts(st: MLXTensor, scale_dtype: str, derived: bool) -> Dict[str, object]:
+    """The arrays one tensor is written as (torch, in the dtypes MLX reads): packed words, scales and
+    biases (bfloat16 for affine tensors with bfloat16 scales, and for the derived affine formats, which
+    are defined with them), or the bfloat16 weight of a tensor stored unquantized."""
+    if st.mode is None:
+        return {"weight": torch.from_numpy(st.weight).to(torch.bfloat16)}
+    cast = torch.bfloat16 if (st.mode == "affine" and (scale_dtype == "bfloat16" or derived)) else None
+    parts = {"weight": np.ascontiguousarray(st.weight)}  # uint32 words
+    for kind, arr in (("scales", st.scales), ("biases", st.biases)):
+        if arr is not None:
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            parts[kind] = t.to(cast) if cast is not None else t
+    return parts
+
+
 def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes], tmp: Path, report: dict,
            scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-    import mlx.core as mx
-
-    arrays: Dict[str, "mx.array"] = {}
+    """Write the export's weights tensor by tensor (one in memory at a time; shards assembled as they fill),
+    then config.json and the tokenizer files."""
     family = plan.family
-    for name, v in anchor.plain.items():
-        if not v.is_floating_point():
-            arr = mx.array(v.numpy())
-        else:
-            arr = mx.array(family.mlx_value(name, v.float()).contiguous().numpy())
-            arr = arr if family.float32_on_export(name) else arr.astype(mx.bfloat16)
-        arrays[family.mlx_name(name)] = arr
-    for name in plan.kept16:
-        if name in anchor.quantized:
-            arrays.update(_pieces(plan, name, {"weight": mx.array(anchor.quantized[name].dequantize(torch.float32).numpy())
-                                               .astype(mx.bfloat16)}))
-            report["tensors"][name] = {"source": anchor.format, "mlx": "bfloat16", "bits_per_weight": 16, "exact": False}
-    for name, q in plan.tensors(anchor).items():
-        st = to_mlx_storage(q, scale_dtype)
-        if st.mode is None:
-            parts = {"weight": mx.array(st.weight).astype(mx.bfloat16)}
-        else:
-            derived = is_derived(plan.formats[name])  # made with bfloat16 scales
-            cast = mx.bfloat16 if (st.mode == "affine" and (scale_dtype == "bfloat16" or derived)) else None
-            parts = {"weight": mx.array(st.weight), "scales": mx.array(st.scales) if cast is None else mx.array(st.scales).astype(cast)}
-            if st.biases is not None:
-                parts["biases"] = mx.array(st.biases) if cast is None else mx.array(st.biases).astype(cast)
-        arrays.update(_pieces(plan, name, parts))
-        report["tensors"][name] = {"source": plan.formats[name], "origin": plan.origin[name],
-                                   "mlx": st.mode or "bfloat16", "bits": st.bits,
-                                   "group_size": plan.group_of(plan.formats[name]),
-                                   "bits_per_weight": get_format(plan.formats[name]).bits_per_weight(
-                                       plan.group_of(plan.formats[name])),
-                                   "exact": st.exact}
-        if family.mlx_name(name) != name or family.expert_param(name):
-            report["tensors"][name]["mlx_names"] = [n for n, _, _ in family.mlx_pieces(name, q.shape[-2])]
-    save_sharded(arrays, tmp, max_shard_bytes)
+    writer = ShardWriter(tmp, max_shard_bytes, {"format": "mlx"})
+    try:
+        for name in progress([n for n in anchor.plain if n not in plan.formats], desc="export: plain tensors",
+                             unit="tensor", leave=False):
+            v = anchor.plain[name]
+            if v.is_floating_point():
+                v = family.mlx_value(name, v.float()).contiguous()
+                v = v if family.float32_on_export(name) else v.to(torch.bfloat16)
+            writer.add(family.mlx_name(name), v)
+        for name in sorted(plan.kept16):
+            if name in anchor.quantized:
+                weight = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16)
+                for k, arr in _pieces(plan, name, {"weight": weight}).items():
+                    writer.add(k, arr)
+                report["tensors"][name] = {"source": anchor.format, "mlx": "bfloat16", "bits_per_weight": 16,
+                                           "exact": False}
+        for name in progress(list(plan.formats), desc="export: quantized tensors", unit="tensor"):
+            q = plan.tensor(anchor, name)
+            st = to_mlx_storage(q, scale_dtype)
+            for k, arr in _pieces(plan, name, _storage_parts(st, scale_dtype, is_derived(plan.formats[name]))).items():
+                writer.add(k, arr)
+            fmt = plan.formats[name]
+            report["tensors"][name] = {"source": fmt, "origin": plan.origin[name], "mlx": st.mode or "bfloat16",
+                                       "bits": st.bits, "group_size": plan.group_of(fmt),
+                                       "bits_per_weight": get_format(fmt).bits_per_weight(plan.group_of(fmt)),
+                                       "exact": st.exact}
+            if family.mlx_name(name) != name or family.expert_param(name):
+                report["tensors"][name]["mlx_names"] = [n for n, _, _ in family.mlx_pieces(name, q.shape[-2])]
+            del q, st
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan, anchor), indent=2))
     for f, data in tok_files.items():
         (tmp / f).write_bytes(data)

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.lazy import tensor_info
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
 from mfqat.formats import canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for
@@ -66,9 +67,14 @@ class Plan:
         return derived_group(fmt, self.derived_group) if is_derived(fmt) else self.group_size
 
     def tensors(self, anchor: Anchor) -> Dict[str, MXTensor]:
-        """Every planned tensor as an MXTensor in its planned format (sensitivity.in_format)."""
-        return {name: self.refined[name] if name in self.refined else in_format(anchor, name, fmt, self.derived_group)
-                for name, fmt in self.formats.items()}
+        """Every planned tensor as an MXTensor in its planned format (sensitivity.in_format); all in memory
+        at once: streaming steps ask :meth:`tensor` one name at a time."""
+        return {name: self.tensor(anchor, name) for name in self.formats}
+
+    def tensor(self, anchor: Anchor, name: str) -> MXTensor:
+        """One planned tensor in its planned format (the refined one when ``--refine`` learned it)."""
+        return self.refined[name] if name in self.refined else in_format(anchor, name, self.formats[name],
+                                                                          self.derived_group)
 
     def mlx_modules(self, name: str, shape: tuple) -> List[str]:
         """The mlx-lm module paths that hold the tensor ``name`` (several for a split expert parameter)."""
@@ -106,9 +112,8 @@ class Plan:
     def bits_per_weight(self, anchor: Anchor) -> float:
         """Average bits per weight over the Linear/Embedding weights (16 for kept ones)."""
         total_bits, total = 0.0, 0
-        shapes = {**{k: q.shape for k, q in anchor.quantized.items()}, **{k: v.shape for k, v in anchor.plain.items()}}
         for name in list(self.formats) + sorted(self.kept16):
-            n = int(torch.Size(shapes[name]).numel())
+            n = int(torch.Size(anchor.shape(name)).numel())
             bpw = (get_format(self.formats[name]).bits_per_weight(self.group_of(self.formats[name]))
                    if name in self.formats else 16.0)
             total_bits += bpw * n
@@ -121,8 +126,9 @@ def _matrix_weights(anchor: Anchor) -> List[str]:
     by the anchor's block size; not those the model's family keeps in high precision (routers)."""
     bs = anchor.meta.get("block_size", 32)
     family = family_for((anchor.config or {}).get("model_type"))
-    return [k for k, v in anchor.plain.items()
-            if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0
+    infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
+    return [k for k, v in infos.items()
+            if k.endswith(".weight") and len(v.shape) == 2 and v.dtype.is_floating_point and v.shape[-1] % bs == 0
             and not family.kept_high(k)]
 
 
@@ -133,9 +139,10 @@ def check_family(anchor: Anchor) -> Family:
     family = family_for(model_type)
     if family.export_refusal:
         raise ValueError(f"{anchor.path}: cannot export {model_type} to MLX: {family.export_refusal}")
-    odd = [k for k, v in anchor.plain.items() if v.dim() >= 3 and v.is_floating_point() and "conv" not in k]
+    infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
+    odd = [k for k, v in infos.items() if len(v.shape) >= 3 and v.dtype.is_floating_point and "conv" not in k]
     if odd:
-        raise ValueError(f"{anchor.path}: mfqat has no MLX layout for {model_type}'s {odd[0]} {tuple(anchor.plain[odd[0]].shape)}"
+        raise ValueError(f"{anchor.path}: mfqat has no MLX layout for {model_type}'s {odd[0]} {tuple(infos[odd[0]].shape)}"
                          f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; exporting it would give a model "
                          "mlx_lm cannot load (supported families: README, 'Model families')")
     family.mlx_config(dict(anchor.config or {}))  # a config mlx-lm cannot build raises here, before writing
@@ -190,7 +197,7 @@ def dynamic2_bits(name: str, base: int) -> Optional[int]:
 
 
 def _shape(anchor: Anchor, name: str) -> tuple:
-    return tuple(anchor.quantized[name].shape if name in anchor.quantized else anchor.plain[name].shape)
+    return anchor.shape(name)
 
 
 def _check_group_size(anchor: Anchor, names, group: int = 0) -> None:

@@ -89,5 +89,4 @@ def stored_size(folder: Path, n_parameters: int, quantized: Dict[str, int]) -> d
 
 def anchor_parameters(anchor) -> int:
     """Parameter count of the whole model an anchor holds (tied tensors once)."""
-    n = sum(int(torch.Size(q.shape).numel()) for q in anchor.quantized.values())
-    return n + sum(v.numel() for v in anchor.plain.values())
+    return sum(int(torch.Size(anchor.shape(k)).numel()) for k in list(anchor.quantized) + list(anchor.plain))

@@ -1,15 +1,18 @@
 """The export check: MLX's dequantized tensors and mlx_lm's logits against PyTorch on the same weights."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 import torch
 
 from mfqat.anchor.checkpoint import Anchor
-from mfqat.export.mlx_files import load_weights
 from mfqat.export.recipes import Plan, mlx_storage
+from mfqat.progress import progress
+from mfqat.storage.shard_files import MAX_SHARD_BYTES
+from mfqat.storage.tensor_files import ShardWriter, TensorFile
 
 # The exported logits must match PyTorch's (float32, same weights) within LOGIT_RTOL[check] x
 # max(1, max |PyTorch logit|) on the check prompt. The weights are checked bit-exact first, so this
@@ -23,6 +26,11 @@ LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
 # The logits are compared at every position of the check prompt, repeated to at least this many tokens:
 # a port that differs only past a short context (a sliding window mlx-lm ignores, rope scaling) shows.
 CHECK_TOKENS = 64
+# The whole-model logits check runs when it needs at most this much memory (full_check_bytes; a user's
+# max_memory overrides it); past it the check runs on the model cut to its first layers (compare_truncated).
+CHECK_MEMORY = 4 * 1024 ** 3
+# A decoder layer's index in a tensor name (transformers and mlx-lm both write ``...layers.N....``).
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # mfqat_export.json's layout; an export declaring a newer one is refused (written since mfqat 0.1.0: 1;
 # exports without the field are version 1).
 EXPORT_FORMAT_VERSION = 1
@@ -47,46 +55,109 @@ def _as_written(family, name: str, value: torch.Tensor) -> torch.Tensor:
     return family.hf_value(name, written.float())
 
 
-def reference_state(anchor: Anchor, plan: Plan) -> Dict[str, torch.Tensor]:
-    """The PyTorch weights that the export must reproduce (float32)."""
+def reference_state(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = lambda name: True
+                    ) -> Dict[str, torch.Tensor]:
+    """The PyTorch weights that the export must reproduce (float32); ``keep``: only the names it accepts."""
     family = plan.family
-    sd = {k: _as_written(family, k, v) if v.is_floating_point() else v for k, v in anchor.plain.items()}
-    for name, q in plan.tensors(anchor).items():
-        sd[name] = q.dequantize(torch.float32)
+    sd = {}
+    for k in anchor.plain:
+        if keep(k):
+            v = anchor.plain[k]
+            sd[k] = _as_written(family, k, v) if v.is_floating_point() else v
+    for name in plan.formats:
+        if keep(name):
+            sd[name] = plan.tensor(anchor, name).dequantize(torch.float32)
     for name in plan.kept16:
-        if name in anchor.quantized:
+        if keep(name) and name in anchor.quantized:
             sd[name] = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
     return sd
 
 
-def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
-    """Every tensor dequantized by MLX equals the PyTorch dequantization; logits compared."""
+class WrittenTensors:
+    """The tensors of a written export, read one at a time as MLX arrays (nothing else held)."""
+
+    def __init__(self, folder: Path):
+        self.files = [TensorFile.open(f) for f in sorted(Path(folder).glob("model*.safetensors"))]
+        self.where = {n: f for f in self.files for n in f.infos}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def torch(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as written (torch)."""
+        return self.where[name].read(name)
+
+    def get(self, name: str):
+        """Tensor ``name`` as an MLX array (None when absent)."""
+        return to_mx(self.torch(name)) if name in self.where else None
+
+    def close(self) -> None:
+        """Release the files."""
+        for f in self.files:
+            f.close()
+
+
+def to_mx(t: torch.Tensor):
+    """A torch tensor as an MLX array of the same dtype and bits (bfloat16 and uint32 included)."""
     import mlx.core as mx
 
-    weights = load_weights(out)
+    if t.dtype == torch.bfloat16:
+        return mx.array(t.view(torch.int16).numpy()).view(mx.bfloat16)
+    return mx.array(t.numpy())
+
+
+def check_weights(out: Path, anchor: Anchor, plan: Plan) -> int:
+    """Every planned tensor dequantized by MLX from the written files equals the PyTorch dequantization,
+    tensor by tensor (one in memory at a time); the number of elements checked."""
+    import mlx.core as mx
+
+    weights = WrittenTensors(out)
     checked = 0
-    for name, q in plan.tensors(anchor).items():
-        full = q.dequantize(torch.float32).numpy()
-        rows = full.shape[-2] if full.ndim > 1 else 1
-        for piece, lo, hi in plan.family.mlx_pieces(name, rows):
-            module = piece[: -len(".weight")]
-            expect = full if (lo, hi) == (0, rows) else full[..., lo:hi, :]
-            if f"{module}.scales" in weights:
-                mode, bits = mlx_storage(plan.formats[name])
-                got = mx.dequantize(weights[piece], weights[f"{module}.scales"], weights.get(f"{module}.biases"),
-                                    group_size=plan.group_of(plan.formats[name]), bits=bits, mode=mode)
-            elif piece in weights:
-                got = weights[piece]
-            else:
-                raise RuntimeError(f"export check failed: {name}: no {piece} in the written files; nothing was written")
-            got = np.array(got.astype(mx.float32))
-            if got.shape != expect.shape or not np.array_equal(got, expect):
-                bad = int((got != expect).sum()) if got.shape == expect.shape else got.size
-                where = "" if piece == name else f", in {piece}"
-                raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
-                                   f"dequantization ({plan.formats[name]}{where}); nothing was written")
-            checked += got.size
-    rep = {"weights_bit_exact": checked > 0, "weights_checked": checked, **compare_logits(out, anchor, plan, prompt)}
+    try:
+        for name in progress(list(plan.formats), desc="export check: tensors", unit="tensor"):
+            full = plan.tensor(anchor, name).dequantize(torch.float32).numpy()
+            rows = full.shape[-2] if full.ndim > 1 else 1
+            for piece, lo, hi in plan.family.mlx_pieces(name, rows):
+                module = piece[: -len(".weight")]
+                expect = full if (lo, hi) == (0, rows) else full[..., lo:hi, :]
+                if f"{module}.scales" in weights:
+                    mode, bits = mlx_storage(plan.formats[name])
+                    got = mx.dequantize(weights.get(piece), weights.get(f"{module}.scales"),
+                                        weights.get(f"{module}.biases"),
+                                        group_size=plan.group_of(plan.formats[name]), bits=bits, mode=mode)
+                elif piece in weights:
+                    got = weights.get(piece)
+                else:
+                    raise RuntimeError(f"export check failed: {name}: no {piece} in the written files; nothing was "
+                                       "written")
+                got = np.array(got.astype(mx.float32))
+                if got.shape != expect.shape or not np.array_equal(got, expect):
+                    bad = int((got != expect).sum()) if got.shape == expect.shape else got.size
+                    where = "" if piece == name else f", in {piece}"
+                    raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
+                                       f"dequantization ({plan.formats[name]}{where}); nothing was written")
+                checked += got.size
+    finally:
+        weights.close()
+    return checked
+
+
+def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str, max_memory: Optional[int] = None) -> dict:
+    """Every tensor dequantized by MLX equals the PyTorch dequantization (tensor by tensor); then the
+    logits of ``mlx_lm.load`` against PyTorch's on the same weights: the whole model when the check fits
+    ``max_memory`` (bytes; default :data:`CHECK_MEMORY`), else the model cut to its first layers
+    (:func:`check_layers`: every kind of layer the config has), which checks the same config keys,
+    names, per-module bits, rope and tying at the memory of a few layers."""
+    checked = check_weights(out, anchor, plan)
+    rep = {"weights_bit_exact": checked > 0, "weights_checked": checked}
+    need = full_check_bytes(anchor)
+    budget = CHECK_MEMORY if max_memory is None else max_memory
+    if need <= budget:
+        rep.update(compare_logits(out, anchor, plan, prompt))
+        rep["logits_checked"] = "whole model"
+    else:
+        rep.update(compare_truncated(out, anchor, plan, prompt))
+        rep["logits_full_check_bytes"] = need
     if not rep["max_abs_logit_diff"] <= rep["logit_tolerance"]:
         raise RuntimeError(f"export check failed: the logits of mlx_lm.load(out) differ from PyTorch by "
                            f"{rep['max_abs_logit_diff']:.3g}, above the tolerance {rep['logit_tolerance']:.3g} "
@@ -94,14 +165,86 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
     return rep
 
 
-def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
-    """Load with mlx_lm and compare logits on ``prompt`` with the PyTorch model in the same format."""
+def full_check_bytes(anchor: Anchor) -> int:
+    """Memory the whole-model logits check needs: the PyTorch reference and the MLX model upcast, both in
+    float32 (8 bytes a parameter), plus the libraries."""
+    from mfqat.export.storage import anchor_parameters
+    return 8 * anchor_parameters(anchor) + 512 * 1024 ** 2
+
+
+def check_layers(config: dict) -> int:
+    """How many leading decoder layers the cut check keeps: at least 2, and enough to hold every kind of
+    layer the config names (``layer_types``, a hybrid stack's ``full_attention_interval``, the dense layers
+    before the first MoE layer)."""
+    n = int(config.get("num_hidden_layers") or 0)
+    k = 2
+    types = config.get("layer_types")
+    if isinstance(types, list) and types:
+        k = max(k, max(types.index(t) for t in set(types)) + 1)
+    for key, extra in (("full_attention_interval", 0), ("first_k_dense_replace", 1), ("decoder_sparse_step", 0)):
+        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool):
+            k = max(k, config[key] + extra)
+    return min(k, n) if n else k
+
+
+def _layer(name: str) -> Optional[int]:
+    m = LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def cut_config(config: dict, k: int) -> dict:
+    """``config`` with only its first ``k`` decoder layers (per-layer lists cut to match)."""
+    cfg = dict(config)
+    cfg["num_hidden_layers"] = k
+    for key in ("layer_types",):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:k]
+    return cfg
+
+
+def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
+    """The logits check on the export cut to its first :func:`check_layers` layers: a folder holding those
+    layers' written tensors (and every tensor outside the layers) is loaded by mlx_lm and compared with
+    the PyTorch reference cut the same way."""
+    import json
+    import shutil
+    import tempfile
+
+    config = anchor.config
+    k = check_layers(config)
+    keep = lambda name: (_layer(name) is None or _layer(name) < k)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix=".check-", dir=out) as tmp:
+        cut = Path(tmp)
+        written = WrittenTensors(out)
+        writer = ShardWriter(cut, MAX_SHARD_BYTES, {"format": "mlx"})
+        try:
+            for name in written.where:
+                if keep(name):
+                    writer.add(name, written.torch(name))
+            writer.close()
+        finally:
+            written.close()
+        mlx_cfg = json.loads((out / "config.json").read_text())
+        (cut / "config.json").write_text(json.dumps(cut_config(mlx_cfg, k)))
+        for f in out.iterdir():
+            if f.is_file() and not f.name.startswith("model") and f.name != "config.json":
+                shutil.copy(f, cut / f.name)
+        rep = compare_logits(cut, anchor, plan, prompt, config=cut_config(config, k), keep=keep)
+    rep["logits_checked"] = f"first {k} of {config.get('num_hidden_layers')} layers"
+    return rep
+
+
+def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: Optional[dict] = None,
+                   keep: Callable[[str], bool] = lambda name: True) -> dict:
+    """Load with mlx_lm and compare logits on ``prompt`` with the PyTorch model in the same format
+    (``config``/``keep``: a cut model, see :func:`compare_truncated`)."""
     import mlx.core as mx
     from mlx_lm import load as mlx_load
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from mlx.utils import tree_flatten, tree_map
 
+    config = anchor.config if config is None else config
     model, tok = mlx_load(str(out))
     ids = tok.encode(prompt)
     ids = (ids * -(-CHECK_TOKENS // max(len(ids), 1)))[:max(CHECK_TOKENS, len(ids))]  # the prompt, repeated
@@ -111,9 +254,10 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
     if any(a.dtype == mx.bfloat16 for _, a in params):  # bf16 norms upcast exactly (PyTorch holds them so)
         model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
     mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
-    config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
-    pt = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = pt.load_state_dict(reference_state(anchor, plan), strict=False)
+    del model
+    pt_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    pt = AutoModelForCausalLM.from_config(pt_config, dtype=torch.float32)
+    missing, unexpected = pt.load_state_dict(reference_state(anchor, plan, keep), strict=False)
     missing = [k for k in missing if k not in set(anchor.meta.get("tied", {}))]
     if missing or unexpected:  # the reference must hold every weight the anchor has, nothing else
         raise RuntimeError(f"export check failed: the PyTorch reference does not match {anchor.path}'s weights "

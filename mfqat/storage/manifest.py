@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
+from mfqat.storage.io import sha256_file
+
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -47,7 +49,7 @@ def seal(meta: dict, folder: Path, meta_name: str = "mfqat.json") -> dict:
     """Add the manifest of every file in ``folder`` (but ``meta_name``) and the digest to ``meta``."""
     folder = Path(folder)
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != meta_name)
-    meta["manifest"] = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in names}
+    meta["manifest"] = {n: sha256_file(folder / n) for n in names}  # in chunks: shards can be GBs
     meta["digest"] = canonical_digest(meta)
     return meta
 
@@ -110,27 +112,35 @@ class Snapshot:
             return False
         return (st.st_mode & 0o170000) == 0o100000
 
-    def read(self, name: str) -> bytes:
-        """The bytes of one file of the folder (no symlinks followed)."""
+    def open(self, name: str) -> int:
+        """A read-only descriptor of one file of the folder (no symlinks followed); the caller closes it."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self.fd)
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self.fd)
         except FileNotFoundError:
             if self.replaced():
                 raise Replaced(name) from None
             raise AnchorError(f"{self.path / name}: file listed in the metadata is missing") from None
         except OSError as e:
             raise AnchorError(f"{self.path / name}: cannot open ({e.strerror}; symlinks are refused)") from None
-        with os.fdopen(fd, "rb") as f:
+
+    def read(self, name: str) -> bytes:
+        """The bytes of one file of the folder (no symlinks followed)."""
+        with os.fdopen(self.open(name), "rb") as f:
             return f.read()
 
-    def read_checked(self, name: str, digest: Optional[str]) -> bytes:
-        """Read ``name`` and compare its sha256 with ``digest`` (None: no check)."""
-        data = self.read(name)
-        if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+    def check_digest(self, name: str, actual: str, digest: Optional[str]) -> None:
+        """Refuse ``name`` when its sha256 ``actual`` is not ``digest`` (None: no check)."""
+        if digest is not None and actual != digest:
             if self.replaced():
                 raise Replaced(name)
             raise AnchorError(f"{self.path / name}: sha256 mismatch: the file is truncated or was modified; "
                               "re-save or re-download it")
+
+    def read_checked(self, name: str, digest: Optional[str]) -> bytes:
+        """Read ``name`` and compare its sha256 with ``digest`` (None: no check)."""
+        data = self.read(name)
+        if digest is not None:
+            self.check_digest(name, hashlib.sha256(data).hexdigest(), digest)
         return data
 
     def names(self) -> List[str]:

@@ -43,14 +43,11 @@ def write_index(folder: Path, files: List[str], shards: List[List[str]], total_b
 
 def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES,
                       metadata: Optional[dict] = None) -> List[str]:
-    """Write torch tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``."""
-    from safetensors.torch import save_file
+    """Write torch tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``, one
+    tensor at a time (mfqat.storage.tensor_files.ShardWriter)."""
+    from mfqat.storage.tensor_files import ShardWriter
 
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
-    shards = plan_shards(sizes, max_shard_bytes)
-    files = shard_file_names(len(shards))
-    for name, keys in zip(files, shards):
-        save_file({k: tensors[k] for k in keys}, str(folder / name), metadata={"format": "pt", **(metadata or {})})
-    write_index(folder, files, shards, sum(sizes.values()))
-    return files
+    writer = ShardWriter(folder, max_shard_bytes, metadata)
+    for k, v in tensors.items():
+        writer.add(k, v)
+    return writer.close()

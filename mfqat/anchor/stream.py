@@ -1,0 +1,184 @@
+"""A plain Hugging Face checkpoint folder to an anchor, tensor by tensor (post-training quantization at any size).
+
+``save_anchor(model, ...)`` needs the model in memory. :func:`anchor_from_folder` never builds it: the
+model's structure comes from its config on PyTorch's ``meta`` device (no memory), the weights are read
+from the source's safetensors shards one tensor at a time (in their stored dtype: a bfloat16 checkpoint's
+norms and embeddings stay bfloat16), each target is quantized as it is read, and the anchor's shards are
+written as they fill (mfqat.storage.tensor_files). Peak memory: one tensor and its quantization.
+
+The same anchor as ``save_anchor(load_model(folder)[0], ...)`` (same targets, codes, scales, metadata),
+except that plain tensors keep the checkpoint's dtype. Checkpoints whose names transformers rewrites on
+load (per-expert MoE names stacked into fused parameters, FP8 block scales, renamed keys) do not map
+tensor by tensor: :func:`streamable` says why, and the caller loads the model instead.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from mfqat import __version__
+from mfqat.anchor.config import write_anchor_config
+from mfqat.anchor.meta import BASE_FORMAT_VERSION
+from mfqat.anchor.tensors import default_targets, full_precision
+from mfqat.formats import get_format
+from mfqat.progress import progress
+from mfqat.quant.api import quantize
+from mfqat.quant.scale_rules import anchor_rules
+from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
+from mfqat.storage.manifest import seal
+from mfqat.storage.model_card import write_model_card
+from mfqat.storage.shard_files import INDEX_FILE, MAX_SHARD_BYTES, WEIGHTS_FILE
+from mfqat.storage.sharded import unique_state_dict
+from mfqat.storage.tensor_files import ShardWriter, TensorFile, TensorFileError, TensorInfo
+
+# Rows quantized at once: bounds the float32 working copy of a large matrix (an embedding) to ~64 MB a chunk.
+CHUNK_ELEMENTS = 16 * 1024 ** 2
+
+
+class SourceCheckpoint:
+    """The safetensors weights of an HF folder (one file, or shards named by an index), read tensor by tensor."""
+
+    def __init__(self, folder: PathLike):
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({e}); re-download the checkpoint") from None
+        elif (self.folder / WEIGHTS_FILE).is_file():
+            names = [WEIGHTS_FILE]
+        else:
+            names = []
+        self.files = []
+        try:
+            for n in names:
+                self.files.append(TensorFile.open(self.folder / n))
+        except (TensorFileError, OSError) as e:
+            self.close()
+            raise ValueError(str(e)) from None
+        self.where: Dict[str, Tuple[TensorFile, TensorInfo]] = {k: (f, i) for f in self.files
+                                                                 for k, i in f.infos.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in its stored dtype."""
+        return self.where[name][0].read(name)
+
+    def close(self) -> None:
+        """Release the files."""
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> "SourceCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def meta_model(folder: PathLike):
+    """(model on the meta device, its config): the structure from config.json, no weights, no memory."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model, config
+
+
+def streamable(folder: PathLike) -> Optional[str]:
+    """None when ``folder`` can be quantized tensor by tensor, else why not (the caller loads the model)."""
+    folder = Path(folder)
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        return "no config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError:
+        return "config.json is not JSON"
+    if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None:
+        return "a pre-quantized checkpoint (dequantized by transformers on load)"
+    if not (folder / INDEX_FILE).is_file() and not (folder / WEIGHTS_FILE).is_file():
+        return "no safetensors weights"
+    try:
+        model, _ = meta_model(folder)
+    except Exception as e:  # an architecture transformers cannot build from its config
+        return f"transformers cannot build the model from its config ({type(e).__name__})"
+    with SourceCheckpoint(folder) as src:
+        sd, _ = unique_state_dict(model, model.state_dict())
+        missing = [k for k in sd if k not in src.where]
+        extra = [k for k in src.where if k not in sd and k not in dict(model.named_parameters(remove_duplicate=False))]
+        wrong = [k for k in sd if k in src.where and tuple(src.where[k][1].shape) != tuple(sd[k].shape)]
+    if missing or extra or wrong:
+        first = (missing or extra or wrong)[0]
+        return f"its tensor names or shapes differ from the model's (e.g. {first}: renamed or fused on load)"
+    return None
+
+
+def _quantized_chunks(value: torch.Tensor, f, block_size: int, scale_rule: str, name: str):
+    """(packed codes, scales) of ``value`` quantized in row chunks (the rows of a matrix are independent)."""
+    rows = value.reshape(-1, value.shape[-1])
+    step = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
+    codes, scales = [], []
+    for lo in range(0, rows.shape[0], step):
+        part = rows[lo:lo + step].float()
+        if not torch.isfinite(part).all():
+            raise ValueError(f"{name}: the weight holds NaN or Inf values; refusing to save an anchor of it")
+        q = quantize(part, f, block_size, scale_rule)
+        codes.append(q.pack())
+        scales.append(q.scales)
+    lead = tuple(value.shape[:-1])
+    return torch.cat(codes).reshape(*lead, -1), torch.cat(scales).reshape(*lead, -1)
+
+
+def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", tokenizer=None, block_size: int = 32,
+                       scale_rule: str = "floor", max_shard_bytes: int = MAX_SHARD_BYTES,
+                       overwrite: bool = False) -> Path:
+    """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
+    docstring). ``tokenizer``: saved with it (default: the folder's, when it has one). Raises ValueError
+    when :func:`streamable` refuses the folder."""
+    why = streamable(folder)
+    if why is not None:
+        raise ValueError(f"{folder}: cannot be quantized tensor by tensor: {why}")
+    f = get_format(fmt)
+    if not f.is_mx:
+        raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
+    model, config = meta_model(folder)
+    sd, tied = unique_state_dict(model, model.state_dict())
+    targets = set(default_targets(model, block_size))
+    recorded = anchor_rules(f.name, scale_rule, None)
+    rule = recorded[f.name]
+    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": None} for k, v in sd.items() if k in targets}
+    fp = full_precision(model, sd, entries, block_size)
+    with SourceCheckpoint(folder) as src, atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
+        write_anchor_config(config, tmp, f.name, block_size, rule, recorded)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_model_card(tmp, "anchor", str(folder), [f.name], name=Path(path).name)
+        writer = ShardWriter(tmp, max_shard_bytes)
+        try:
+            for k in progress(list(sd), desc="anchor: quantize", unit="tensor"):
+                v = src.read(k)
+                if k in entries:
+                    entries[k]["dtype"] = str(v.dtype).replace("torch.", "")
+                    codes, scales = _quantized_chunks(v, f, block_size, rule, k)
+                    writer.add(f"{k}.codes", codes)
+                    writer.add(f"{k}.scales", scales)
+                else:
+                    writer.add(k, v)
+                del v
+            files = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        meta = {"format_version": BASE_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
+                "block_size": block_size, "scale_rule": rule, "scale_rules": recorded, "tensors": entries,
+                "tied": tied, "full_precision": fp, "schedule": None, "step": None,
+                "files": {name: sha256_file(tmp / name) for name in files}}
+        write_json(tmp / "mfqat.json", seal(meta, tmp, "mfqat.json"))
+    return Path(path)
