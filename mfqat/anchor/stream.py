@@ -120,6 +120,19 @@ def streamable(folder: PathLike) -> Optional[str]:
     return None
 
 
+def folder_tokenizer(folder: PathLike):
+    """The tokenizer of an HF folder (pad token = eos when it has none, as load_model sets it), or None."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError):
+        return None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def _quantized_chunks(value: torch.Tensor, f, block_size: int, scale_rule: str, name: str):
     """(packed codes, scales) of ``value`` quantized in row chunks (the rows of a matrix are independent)."""
     rows = value.reshape(-1, value.shape[-1])
@@ -149,6 +162,8 @@ def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", to
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
     model, config = meta_model(folder)
+    if tokenizer is None:
+        tokenizer = folder_tokenizer(folder)
     sd, tied = unique_state_dict(model, model.state_dict())
     targets = set(default_targets(model, block_size))
     recorded = anchor_rules(f.name, scale_rule, None)

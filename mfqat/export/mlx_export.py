@@ -239,13 +239,8 @@ def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report
 
     why = None if awq else streamable(source)
     if not awq and why is None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(source))
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
         report["ptq"] = "tensor by tensor"
-        return anchor_from_folder(source, dest, fmt, tok)
+        return anchor_from_folder(source, dest, fmt)
     report["ptq"] = "AWQ on the loaded model" if awq else f"loaded model ({why})"
     model, tok = load_model(str(source))
     if awq:

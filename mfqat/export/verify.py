@@ -28,7 +28,7 @@ LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
 CHECK_TOKENS = 64
 # The whole-model logits check runs when it needs at most this much memory (full_check_bytes; a user's
 # max_memory overrides it); past it the check runs on the model cut to its first layers (compare_truncated).
-CHECK_MEMORY = 4 * 1024 ** 3
+CHECK_MEMORY = 2 * 1024 ** 3
 # A decoder layer's index in a tensor name (transformers and mlx-lm both write ``...layers.N....``).
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # mfqat_export.json's layout; an export declaring a newer one is refused (written since mfqat 0.1.0: 1;

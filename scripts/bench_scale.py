@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Memory and time at the sizes users ship: each command as its own process, its peak resident memory
+(the child's ru_maxrss from os.wait4) and wall time, next to `mlx_lm.convert -q` on the same folder.
+
+Random-weight Llama checkpoints saved in bfloat16 (sharded safetensors with an index, SmolLM2's
+tokenizer, vocabulary 49152) are built tensor by tensor (never a whole model in memory):
+
+    python scripts/bench_scale.py [--sizes 0.1,0.5,1.2,3] [--out out/bench_scale] [--commands ...]
+
+Prints one table (peak GiB, x the bf16 bytes, seconds, ratio to mlx_lm.convert), fits each command's
+growth law peak = a + b x bf16 GiB over the sizes, and writes scale.json and scale_memory.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# name: (hidden, layers, intermediate, heads, kv heads, tied)
+SHAPES = {
+    "0.1": (576, 30, 1536, 9, 3, True),      # SmolLM2-135M's shape
+    "0.5": (1024, 24, 4096, 16, 4, False),
+    "1.2": (2048, 16, 8192, 32, 8, False),
+    "3": (3072, 26, 8192, 24, 8, False),
+}
+VOCAB = 49152
+SHARD_BYTES = 2 * 1024 ** 3  # sources in 2 GiB shards, as released checkpoints come
+PY = sys.executable
+COMMANDS = {
+    "mlx_lm.convert -q": lambda src, out: [PY, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path",
+                                           str(out / "mlx_lm"), "-q"],
+    "export-mlx HF uniform:affine4": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(src), "--out",
+                                                       str(out / "mfqat"), "--recipe", "uniform:affine4"],
+    "PTQ anchor (anchor_from_folder)": lambda src, out: [PY, "-c", "import sys; from mfqat.anchor.stream import "
+                                                         "anchor_from_folder as a; a(sys.argv[1], sys.argv[2])",
+                                                         str(src), str(out / "anchor")],
+    "export-mlx ANCHOR uniform:affine4": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(out / "anchor"),
+                                                           "--out", str(out / "mfqat-a"), "--recipe",
+                                                           "uniform:affine4"],
+    "eval ANCHOR --formats mxint4": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
+                                                      "mxint4", "--blocks", "2", "--seq-len", "128", "--plot",
+                                                      str(out / "eval.png")],
+}
+
+
+def build(size: str, folder: Path) -> int:
+    """A random bf16 Llama checkpoint of ``size`` in ``folder`` (skipped when present); its bf16 bytes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mfqat.data.sources import load_model
+    from mfqat.storage.tensor_files import ShardWriter
+
+    done = folder / "config.json"
+    hidden, layers, inter, heads, kv, tied = SHAPES[size]
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
+                      max_position_embeddings=2048, dtype="bfloat16")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    names = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: the embedding once
+    nbytes = 2 * sum(torch.Size(s).numel() for s in names.values())
+    if done.is_file():
+        return nbytes
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    writer = ShardWriter(folder, SHARD_BYTES)
+    for n, shape in names.items():
+        t = torch.ones(shape) if "norm" in n else torch.randn(shape, generator=gen) * 0.02
+        writer.add(n, t.to(torch.bfloat16))
+    writer.close()
+    load_model(None)[1].save_pretrained(folder)  # SmolLM2's tokenizer (vocabulary 49152)
+    cfg.save_pretrained(folder)
+    return nbytes
+
+
+def measure(cmd, log: Path, limit_gib: float) -> dict:
+    """Run ``cmd`` as a child; its peak RSS (GiB), wall seconds and exit status."""
+    env = {**os.environ, "MFQAT_PROGRESS": "0", "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        def cap():
+            import resource
+            lim = int(limit_gib * 1024 ** 3)
+            resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=cap)
+        _, status, usage = os.wait4(proc.pid, 0)
+    return {"peak_gib": usage.ru_maxrss / 1024 ** 2, "seconds": time.perf_counter() - t0,
+            "rc": os.waitstatus_to_exitcode(status)}
+
+
+def fit(points):
+    """Least-squares (a, b) of peak = a + b x size over [(size, peak)]."""
+    n = len(points)
+    if n < 2:
+        return None
+    mx_ = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    var = sum((p[0] - mx_) ** 2 for p in points)
+    b = sum((p[0] - mx_) * (p[1] - my) for p in points) / var if var else 0.0
+    return my - b * mx_, b
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="0.1,0.5,1.2")
+    ap.add_argument("--out", default="out/bench_scale")
+    ap.add_argument("--commands", default=",".join(COMMANDS), help="comma-separated names from: " + ", ".join(COMMANDS))
+    ap.add_argument("--limit-gib", type=float, default=20.0, help="address-space cap of each command")
+    ap.add_argument("--keep", action="store_true", help="keep the outputs (default: removed after each size)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    rows = []
+    for size in a.sizes.split(","):
+        src = out / f"src-{size}B"
+        gib = build(size, src) / 1024 ** 3
+        work = out / f"work-{size}B"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        for name in a.commands.split(","):
+            r = measure(COMMANDS[name](src, work), work / f"{name.split()[0]}-{len(rows)}.log", a.limit_gib)
+            rows.append({"size": size, "bf16_gib": gib, "command": name, **r})
+            print(f"{size}B ({gib:.2f} GiB bf16) {name}: peak {r['peak_gib']:.2f} GiB ({r['peak_gib'] / gib:.2f}x), "
+                  f"{r['seconds']:.0f} s, rc {r['rc']}", flush=True)
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    ref = {r["size"]: r for r in rows if r["command"].startswith("mlx_lm")}
+    print("\n| size | bf16 GiB | command | peak GiB | x bf16 | s | peak / mlx_lm | time / mlx_lm | rc |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        m = ref.get(r["size"])
+        ratio = f"{r['peak_gib'] / m['peak_gib']:.2f}" if m else "-"
+        tratio = f"{r['seconds'] / m['seconds']:.2f}" if m else "-"
+        print(f"| {r['size']}B | {r['bf16_gib']:.2f} | {r['command']} | {r['peak_gib']:.2f} | "
+              f"{r['peak_gib'] / r['bf16_gib']:.2f} | {r['seconds']:.0f} | {ratio} | {tratio} | {r['rc']} |")
+    print("\ngrowth law, peak GiB = a + b x bf16 GiB:")
+    laws = {}
+    for name in dict.fromkeys(r["command"] for r in rows):
+        law = fit([(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0])
+        if law:
+            laws[name] = law
+            print(f"  {name}: {law[0]:.2f} + {law[1]:.2f} x")
+    (out / "scale.json").write_text(json.dumps({"rows": rows, "laws": laws}, indent=1))
+    plot(rows, out / "scale_memory.png")
+    print(f"wrote {out / 'scale.json'} and {out / 'scale_memory.png'}")
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["command"] for r in rows):
+        pts = [(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    sizes = sorted({r["bf16_gib"] for r in rows})
+    ax.plot(sizes, sizes, "k:", label="1x the bf16 bytes")
+    ax.set_xlabel("model size (GiB in bfloat16)")
+    ax.set_ylabel("peak resident memory (GiB)")
+    ax.set_title("Peak memory by model size: mfqat vs mlx_lm.convert")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Models the size users ship: safetensors read and written one tensor at a time, anchors read lazily, PTQ
+anchors quantized tensor by tensor from a sharded bf16 checkpoint, the export's check past a memory budget,
+and the memory law of a streaming export (peak growth / the model's bf16 bytes), measured in a child process."""
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import mfqat
+from mfqat.anchor.checkpoint import read_anchor
+from mfqat.anchor.stream import anchor_from_folder, streamable
+from mfqat.data.sources import load_model, tiny_llama, tiny_tokenizer
+from mfqat.export.verify import check_layers
+from mfqat.storage.manifest import AnchorError
+from mfqat.storage.tensor_files import ShardWriter, TensorFile, TensorFileError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shard_writer_round_trip_in_torch_safetensors_and_mlx(tmp_path):
+    import mlx.core as mx
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randint(0, 255, (7,), dtype=torch.uint8),
+               "c": torch.randn(4, 4).to(torch.bfloat16), "d": torch.zeros(0, 3)}
+    w = ShardWriter(tmp_path, 60)
+    for k, v in tensors.items():
+        w.add(k, v)
+    w.add("e", np.arange(6, dtype=np.uint32).reshape(2, 3))
+    w.add_chunks("f", torch.bfloat16, (4, 2), [torch.ones(2, 2, dtype=torch.bfloat16),
+                                               torch.full((2, 2), 2.0, dtype=torch.bfloat16)])
+    files = w.close()
+    assert len(files) == 3 and (tmp_path / "model.safetensors.index.json").is_file()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors) | {"e", "f"}
+    got = {}
+    for f in files:
+        got.update(load_file(tmp_path / f))
+        assert set(mx.load(str(tmp_path / f))) == set(load_file(tmp_path / f))
+        with TensorFile.open(tmp_path / f) as tf:
+            for k in tf.infos:
+                assert torch.equal(tf.read(k), got[k])
+    for k, v in tensors.items():
+        assert torch.equal(got[k], v), k
+    assert got["e"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert got["f"].float().tolist() == [[1, 1], [1, 1], [2, 2], [2, 2]]
+    assert not list(tmp_path.glob(".shard-*")), "spill files left behind"
+
+
+def test_a_tensor_that_fills_a_shard_exactly_closes_it(tmp_path):
+    w = ShardWriter(tmp_path, 64)
+    w.add("full", torch.zeros(16))  # 64 bytes: exactly one shard
+    w.add("next", torch.zeros(1))
+    files = w.close()
+    assert len(files) == 2
+    assert set(load_file(tmp_path / files[0])) == {"full"} and set(load_file(tmp_path / files[1])) == {"next"}
+
+
+def test_chunks_that_do_not_add_up_are_refused(tmp_path):
+    w = ShardWriter(tmp_path, 1 << 20)
+    with pytest.raises(ValueError, match="x: chunks gave 8 bytes"):
+        w.add_chunks("x", torch.float32, (3,), [torch.zeros(2)])
+    w.abort()
+    assert not list(tmp_path.glob(".shard-*"))
+
+
+def _tensor_file(tmp_path) -> Path:
+    w = ShardWriter(tmp_path, 1 << 20)
+    w.add("w", torch.randn(8, 8))
+    w.add("b", torch.randn(8))
+    return tmp_path / w.close()[0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "trailing", "gap", "header"])
+def test_a_damaged_safetensors_file_is_refused_naming_it(tmp_path, damage):
+    path = _tensor_file(tmp_path)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    if damage == "truncated":
+        data = data[:-5]
+    elif damage == "trailing":
+        data = data + b"\0" * 4
+    elif damage == "gap":
+        header = json.loads(data[8:8 + n])
+        header["b"]["data_offsets"] = [o + 4 for o in header["b"]["data_offsets"]]
+        text = json.dumps(header).encode()
+        data = struct.pack("<Q", len(text)) + text + data[8 + n:] + b"\0" * 4
+    else:
+        data = struct.pack("<Q", 1 << 40) + data[8:]
+    path.write_bytes(data)
+    with pytest.raises(TensorFileError, match=f"^{path}: cannot read safetensors"):
+        TensorFile.open(path)
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+    """A tiny Llama saved in bfloat16 by save_pretrained, in two shards with an index, with a tokenizer."""
+    tok = tiny_tokenizer()
+    folder = tmp_path_factory.mktemp("stream") / "src"
+    model = tiny_llama(vocab_size=len(tok), layers=3).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    tok.save_pretrained(folder)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def test_ptq_anchor_tensor_by_tensor_equals_the_loaded_models(bf16_folder, tmp_path):
+    assert streamable(bf16_folder) is None
+    streamed = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "s"))
+    model, tok = load_model(str(bf16_folder))
+    loaded = read_anchor(mfqat.save_anchor(model, tmp_path / "l", "mxint8", tok))
+    assert list(streamed.quantized) == list(loaded.quantized) and streamed.quantized
+    for k in loaded.quantized:
+        a, b = streamed.quantized[k], loaded.quantized[k]
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), k
+    assert set(streamed.plain) == set(loaded.plain)
+    for k, v in loaded.plain.items():
+        assert streamed.plain[k].dtype == torch.bfloat16, "a bf16 checkpoint's plain tensors stay bf16"
+        assert torch.equal(streamed.plain[k].float(), v.float()), k
+    for key in ("tied", "full_precision", "block_size", "scale_rule", "scale_rules", "anchor_format"):
+        assert streamed.meta[key] == loaded.meta[key], key
+    assert (tmp_path / "s" / "tokenizer.json").is_file()
+
+
+def test_a_checkpoint_whose_names_do_not_map_is_not_streamed(bf16_folder, tmp_path):
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(bf16_folder, odd)
+    index = json.loads((odd / "model.safetensors.index.json").read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    tensors = load_file(odd / shard)
+    tensors["renamed." + name] = tensors.pop(name)
+    from safetensors.torch import save_file
+    save_file(tensors, odd / shard, metadata={"format": "pt"})
+    assert "differ from the model's" in streamable(odd)
+
+
+def test_a_lazy_anchor_reads_the_same_tensors_and_keeps_none(bf16_folder, tmp_path):
+    path = anchor_from_folder(bf16_folder, tmp_path / "a")
+    eager, lazy = read_anchor(path), read_anchor(path, lazy=True)
+    for k in eager.quantized:
+        assert torch.equal(lazy.quantized[k].codes, eager.quantized[k].codes), k
+        assert lazy.shape(k) == tuple(eager.quantized[k].shape)
+    for k in eager.plain:
+        assert torch.equal(lazy.plain[k], eager.plain[k]), k
+    assert not lazy.quantized._held and not lazy.plain._held, "a lazy read kept tensors in memory"
+
+
+def test_a_corrupted_shard_of_a_lazy_anchor_is_refused_before_any_tensor_is_used(bf16_folder, tmp_path):
+    path = anchor_from_folder(bf16_folder, tmp_path / "a", max_shard_bytes=50_000)
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(AnchorError, match=f"{shard.name}: sha256 mismatch"):
+        read_anchor(path, lazy=True)
+
+
+def test_export_from_the_folder_streams_and_equals_the_export_of_the_loaded_model(bf16_folder, tmp_path):
+    rep = mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:affine4")
+    assert rep["ptq"] == "tensor by tensor"
+    model, tok = load_model(str(bf16_folder))
+    anchor = mfqat.save_anchor(model, tmp_path / "l", "mxint8", tok)
+    mfqat.export.to_mlx(anchor, tmp_path / "ml", recipe="uniform:affine4")
+    a, b = {}, {}
+    for f in (tmp_path / "m").glob("model*.safetensors"):
+        a.update(load_file(f))
+    for f in (tmp_path / "ml").glob("model*.safetensors"):
+        b.update(load_file(f))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_past_the_memory_budget_the_logits_are_checked_on_the_first_layers(bf16_folder, tmp_path):
+    rep = mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
+    v = rep["verify"]
+    assert v["logits_checked"] == "first 2 of 3 layers"
+    assert v["weights_bit_exact"] and v["max_abs_logit_diff"] <= v["logit_tolerance"]
+    assert not list((tmp_path / "m").glob(".check-*")), "the cut model was left in the export"
+    full = mfqat.export.to_mlx(bf16_folder, tmp_path / "f", recipe="uniform:mxint4")["verify"]
+    assert full["logits_checked"] == "whole model"
+
+
+@pytest.mark.parametrize("config,k", [
+    ({"num_hidden_layers": 30}, 2),
+    ({"num_hidden_layers": 1}, 1),
+    ({"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["x"] * 4}, 5),
+    ({"num_hidden_layers": 8, "full_attention_interval": 4}, 4),
+    ({"num_hidden_layers": 8, "first_k_dense_replace": 3}, 4),
+])
+def test_the_cut_check_keeps_every_kind_of_layer(config, k):
+    assert check_layers(config) == k
+
+
+def test_a_broken_layer_past_the_cut_is_still_caught_by_the_tensor_check(bf16_folder, tmp_path, monkeypatch):
+    """The cut logits check sees only the first layers: the bit-exact tensor check covers every layer."""
+    from mfqat.export import mlx_export
+
+    real = mlx_export.to_mlx_storage
+
+    def corrupt(q, scale_dtype="float32"):
+        st = real(q, scale_dtype)
+        if q.shape[0] == 128 and st.biases is not None:  # the MLP's gate/up rows: flip one bias
+            st.biases = st.biases.copy()
+            st.biases.flat[0] += 1.0
+        return st
+    monkeypatch.setattr(mlx_export, "to_mlx_storage", corrupt)
+    with pytest.raises(RuntimeError, match="export check failed: .*layers.*elements differ"):
+        mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
+    assert not (tmp_path / "m").exists()
+
+
+MEMORY_PROBE = r"""
+import json, resource, sys, torch
+import mlx.core, mlx_lm, transformers, mfqat.export, mfqat.anchor.stream
+from transformers import LlamaConfig
+import psutil
+base = psutil.Process().memory_info().rss // 1024  # now, after the imports (their transient peak may be higher)
+mfqat.export.to_mlx(sys.argv[1], sys.argv[2], recipe="uniform:affine4", max_memory=0)
+print(json.dumps({"base": base, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def _export_growth(tmp_path: Path, layers: int) -> tuple:
+    """(peak RSS growth of a child exporting a bf16 Llama of ``layers`` layers, the model's bf16 bytes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    src = tmp_path / f"src{layers}"
+    model.save_pretrained(src, max_shard_size="20MB")
+    tok.save_pretrained(src)
+    bf16 = 2 * sum(p.numel() for p in model.parameters())
+    del model
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MFQAT_PROGRESS": "0"}
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(src), str(tmp_path / f"m{layers}")],
+                         capture_output=True, text=True, env=env, check=True)
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    return (rss["peak"] - rss["base"]) * 1024, bf16
+
+
+@pytest.mark.slow
+def test_the_streaming_exports_memory_does_not_grow_with_the_model(tmp_path):
+    """The growth law of export-mlx on an HF folder: peak RSS growth (ru_maxrss of a child process, past its
+    imports) at 2 and at 24 layers of the same width; the slope, extra peak per extra bf16 byte of model, is
+    a ratio, never a time. Holding the model (the path before streaming) grows by ~3-4 bytes per bf16 byte
+    here; streaming, the peak is one tensor's working set and the check's first layers whatever the depth."""
+    small, small_bytes = _export_growth(tmp_path, 2)
+    large, large_bytes = _export_growth(tmp_path, 24)
+    slope = (large - small) / (large_bytes - small_bytes)
+    print(f"growth {small / 2**20:.0f} MiB at {small_bytes / 2**20:.0f} MiB, {large / 2**20:.0f} MiB at "
+          f"{large_bytes / 2**20:.0f} MiB: slope {slope:.2f}")
+    assert slope < 1.0, f"the export's peak grows by {slope:.2f} bytes per bf16 byte of model"
