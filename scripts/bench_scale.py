@@ -43,8 +43,8 @@ COMMANDS = {
     "export-mlx ANCHOR uniform:affine4": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(out / "anchor"),
                                                            "--out", str(out / "mfqat-a"), "--recipe",
                                                            "uniform:affine4"],
-    "eval ANCHOR --formats mxint4": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
-                                                      "mxint4", "--blocks", "2", "--seq-len", "128", "--plot",
+    "eval ANCHOR --formats mxint4 --dtype bfloat16": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
+                                                      "mxint4", "--blocks", "2", "--seq-len", "128", "--dtype", "bfloat16", "--plot",
                                                       str(out / "eval.png")],
 }
 

@@ -262,3 +262,33 @@ def test_the_streaming_exports_memory_does_not_grow_with_the_model(tmp_path):
     print(f"growth {small / 2**20:.0f} MiB at {small_bytes / 2**20:.0f} MiB, {large / 2**20:.0f} MiB at "
           f"{large_bytes / 2**20:.0f} MiB: slope {slope:.2f}")
     assert slope < 1.0, f"the export's peak grows by {slope:.2f} bytes per bf16 byte of model"
+
+
+def test_eval_tensor_by_tensor_equals_loading_whole_state_dicts(bf16_folder, tmp_path):
+    from mfqat.anchor.checkpoint import empty_model, load_format
+    from mfqat.anchor.load import load_anchor
+    from mfqat.eval.elastic import anchor_state, evaluate_anchor_formats, evaluate_formats
+
+    path = anchor_from_folder(bf16_folder, tmp_path / "a")
+    blocks = torch.randint(0, 200, (2, 32))
+    formats = ["mxint6", "mxint4", "affine4"]
+    whole = evaluate_formats(load_anchor(path), {f: anchor_state(read_anchor(path), f) for f in formats}, blocks)
+    anchor = read_anchor(path, lazy=True)
+    model = empty_model(anchor.config)
+    load_format(model, anchor, None)
+    model.tie_weights()
+    streamed = evaluate_anchor_formats(model.eval(), anchor, formats, blocks)
+    assert [r["perplexity"] for r in streamed] == [r["perplexity"] for r in whole]
+    restored = load_anchor(path).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, restored[k]), f"{k}: the anchor's own format was not loaded back"
+
+
+def test_cli_eval_of_an_anchor_in_bfloat16(bf16_folder, tmp_path, capsys):
+    from mfqat.cli import main as cli_main
+
+    path = anchor_from_folder(bf16_folder, tmp_path / "a")
+    cli_main(["eval", str(path), "--formats", "mxint4", "--blocks", "2", "--seq-len", "32", "--dtype", "bfloat16",
+              "--text", str(ROOT / "README.md"), "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert "mxint4" in out and (tmp_path / "p.png").is_file()

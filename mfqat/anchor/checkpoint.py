@@ -87,11 +87,18 @@ class Anchor:
         nvfp4: blocks of 16; mfqat.quant.derive)."""
         if fmt is None:
             return dict(self.quantized)
+        check_reachable(self.format, canonical_name(fmt), name=str(self.path))
+        return {k: self.lowered(k, fmt, group_size) for k in self.quantized}
+
+    def lowered(self, name: str, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:
+        """One quantized tensor in ``fmt`` (None: the anchor's own), as :meth:`in_format` gives it."""
+        q = self.quantized[name]
+        if fmt is None:
+            return q
         fmt = canonical_name(fmt)
-        check_reachable(self.format, fmt, name=str(self.path))
         if is_derived(fmt):
-            return {k: self.derived(k, fmt, group_size) for k in self.quantized}
-        return {k: slice_and_scale(q, fmt) for k, q in self.quantized.items()}  # the recorded scale rules
+            return self.derived(name, fmt, group_size, q.dequantize(torch.float32))
+        return slice_and_scale(q, fmt)  # the recorded scale rules
 
     def derived(self, name: str, fmt: str, group_size: int = DERIVED_GROUP_SIZE,
                 values: Optional[torch.Tensor] = None) -> MXTensor:
@@ -328,6 +335,33 @@ def read_anchor(path: PathLike, verify: bool = True, lazy: bool = False) -> Anch
     (mfqat.anchor.lazy; what the streaming export uses), else all of them now.
     """
     return retry_read(Path(path), lambda snap: _read_snapshot(snap, verify, lazy))
+
+
+def empty_model(config: dict, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The Hugging Face model of ``config`` with its weights allocated but not initialised (they are about to
+    be loaded: random init of a billion parameters costs minutes)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        return AutoModelForCausalLM.from_config(CONFIG_MAPPING[config["model_type"]].from_dict(config), dtype=dtype)
+
+
+def load_format(model: nn.Module, anchor: Anchor, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE,
+                plain: bool = True) -> None:
+    """Load the anchor in ``fmt`` into ``model`` in place, one tensor at a time (a lazily read anchor is never
+    held whole): each quantized tensor lowered and dequantized into the model's dtype, then (``plain``) the
+    tensors kept in full precision. AnchorError when a name or shape does not match the model."""
+    own = dict(model.state_dict(keep_vars=True))
+    names = [(k, True) for k in anchor.quantized] + ([(k, False) for k in anchor.plain] if plain else [])
+    for k, quantized in names:
+        if k not in own or tuple(own[k].shape) != tuple(anchor.shape(k)):
+            raise AnchorError(f"{anchor.path}: tensor {k} {tuple(anchor.shape(k))} does not match the model "
+                              f"({tuple(own[k].shape) if k in own else 'absent'}); config.json and the weights disagree")
+        value = anchor.lowered(k, fmt, group_size).dequantize(torch.float32) if quantized else anchor.plain[k]
+        with torch.no_grad():
+            own[k].data.copy_(value)
+        del value
 
 
 def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",

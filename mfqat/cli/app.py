@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "output-aware per-block scale choice, calibrated on --calib-text (as export-mlx --scale-search)")
     e.add_argument("--calib-text", default=None, help="--scale-search: " + CALIB_HELP)
     e.add_argument("--plot", default="ppl_vs_bpw.png", help="the perplexity-vs-bits PNG written")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the evaluated model's dtype (bfloat16: half the memory; an anchor is loaded tensor by tensor)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")
@@ -131,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
+    x.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="memory budget of the export check, e.g. 8GB: the whole-model logits check runs when it fits "
+                        "(default 2GB), else the check on the model's first layers; weights are always checked "
+                        "tensor by tensor")
     x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
     r = sub.add_parser("refine", help="learn affine widths' group scales and biases against the anchor and store "
                        "them in it (export-mlx and load_anchor then use them)")
@@ -233,6 +239,17 @@ def _own_parser(cmd: str) -> argparse.ArgumentParser:
     from mfqat.mlx.train import build_parser as mlx_parser
     return mlx_parser(argparse.ArgumentParser(prog="mfqat mlx-train", description=sys.modules[mlx_parser.__module__].__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def memory_size(text: str) -> int:
+    """``--max-memory``: a size such as 8GB, 512MB, 1.5GiB or a byte count."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size: write e.g. 8GB, 512MB or 1.5GiB")
+    unit = (m.group(2) or "b").rstrip("b").rstrip("i")
+    value = float(m.group(1)) * 1024 ** "_kmgt".index(unit or "_") if unit else float(m.group(1))
+    return int(value)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -74,29 +74,38 @@ def verify(a: argparse.Namespace) -> None:
 
 def evaluate(a: argparse.Namespace) -> None:
     """Perplexity table + PNG over formats, from an anchor (Slice-and-Scale) or a model (PTQ)."""
+    import torch
+
     from mfqat.anchor.checkpoint import read_anchor
     from mfqat.data.sources import load_model, load_text, model_label, split_text, token_blocks
-    from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
+    from mfqat.eval.elastic import evaluate_anchor_formats, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
-    if is_anchor:
+    dtype = getattr(torch, getattr(a, "dtype", None) or "float32")
+    if is_anchor:  # read once, lazily; the model filled tensor by tensor (eval at any size)
         from transformers import AutoTokenizer
 
-        from mfqat.anchor.load import load_anchor
-        model, tok = load_anchor(a.model), AutoTokenizer.from_pretrained(a.tokenizer or a.model)
+        from mfqat.anchor.checkpoint import empty_model, load_format
+        anchor = read_anchor(a.model, lazy=True)
+        if a.scale_search:
+            anchor.materialize()
+        model = empty_model(anchor.config, dtype)
+        load_format(model, anchor, None)
+        model.tie_weights()
+        model.eval().mfqat_format = anchor.format
+        tok = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     else:
-        model, tok = load_model(a.model)
+        model, tok = load_model(a.model, dtype)
     text = load_text(a.text) if a.text else split_text(load_text(None))[1]
     blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
     base_ppl = perplexity(model, blocks, desc="ppl base")
     if is_anchor:
-        anchor = read_anchor(a.model)
         if a.scale_search:
             search_for_eval(anchor, tok, formats, a.calib_text, a.model)
-        rows = evaluate_formats(model, {f: anchor_state(anchor, f) for f in formats}, blocks)
+        rows = evaluate_anchor_formats(model, anchor, formats, blocks)
     else:
         rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
     for r in rows:
@@ -137,7 +146,8 @@ def export(a: argparse.Namespace) -> None:
         refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr)
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
-                 imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine)
+                 imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,
+                 max_memory=getattr(a, "max_memory", None))
     v = rep.get("verify", {})
     if "refine" in rep:
         r = rep["refine"]

@@ -34,6 +34,22 @@ def anchor_state(anchor: Anchor, fmt: Optional[str], dtype: torch.dtype = torch.
     return anchor.state_dict(fmt, dtype)
 
 
+def evaluate_anchor_formats(model: nn.Module, anchor: Anchor, formats: List[str], blocks: torch.Tensor,
+                            block_size: int = 32, batch_size: int = 4) -> List[dict]:
+    """Perplexity of ``model`` (the anchor's architecture, holding its own format) with the anchor in each of
+    ``formats`` loaded in place tensor by tensor (:func:`mfqat.anchor.checkpoint.load_format`: one tensor in
+    memory at a time, however large the model); the anchor's own format is loaded back at the end."""
+    from mfqat.anchor.checkpoint import load_format
+
+    rows = []
+    for fmt in formats:
+        load_format(model, anchor, fmt, plain=False)
+        rows.append({"format": fmt, "bits/weight": get_format(fmt).bits_per_weight(block_size),
+                     "perplexity": perplexity(model, blocks, batch_size, desc=f"ppl {fmt}")})
+    load_format(model, anchor, None, plain=False)
+    return rows
+
+
 def evaluate_formats(model: nn.Module, states: Dict[str, Dict[str, torch.Tensor]], blocks: torch.Tensor,
                      block_size: int = 32, batch_size: int = 4) -> List[dict]:
     """Perplexity of ``model`` with each partial state dict loaded; rows with bits/weight. Refuses,

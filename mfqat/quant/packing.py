@@ -19,6 +19,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes (..., n) -> uint8 (..., n * bits // 8); only the low ``bits`` bits are kept."""
     n = codes.shape[-1]
     _check_row(n, bits)
+    if bits == 8 and codes.dtype in (torch.int8, torch.uint8):  # the low 8 bits are the byte itself
+        return codes.contiguous().view(torch.uint8).clone()
     c = codes.to(torch.int32) & ((1 << bits) - 1)
     if bits == 8:
         return c.to(torch.uint8)
@@ -42,6 +44,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int, signed: bool) -> torch
             f"packed last dimension is {packed.shape[-1]} bytes, expected {n * bits // 8} "
             f"for {n} codes of {bits} bits"
         )
+    if bits == 8 and packed.dtype == torch.uint8:  # a byte a code: sign-extending is reading it as int8
+        return packed.contiguous().view(torch.int8).clone() if signed else packed.clone()
     p = packed.to(torch.int32)
     if bits == 8:
         c = p
