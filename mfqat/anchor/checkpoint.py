@@ -38,8 +38,8 @@ from mfqat.anchor.tensors import (default_targets, full_precision, quantize_targ
 from mfqat.storage.manifest import AnchorError, Snapshot, load_meta, retry_read, seal
 from mfqat.storage.model_card import write_model_card
 from mfqat.qat.prepare import qat_modules
-from mfqat.storage.shard_files import MAX_SHARD_BYTES, write_safetensors
-from mfqat.storage.tensor_files import TensorFile, TensorFileError, sha256_fd
+from mfqat.storage.shard_files import MAX_SHARD_BYTES
+from mfqat.storage.tensor_files import TensorFile, TensorFileError, sha256_fd, write_safetensors
 from mfqat.anchor.lazy import LazyQuantized, LazyTensors, tensor_shape
 from mfqat.storage.sharded import unique_state_dict
 from mfqat.quant.mxtensor import MXTensor

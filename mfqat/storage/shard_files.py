@@ -3,12 +3,9 @@ or ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.js
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List
 
 from mfqat.storage.io import write_json
-
-if TYPE_CHECKING:
-    import torch
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,15 +36,3 @@ def write_index(folder: Path, files: List[str], shards: List[List[str]], total_b
     if len(files) > 1:
         weight_map = {name: f for f, names in zip(files, shards) for name in names}
         write_json(folder / INDEX_FILE, {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
-
-
-def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES,
-                      metadata: Optional[dict] = None) -> List[str]:
-    """Write torch tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``, one
-    tensor at a time (mfqat.storage.tensor_files.ShardWriter)."""
-    from mfqat.storage.tensor_files import ShardWriter
-
-    writer = ShardWriter(folder, max_shard_bytes, metadata)
-    for k, v in tensors.items():
-        writer.add(k, v)
-    return writer.close()

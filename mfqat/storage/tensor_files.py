@@ -28,6 +28,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from mfqat.storage.shard_files import MAX_SHARD_BYTES, shard_file_names, write_index
+
 # safetensors dtype names <-> torch dtypes (the ones mfqat reads or writes)
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -226,7 +228,6 @@ class ShardWriter:
     it is added (greedy in the order added; a tensor larger than ``max_shard_bytes`` gets its own)."""
 
     def __init__(self, folder, max_shard_bytes: int, metadata: Optional[dict] = None):
-        from mfqat.storage.shard_files import MAX_SHARD_BYTES
         self.folder = Path(folder)
         self.max = max_shard_bytes or MAX_SHARD_BYTES
         self.metadata = {"format": "pt", **(metadata or {})}
@@ -280,7 +281,6 @@ class ShardWriter:
 
     def close(self) -> List[str]:
         """Finish the last shard, give every shard its final name, write the index; the file names."""
-        from mfqat.storage.shard_files import shard_file_names, write_index
         if self.shard.entries or not self.done:
             self._finish()
         files = shard_file_names(len(self.done))
@@ -301,3 +301,12 @@ def read_header(path) -> Dict[str, TensorInfo]:
     """{tensor: TensorInfo} of a safetensors file, from its header alone."""
     with TensorFile.open(path) as f:
         return dict(f.infos)
+
+
+def write_safetensors(folder: Path, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = MAX_SHARD_BYTES,
+                      metadata: Optional[dict] = None) -> List[str]:
+    """Write torch tensors as model.safetensors, or shards + index beyond ``max_shard_bytes``, one at a time."""
+    writer = ShardWriter(folder, max_shard_bytes, metadata)
+    for k, v in tensors.items():
+        writer.add(k, v)
+    return writer.close()
