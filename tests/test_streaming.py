@@ -292,3 +292,13 @@ def test_cli_eval_of_an_anchor_in_bfloat16(bf16_folder, tmp_path, capsys):
               "--text", str(ROOT / "README.md"), "--plot", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert "mxint4" in out and (tmp_path / "p.png").is_file()
+
+
+def test_row_chunks_quantize_as_the_whole_tensor(bf16_folder, tmp_path, monkeypatch):
+    from mfqat.anchor import stream
+
+    whole = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "w"))
+    monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 3 * 64 + 7)  # 3 rows a chunk, an uneven last chunk
+    chunked = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "c"))
+    for k, q in whole.quantized.items():
+        assert torch.equal(chunked.quantized[k].codes, q.codes) and torch.equal(chunked.quantized[k].scales, q.scales), k
