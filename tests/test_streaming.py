@@ -302,3 +302,21 @@ def test_row_chunks_quantize_as_the_whole_tensor(bf16_folder, tmp_path, monkeypa
     chunked = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "c"))
     for k, q in whole.quantized.items():
         assert torch.equal(chunked.quantized[k].codes, q.codes) and torch.equal(chunked.quantized[k].scales, q.scales), k
+
+
+@pytest.mark.parametrize("recipe", ["uniform:affine4", "uniform:mxint4", "uniform:mxfp4_e2m1"])
+def test_large_matrices_written_in_row_chunks_equal_the_whole_tensor_export(bf16_folder, tmp_path, monkeypatch, recipe):
+    from mfqat.export import recipes
+
+    whole = mfqat.export.to_mlx(bf16_folder, tmp_path / "w", recipe=recipe)
+    monkeypatch.setattr(recipes, "CHUNK_ELEMENTS", 64 * 7 + 3)  # 7 rows a chunk, an uneven last chunk
+    chunked = mfqat.export.to_mlx(bf16_folder, tmp_path / "c", recipe=recipe)
+    assert chunked["verify"]["weights_checked"] == whole["verify"]["weights_checked"]
+    a, b = {}, {}
+    for f in (tmp_path / "w").glob("model*.safetensors"):
+        a.update(load_file(f))
+    for f in (tmp_path / "c").glob("model*.safetensors"):
+        b.update(load_file(f))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k

@@ -20,6 +20,7 @@ Packing is done here in torch/numpy; MLX is only used afterwards to verify every
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import shutil
 import warnings
@@ -33,7 +34,7 @@ import torch
 from mfqat.anchor.refined import pick
 from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
-from mfqat.storage.tensor_files import ShardWriter
+from mfqat.storage.tensor_files import DTYPES, NUMPY_NAMES, ShardWriter
 from mfqat.progress import progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
 from mfqat.formats import get_format
@@ -315,6 +316,34 @@ def _storage_parts(st: MLXTensor, scale_dtype: str, derived: bool) -> Dict[str, 
     return parts
 
 
+def _write_chunked(writer: ShardWriter, plan: Plan, anchor: Anchor, name: str, rows: int,
+                   scale_dtype: str) -> MLXTensor:
+    """Write one large matrix in row chunks (lowered, laid out and written ``rows`` rows at a time; its
+    small scales and biases gathered and written after); returns the last chunk's storage (mode, bits)."""
+    module = plan.family.mlx_name(name)[: -len(".weight")]
+    derived = is_derived(plan.formats[name])
+    small: Dict[str, list] = {}
+    last: list = []
+
+    def weights():
+        for _, _, q in plan.tensor_chunks(anchor, name, rows):
+            st = to_mlx_storage(q, scale_dtype)
+            parts = _storage_parts(st, scale_dtype, derived)
+            for kind in ("scales", "biases"):
+                if kind in parts:
+                    small.setdefault(kind, []).append(parts[kind])
+            last[:] = [st]
+            yield parts["weight"]
+    chunks = weights()
+    first = next(chunks)
+    dtype = first.dtype if isinstance(first, torch.Tensor) else DTYPES[NUMPY_NAMES[first.dtype]]
+    writer.add_chunks(f"{module}.weight", dtype, (anchor.shape(name)[0],) + tuple(first.shape[1:]),
+                      itertools.chain([first], chunks))
+    for kind, parts in small.items():
+        writer.add(f"{module}.{kind}", torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts))
+    return last[0]
+
+
 def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes], tmp: Path, report: dict,
            scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write the export's weights tensor by tensor (one in memory at a time; shards assembled as they fill),
@@ -337,18 +366,23 @@ def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes]
                 report["tensors"][name] = {"source": anchor.format, "mlx": "bfloat16", "bits_per_weight": 16,
                                            "exact": False}
         for name in progress(list(plan.formats), desc="export: quantized tensors", unit="tensor"):
-            q = plan.tensor(anchor, name)
-            st = to_mlx_storage(q, scale_dtype)
-            for k, arr in _pieces(plan, name, _storage_parts(st, scale_dtype, is_derived(plan.formats[name]))).items():
-                writer.add(k, arr)
+            rows = plan.chunk_rows(anchor, name)
+            if rows is None:
+                q = plan.tensor(anchor, name)
+                st = to_mlx_storage(q, scale_dtype)
+                for k, arr in _pieces(plan, name, _storage_parts(st, scale_dtype, is_derived(plan.formats[name]))).items():
+                    writer.add(k, arr)
+                del q
+            else:
+                st = _write_chunked(writer, plan, anchor, name, rows, scale_dtype)
             fmt = plan.formats[name]
             report["tensors"][name] = {"source": fmt, "origin": plan.origin[name], "mlx": st.mode or "bfloat16",
                                        "bits": st.bits, "group_size": plan.group_of(fmt),
                                        "bits_per_weight": get_format(fmt).bits_per_weight(plan.group_of(fmt)),
                                        "exact": st.exact}
             if family.mlx_name(name) != name or family.expert_param(name):
-                report["tensors"][name]["mlx_names"] = [n for n, _, _ in family.mlx_pieces(name, q.shape[-2])]
-            del q, st
+                report["tensors"][name]["mlx_names"] = [n for n, _, _ in family.mlx_pieces(name, anchor.shape(name)[-2])]
+            del st
         writer.close()
     except BaseException:
         writer.abort()

@@ -20,7 +20,8 @@ from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_grou
 from mfqat.formats import canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for
 from mfqat.quant.mxtensor import MXTensor
-from mfqat.export.sensitivity import auto_plan_formats, in_format, ladder
+from mfqat.anchor.refined import pick
+from mfqat.export.sensitivity import auto_plan_formats, in_format, in_format_chunks, ladder
 from mfqat.export.storage import check_mlx_group_size
 
 FAMILY_BY_BITS = {
@@ -29,6 +30,9 @@ FAMILY_BY_BITS = {
     "affine": {b: f"affine{b}" for b in (2, 3, 4, 5, 6, 8)},
 }
 RECIPES = ("uniform:FMT", "seed[:FAMILY]", "dynamic2[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
+# Matrices above this many elements are lowered, written and checked in row chunks (Plan.chunk_rows): an
+# embedding of 150M entries would otherwise take several float32 copies at once.
+CHUNK_ELEMENTS = 8 * 1024 ** 2
 AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
 
 
@@ -75,6 +79,24 @@ class Plan:
         """One planned tensor in its planned format (the refined one when ``--refine`` learned it)."""
         return self.refined[name] if name in self.refined else in_format(anchor, name, self.formats[name],
                                                                           self.derived_group)
+
+    def chunk_rows(self, anchor: Anchor, name: str, elements: int = CHUNK_ELEMENTS) -> Optional[int]:
+        """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row
+        chunks (a 2-D matrix of over ``elements`` elements written under one mlx-lm name, with no learned
+        scales), else None (whole)."""
+        shape = anchor.shape(name)
+        fmt = self.formats[name]
+        if len(shape) != 2 or shape[0] * shape[1] <= elements or name in self.refined:
+            return None
+        if name in anchor.quantized and is_derived(fmt) and pick(anchor.refined, fmt, self.group_of(fmt)):
+            return None
+        if [(lo, hi) for _, lo, hi in self.family.mlx_pieces(name, shape[0])] != [(0, shape[0])]:
+            return None
+        return max(1, elements // shape[1])
+
+    def tensor_chunks(self, anchor: Anchor, name: str, rows: int):
+        """(lo, hi, MXTensor) row chunks of :meth:`tensor` (see :meth:`chunk_rows`)."""
+        return in_format_chunks(anchor, name, self.formats[name], self.derived_group, rows)
 
     def mlx_modules(self, name: str, shape: tuple) -> List[str]:
         """The mlx-lm module paths that hold the tensor ``name`` (several for a split expert parameter)."""

@@ -93,6 +93,27 @@ def in_format(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_
                     scale_rule=DEFAULT_SCALE_RULE.get(canonical_name(fmt), "floor"))
 
 
+def in_format_chunks(anchor: Anchor, name: str, fmt: str, derived_group: int = DERIVED_GROUP_SIZE,
+                     rows: int = 1024):
+    """Tensor ``name`` in ``fmt`` as :func:`in_format` gives it, ``rows`` rows at a time: (lo, hi, MXTensor) of
+    rows lo:hi. Blocks and groups run along the last axis, so rows are independent and the chunks are the
+    rows of the whole; not for a width with learned scales (``anchor.refined``: applied to whole tensors)."""
+    src = anchor.quantized[name] if name in anchor.quantized else anchor.plain[name]
+    n = src.shape[0]
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        if isinstance(src, MXTensor):
+            part = MXTensor(src.codes[lo:hi], src.scales[lo:hi], src.fmt, src.block_size, src.dtype, None,
+                            src.scale_rule, src.slice_rules, src.importance)
+            yield lo, hi, (derive(part.dequantize(torch.float32), fmt, derived_group) if is_derived(fmt)
+                           else slice_and_scale(part, fmt))
+        elif is_derived(fmt):
+            yield lo, hi, derive(src[lo:hi].float(), fmt, derived_group)
+        else:
+            yield lo, hi, quantize(src[lo:hi].float(), fmt, anchor.meta.get("block_size", 32),
+                                   scale_rule=DEFAULT_SCALE_RULE.get(canonical_name(fmt), "floor"))
+
+
 def level_bits(levels: List[str], group: int = 32) -> Dict[str, float]:
     """{level: stored bits/weight} with ``group``-sized scales (and biases, for affine levels)."""
     return {f: get_format(f).bits_per_weight(group) for f in levels}

@@ -115,6 +115,10 @@ def check_weights(out: Path, anchor: Anchor, plan: Plan) -> int:
     checked = 0
     try:
         for name in progress(list(plan.formats), desc="export check: tensors", unit="tensor"):
+            rows = plan.chunk_rows(anchor, name)
+            if rows is not None:
+                checked += _check_chunked(weights, plan, anchor, name, rows)
+                continue
             full = plan.tensor(anchor, name).dequantize(torch.float32).numpy()
             rows = full.shape[-2] if full.ndim > 1 else 1
             for piece, lo, hi in plan.family.mlx_pieces(name, rows):
@@ -139,6 +143,32 @@ def check_weights(out: Path, anchor: Anchor, plan: Plan) -> int:
                 checked += got.size
     finally:
         weights.close()
+    return checked
+
+
+def _check_chunked(weights: WrittenTensors, plan: Plan, anchor: Anchor, name: str, rows: int) -> int:
+    """:func:`check_weights` of one large matrix, ``rows`` rows at a time (the written rows read alone)."""
+    import mlx.core as mx
+
+    module = plan.family.mlx_name(name)[: -len(".weight")]
+    mode, bits = mlx_storage(plan.formats[name]) or (None, None)
+    checked = 0
+    for lo, hi, q in plan.tensor_chunks(anchor, name, rows):
+        expect = q.dequantize(torch.float32).numpy()
+        part = {k: to_mx(weights.where[f"{module}.{k}"].read_rows(f"{module}.{k}", lo, hi))
+                for k in ("weight", "scales", "biases") if f"{module}.{k}" in weights}
+        if "weight" not in part:
+            raise RuntimeError(f"export check failed: {name}: no {module}.weight in the written files; nothing was "
+                               "written")
+        got = part["weight"] if "scales" not in part else mx.dequantize(
+            part["weight"], part["scales"], part.get("biases"), group_size=plan.group_of(plan.formats[name]),
+            bits=bits, mode=mode)
+        got = np.array(got.astype(mx.float32))
+        if got.shape != expect.shape or not np.array_equal(got, expect):
+            bad = int((got != expect).sum()) if got.shape == expect.shape else got.size
+            raise RuntimeError(f"export check failed: {name}: {bad} elements differ between MLX and PyTorch "
+                               f"dequantization ({plan.formats[name]}, rows {lo}:{hi}); nothing was written")
+        checked += got.size
     return checked
 
 

@@ -144,16 +144,26 @@ class TensorFile:
     def read(self, name: str) -> torch.Tensor:
         """The tensor ``name`` (a fresh tensor; nothing stays mapped)."""
         info = self.infos[name]
-        buf = bytearray(info.nbytes)
+        return self._read(name, info.start, info.nbytes, info.dtype, info.shape)
+
+    def read_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` (first axis) of tensor ``name``, read alone."""
+        info = self.infos[name]
+        row = info.nbytes // max(info.shape[0], 1)
+        hi = min(hi, info.shape[0])
+        return self._read(name, info.start + lo * row, (hi - lo) * row, info.dtype, (hi - lo,) + info.shape[1:])
+
+    def _read(self, name: str, start: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        buf = bytearray(nbytes)
         view, got = memoryview(buf), 0
-        while got < info.nbytes:  # pread may return less than asked on large reads
-            part = os.preadv(self.fd, [view[got:]], info.start + got)
+        while got < nbytes:  # pread may return less than asked on large reads
+            part = os.preadv(self.fd, [view[got:]], start + got)
             if part <= 0:
                 self._fail(f"tensor {name!r} ends early")
             got += part
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def sha256_fd(fd: int) -> str:
