@@ -320,3 +320,13 @@ def test_large_matrices_written_in_row_chunks_equal_the_whole_tensor_export(bf16
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_the_cut_check_counts_the_layers_of_a_vision_language_releases_text_config():
+    from mfqat.export.verify import cut_config
+
+    cfg = {"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 8, "layer_types": ["a", "a", "a", "b"] * 2}}
+    assert check_layers(cfg) == 4
+    cut = cut_config(cfg, 4)
+    assert cut["text_config"]["num_hidden_layers"] == 4 and cut["text_config"]["layer_types"] == ["a", "a", "a", "b"]
+    assert cfg["text_config"]["num_hidden_layers"] == 8, "the anchor's own config was changed"

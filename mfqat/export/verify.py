@@ -1,6 +1,7 @@
 """The export check: MLX's dequantized tensors and mlx_lm's logits against PyTorch on the same weights."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -182,7 +183,7 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str, max_memory
     rep = {"weights_bit_exact": checked > 0, "weights_checked": checked}
     need = full_check_bytes(anchor)
     budget = CHECK_MEMORY if max_memory is None else max_memory
-    if need <= budget:
+    if need <= budget or layer_config(anchor.config) is None:
         rep.update(compare_logits(out, anchor, plan, prompt))
         rep["logits_checked"] = "whole model"
     else:
@@ -202,10 +203,20 @@ def full_check_bytes(anchor: Anchor) -> int:
     return 8 * anchor_parameters(anchor) + 512 * 1024 ** 2
 
 
+def layer_config(config: dict) -> Optional[dict]:
+    """The part of a config that counts the decoder layers: the config itself, or a vision-language
+    release's ``text_config``; None when neither has ``num_hidden_layers``."""
+    for cfg in (config, config.get("text_config")):
+        if isinstance(cfg, dict) and isinstance(cfg.get("num_hidden_layers"), int):
+            return cfg
+    return None
+
+
 def check_layers(config: dict) -> int:
     """How many leading decoder layers the cut check keeps: at least 2, and enough to hold every kind of
     layer the config names (``layer_types``, a hybrid stack's ``full_attention_interval``, the dense layers
     before the first MoE layer)."""
+    config = layer_config(config) or {}
     n = int(config.get("num_hidden_layers") or 0)
     k = 2
     types = config.get("layer_types")
@@ -223,12 +234,13 @@ def _layer(name: str) -> Optional[int]:
 
 
 def cut_config(config: dict, k: int) -> dict:
-    """``config`` with only its first ``k`` decoder layers (per-layer lists cut to match)."""
-    cfg = dict(config)
-    cfg["num_hidden_layers"] = k
-    for key in ("layer_types",):
-        if isinstance(cfg.get(key), list):
-            cfg[key] = cfg[key][:k]
+    """``config`` with only its first ``k`` decoder layers (per-layer lists cut to match; in ``text_config``
+    for a vision-language release)."""
+    cfg = json.loads(json.dumps(config))
+    inner = layer_config(cfg)
+    inner["num_hidden_layers"] = k
+    if isinstance(inner.get("layer_types"), list):
+        inner["layer_types"] = inner["layer_types"][:k]
     return cfg
 
 
@@ -236,7 +248,6 @@ def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dic
     """The logits check on the export cut to its first :func:`check_layers` layers: a folder holding those
     layers' written tensors (and every tensor outside the layers) is loaded by mlx_lm and compared with
     the PyTorch reference cut the same way."""
-    import json
     import shutil
     import tempfile
 
@@ -260,7 +271,7 @@ def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dic
             if f.is_file() and not f.name.startswith("model") and f.name != "config.json":
                 shutil.copy(f, cut / f.name)
         rep = compare_logits(cut, anchor, plan, prompt, config=cut_config(config, k), keep=keep)
-    rep["logits_checked"] = f"first {k} of {config.get('num_hidden_layers')} layers"
+    rep["logits_checked"] = f"first {k} of {layer_config(config)['num_hidden_layers']} layers"
     return rep
 
 
