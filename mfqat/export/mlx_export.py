@@ -41,7 +41,7 @@ from mfqat.storage.model_card import write_model_card
 from mfqat.storage.manifest import seal
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, ptq_anchor_format
+from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, drop_towers, ptq_anchor_format
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from mfqat.export.storage import anchor_parameters, resolve_scale_dtype, stored_size
 from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_state,  # noqa: F401 (public since 0.1)
@@ -173,6 +173,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe),
                               imatrix_path)
         anchor = read_anchor(src)
+        if (dropped := drop_towers(anchor)):  # a VL release's vision tower: not in mlx-lm's model (warns)
+            report["dropped"] = dropped
         tok_dir = Path(tokenizer) if tokenizer else src
         tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None)
         if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):

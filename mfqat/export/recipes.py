@@ -123,7 +123,35 @@ def _matrix_weights(anchor: Anchor) -> List[str]:
     family = family_for((anchor.config or {}).get("model_type"))
     return [k for k, v in anchor.plain.items()
             if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0
-            and not family.kept_high(k)]
+            and not family.kept_high(k) and not family.tower(k)]
+
+
+def drop_towers(anchor: Anchor) -> Optional[List[dict]]:
+    """Leave the anchor's towers (a vision-language release's vision encoder, ``Family.towers``) out of an
+    mlx-lm export: their tensors are removed from this in-memory ``anchor`` (never from disk), so the plan,
+    the writer, the stored size and the check see the text model mlx-lm loads, as ``mlx_lm.convert`` drops
+    them. Returns the report's ``dropped`` entry ([{"why", "tensors", "parameters", "examples"}], one per
+    tower) and warns; None when there is nothing to drop."""
+    import warnings
+
+    family = family_for((anchor.config or {}).get("model_type"))
+    found: Dict[str, List[str]] = {}
+    for name in list(anchor.plain) + list(anchor.quantized):
+        why = family.tower(name)
+        if why:
+            found.setdefault(why, []).append(name)
+    if not found:
+        return None
+    out = []
+    for why, names in found.items():
+        count = sum(int(torch.Size(_shape(anchor, n)).numel()) for n in names)
+        for n in names:
+            anchor.plain.pop(n, None)
+            anchor.quantized.pop(n, None)
+        out.append({"why": why, "tensors": len(names), "parameters": count, "examples": sorted(names)[:3]})
+        warnings.warn(f"{anchor.path}: the export leaves out {len(names)} tensors ({count} parameters) of the "
+                      f"{why}", stacklevel=3)
+    return out
 
 
 def check_family(anchor: Anchor) -> Family:
@@ -133,7 +161,8 @@ def check_family(anchor: Anchor) -> Family:
     family = family_for(model_type)
     if family.export_refusal:
         raise ValueError(f"{anchor.path}: cannot export {model_type} to MLX: {family.export_refusal}")
-    odd = [k for k, v in anchor.plain.items() if v.dim() >= 3 and v.is_floating_point() and "conv" not in k]
+    odd = [k for k, v in anchor.plain.items() if v.dim() >= 3 and v.is_floating_point() and "conv" not in k
+           and not family.tower(k)]
     if odd:
         raise ValueError(f"{anchor.path}: mfqat has no MLX layout for {model_type}'s {odd[0]} {tuple(anchor.plain[odd[0]].shape)}"
                          f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; exporting it would give a model "

@@ -7,6 +7,12 @@ A :class:`Family` answers, for every parameter name of the in-memory transformer
 - does it stay in high precision, and why (routers, gates: ``keep_high``)?
 - what is it called in mlx-lm (``mlx_renames``, and an expert parameter's split into
   ``switch_mlp`` projections), and which config keys must mlx-lm be given (``mlx_config``)?
+- is it part of a tower besides the language model (``towers``: the vision encoder of a
+  vision-language release)? Towers are frozen and kept in full precision by training unless
+  ``QATConfig.train_vision``, stored whole in the anchor, and left out of an mlx-lm export (mlx-lm's
+  model is the text model), with the reason in the export's report;
+- which transformers Auto class builds the whole checkpoint (``hf_auto_class``: a vision-language
+  release is an ``AutoModelForImageTextToText``; ``AutoModelForCausalLM`` would drop its vision tower).
 
 Expert layout (transformers 5): ``gate_up_proj`` is ``[E, 2I, H]`` (gate rows first, then up) and
 ``down_proj`` ``[E, H, I]``: out x in per expert, in_features last, so MX blocks along the last axis
@@ -103,8 +109,15 @@ class Family:
     awq_groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
     norm_offset: float = 0.0
     awq_refusal: str = "mfqat has no AWQ norm -> linear groups for it"
+    towers: Tuple[Tuple[str, str], ...] = ()  # (regex on names, why): non-language parts (vision tower), see above
+    hf_auto_class: str = "AutoModelForCausalLM"  # transformers Auto class that builds the whole checkpoint
     tested: bool = False
     notes: str = ""
+
+    def tower(self, name: str) -> Optional[str]:
+        """Why the tensor or module ``name`` belongs to a tower that is not the language model (the vision
+        encoder: frozen, full precision, dropped on an mlx-lm export), or None."""
+        return next((why for pat, why in self.towers if re.search(pat, name)), None)
 
     def expert_param(self, name: str) -> Optional[ExpertParam]:
         """The expert rule matching the parameter ``name``, or None."""
