@@ -170,3 +170,187 @@ def test_release_folder_exports_directly(releases, tmp_path):
         warnings.simplefilter("ignore")
         rep = to_mlx(releases["qwen3_5_moe"], tmp_path / "mlx", recipe="uniform:mxint4")
     assert rep["verify"]["weights_bit_exact"] and rep["dropped"]
+
+
+# --- the release as published: per-expert FP8 (e4m3 + weight_scale_inv per block) in two shards + index ---
+
+FP8_BLOCK = 32
+# HF module (inside a decoder layer) -> the GGUF tensor convert_hf_to_gguf.py names it for qwen35moe (by hand:
+# checks gguf-py's map and the family's model.language_model. -> model. renaming)
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+              "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta", "linear_attn.out_proj": "ssm_out",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.gate": "ffn_gate_inp",
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def _to_fp8(weight: torch.Tensor):
+    """(e4m3 codes, float32 scale_inv per FP8_BLOCK x FP8_BLOCK block), as the FP8 releases store a matrix."""
+    out, inp = weight.shape
+    blocks = weight.reshape(out // FP8_BLOCK, FP8_BLOCK, inp // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    return (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(out, inp), scale.float()
+
+
+def _from_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out, inp = codes.shape
+    return (codes.float().reshape(out // FP8_BLOCK, FP8_BLOCK, inp // FP8_BLOCK, FP8_BLOCK)
+            * scale[:, None, :, None]).reshape(out, inp)
+
+
+@pytest.fixture(scope="module")
+def fp8_release(releases, tmp_path_factory):
+    """The tiny qwen3_5_moe release as an FP8 checkpoint: the language model's block matrices (per-expert
+    names) in e4m3 with a block scale_inv, the rest (vision tower, routers, norms, lm_head) as they are, in
+    two safetensors shards with an index; (folder, {name: the float value it holds})."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = releases["qwen3_5_moe"], tmp_path_factory.mktemp("fp8") / "qwen3_5_moe_fp8"
+    dst.mkdir()
+    tensors, expect = {}, {}
+    for k, v in load_file(src / "model.safetensors").items():
+        if k.startswith("model.language_model.layers.") and k.endswith("proj.weight") and v.shape[0] % FP8_BLOCK == 0:
+            tensors[k], tensors[f"{k}_scale_inv"] = _to_fp8(v)
+            expect[k] = _from_fp8(tensors[k], tensors[f"{k}_scale_inv"])
+        else:
+            tensors[k] = expect[k] = v
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k].contiguous() for k in part}, dst / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                  "modules_to_not_convert": ["lm_head", "model.visual", "mlp.gate", "shared_expert_gate",
+                                                             "linear_attn.in_proj_a", "linear_attn.in_proj_b"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+    return dst, expect
+
+
+def test_fp8_release_loads_whole_experts_stacked_after_dequantizing(fp8_release):
+    folder, expect = fp8_release
+    assert any(k.endswith("experts.2.down_proj.weight_scale_inv") for k in _safetensors_keys(folder))
+    model, _ = load_model(str(folder))
+    sd = model.state_dict()
+    layer = "model.language_model.layers.3.mlp.experts"
+    for e in range(4):
+        gate, up = (expect[f"{layer}.{e}.{p}_proj.weight"] for p in ("gate", "up"))
+        assert torch.equal(sd[f"{layer}.gate_up_proj"][e], torch.cat([gate, up]))
+        assert torch.equal(sd[f"{layer}.down_proj"][e], expect[f"{layer}.{e}.down_proj.weight"])
+    for k in ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", "model.visual.blocks.0.attn.qkv.weight",
+              "model.language_model.layers.3.mlp.gate.weight"):
+        assert torch.equal(sd[k], expect[k]), k
+    assert "quantization_config" not in model.config.to_dict()
+
+
+def _write_imatrix(path, model, ids):
+    """An imatrix GGUF of ``model`` (llama-imatrix's layout, qwen35moe names) measured on ``ids``."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from mfqat.anchor.importance import activation_sums
+
+    sums, counts = activation_sums(model, ids)
+    w = GGUFWriter(str(path), arch="qwen35moe")
+    w.add_type("imatrix")
+    w.add_array("imatrix.datasets", ["random ids"])
+    for module in sorted(sums):
+        prefix, _, rest = module.partition(".layers.")
+        if prefix != "model.language_model" or rest.split(".", 1)[1] not in GGUF_NAMES:
+            continue
+        i, sub = rest.split(".", 1)
+        name = f"blk.{i}.{GGUF_NAMES[sub]}.weight"
+        w.add_tensor(name + ".in_sum2", sums[module].numpy().astype(np.float32).reshape(1, -1))
+        w.add_tensor(name + ".counts", np.array([[counts[module]]], dtype=np.float32))
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    return path
+
+
+def test_fp8_release_train_then_seed_export_with_imatrix(fp8_release, tok, tmp_path, capsys):
+    """The issue's done-when: FP8 per-expert VL qwen3_5_moe in two shards -> mfqat train -> export-mlx --recipe
+    seed --base-bits 3 --imatrix-path -> mlx_lm.load + generate; the design's per-tensor table in config.json
+    under language_model.model.* keys, the vision tower named as dropped, stored bits = bytes on disk."""
+    from mfqat.cli import main
+
+    folder, _ = fp8_release
+    run = tmp_path / "run"
+    main(["train", "--model", str(folder), "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3",
+          "--out", str(run)])
+    anchor = run / "anchor"
+    meta = json.loads((anchor / "mfqat.json").read_text())
+    assert "model.language_model.layers.3.mlp.experts.gate_up_proj" in meta["tensors"]
+    assert meta["full_precision"]["model.visual.blocks.0.attn.qkv.weight"].startswith("vision tower")
+    imatrix = _write_imatrix(tmp_path / "imatrix.gguf", mfqat.load_anchor(anchor), _ids(tok))
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="vision tower"):
+        main(["export-mlx", str(anchor), "--out", str(tmp_path / "mlx"), "--recipe", "seed", "--base-bits", "3",
+              "--imatrix-path", str(imatrix)])
+    out = tmp_path / "mlx"
+    rep = json.loads((out / "mfqat_export.json").read_text())
+    assert rep["dropped"][0]["why"].startswith("vision tower") and rep["dropped"][0]["tensors"] == 21
+    assert rep["scale_search"]["tensors"] == len([k for k, e in meta["tensors"].items() if len(e["shape"]) == 2])
+    assert rep["verify"]["weights_bit_exact"]
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    lm = "language_model.model.layers"
+    assert (quant["bits"], quant["mode"]) == (3, "affine")  # gate/up and the experts' gate/up: the base
+    want = {f"{lm}.3.self_attn.q_proj": 5, f"{lm}.0.linear_attn.in_proj_qkv": 5, f"{lm}.0.linear_attn.in_proj_z": 5,
+            f"{lm}.1.mlp.switch_mlp.down_proj": 4, f"{lm}.1.mlp.shared_expert.down_proj": 4,
+            "language_model.model.embed_tokens": 5, "language_model.lm_head": 6, f"{lm}.2.mlp.gate": 8,
+            f"{lm}.2.mlp.shared_expert_gate": 8}
+    assert {k: quant[k]["bits"] for k in want} == want
+    assert quant[f"{lm}.3.self_attn.o_proj"] is False and quant[f"{lm}.0.linear_attn.out_proj"] is False
+    assert f"{lm}.0.mlp.switch_mlp.gate_proj" not in quant  # at the base bits: no entry
+    assert all(k.startswith(("language_model.model.", "language_model.lm_head")) for k in quant
+               if k not in ("group_size", "bits", "mode"))
+    on_disk = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
+    assert rep["stored_bytes"] == on_disk
+    assert rep["stored_bits_per_weight"] == pytest.approx(8 * on_disk / rep["parameters"])
+    text = sum(int(torch.Size(e["shape"]).numel()) for k, e in meta["tensors"].items())
+    assert rep["parameters"] < text + 200_000  # the text model's count, not the tower's 156k on top of it
+    model_mlx, tok_mlx = mlx_lm.load(str(out))
+    assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_text"])
+def test_trained_norms_are_written_as_one_plus_w(kind, releases, tok, tmp_path):
+    """Qwen3.5's (1 + w) norms after training (small w): written as bfloat16(1 + w) with conv1d as C x K x 1, so
+    mlx-lm's sanitize (which would add 1 in bfloat16, losing w) leaves them; the float32 export check holds."""
+    from mfqat.export.mlx_files import load_weights
+
+    if kind == "qwen3_5":
+        model, _ = load_model(str(releases["qwen3_5"]))
+    else:
+        from tests.test_families import SUPPORTED, build
+        model = build(*SUPPORTED["qwen3_5"], len(tok))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight")):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 2e-3)
+    anchor = mfqat.save_anchor(model, tmp_path / "anchor", "mxint8", tokenizer=tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = to_mlx(anchor, tmp_path / "mlx", recipe="uniform:mxint4")  # float32 scales: the tight tolerance
+    assert rep["verify"]["mlx_compute"] == "float32" and rep["verify"]["max_abs_logit_diff"] < 1e-4
+    written = load_weights(tmp_path / "mlx")
+    prefix = "model.language_model." if kind == "qwen3_5" else "model."
+    w = model.get_parameter(f"{prefix}layers.1.input_layernorm.weight").detach()
+    got = torch.from_numpy(np_array(written["language_model.model.layers.1.input_layernorm.weight"]))
+    assert torch.equal(got, (1 + w).to(torch.bfloat16).float())
+    assert written["language_model.model.layers.0.linear_attn.conv1d.weight"].shape[-1] == 1
+
+
+def np_array(a):
+    import mlx.core as mx
+    import numpy as np
+
+    return np.array(a.astype(mx.float32))

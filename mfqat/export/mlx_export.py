@@ -151,7 +151,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
     folder whose tokenizer files are copied instead of the source's (for an anchor saved without one);
     from the anchor itself only the files its manifest lists are copied (:func:`tokenizer_files`).
-    ``imatrix_path``: with ``awq``, a llama.cpp imatrix GGUF used instead of calibrating on ``calib_text``.
+    ``imatrix_path``: a llama.cpp imatrix GGUF: with ``awq``, AWQ's importance instead of calibrating on
+    ``calib_text``; without, the scale search's importance (mxint6..mxint3 blocks, mfqat.export.scale_search).
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
     ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
     against the anchor on ``calib_text`` (mfqat.export.refine.RefineConfig, DWQ's lever; codes and
@@ -165,8 +166,6 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     if awq and is_anchor:
         raise ValueError(f"{source}: AWQ is a post-training step; pass the full-precision model, not an anchor "
                          "(rescaling an anchor would re-quantize the codes MF-QAT trained)")
-    if imatrix_path is not None and not awq:
-        raise ValueError(f"{imatrix_path}: an imatrix is only used by AWQ; add --awq (awq=True) or drop it")
     report = {"format_version": EXPORT_FORMAT_VERSION, "source": str(source), "recipe": recipe, "tensors": {}}
     with atomic_directory(out_dir, overwrite=overwrite, kind="mlx-export", protect=[src]) as tmp:
         if not is_anchor:
@@ -183,9 +182,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                               "folder that has them (tokenizer=..., mfqat export-mlx --tokenizer DIR)")
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
-        if scale_search:
+        if scale_search or (imatrix_path is not None and not awq):  # an imatrix without AWQ: the search's importance
             from mfqat.export.scale_search import apply_scale_search
-            report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
+            report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text, imatrix_path=None if awq else imatrix_path)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
         caveats = plan.family.export_caveats(anchor.config)
         if caveats:

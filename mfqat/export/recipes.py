@@ -27,7 +27,7 @@ FAMILY_BY_BITS = {
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
     "affine": {b: f"affine{b}" for b in (2, 3, 4, 5, 6, 8)},
 }
-RECIPES = ("uniform:FMT", "seed[:FAMILY]", "dynamic2[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
+RECIPES = ("uniform:FMT", "seed[:FAMILY]", "unsloth[:FAMILY]", "dynamic2[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
 AFFINE_BITS = {2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 8, 8: 8}  # MLX affine has no 7-bit mode: mxint7 goes in 8
 
 
@@ -124,6 +124,14 @@ def _matrix_weights(anchor: Anchor) -> List[str]:
     return [k for k, v in anchor.plain.items()
             if k.endswith(".weight") and v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0
             and not family.kept_high(k) and not family.tower(k)]
+
+
+def _seed_high(anchor: Anchor, family: Family) -> List[str]:
+    """Plain 2-D weights the family keeps high in general that its seed table quantizes (Qwen3.5's routers at 8
+    bits, as mlx-lm's own quant_predicate does)."""
+    bs = anchor.meta.get("block_size", 32)
+    return [k for k, v in anchor.plain.items() if v.dim() == 2 and v.is_floating_point() and v.shape[-1] % bs == 0
+            and any(re.search(p, k) for p in family.seed_high)]
 
 
 def drop_towers(anchor: Anchor) -> Optional[List[dict]]:
@@ -233,6 +241,7 @@ def parse_recipe(recipe: str) -> Tuple[str, Optional[str], Optional[str]]:
     """(kind, argument, family): ``uniform:FMT`` -> ("uniform", FMT, its family); ``seed[:FAMILY]``
     -> ("seed", None, FAMILY or None); ``auto:BPW[:FAMILY]`` -> ("auto", BPW, FAMILY or None)."""
     kind, _, rest = recipe.partition(":")
+    kind = "seed" if kind == "unsloth" else kind  # the issue's name for the Qwen3.5 table (Family.seed_table)
     if kind == "uniform" and rest:
         return kind, canonical_name(rest), get_format(rest).family
     if kind in ("seed", "dynamic2"):
@@ -286,8 +295,12 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             plan.formats[name], plan.origin[name] = fmt, "ptq"
         top = get_format(fmt)
     elif kind == "seed":
-        for name in list(anchor.quantized) + _matrix_weights(anchor):
-            bits = seed_bits(name, base_bits, tied)
+        table = plan.family.seed_table or seed_bits  # a family's own table (Qwen3.5: the design's), else the generic one
+        for name in list(anchor.quantized) + _matrix_weights(anchor) + _seed_high(anchor, plan.family):
+            bits = table(name, base_bits, tied)
+            if bits is None:
+                plan.kept16.add(name)
+                continue
             plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))

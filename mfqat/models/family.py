@@ -110,6 +110,12 @@ class Family:
     norm_offset: float = 0.0
     awq_refusal: str = "mfqat has no AWQ norm -> linear groups for it"
     towers: Tuple[Tuple[str, str], ...] = ()  # (regex on names, why): non-language parts (vision tower), see above
+    # The ``seed`` recipe's table for this family (name, base bits, tied -> bits, None: bfloat16) instead of the
+    # generic one, and the kept-high tensors (regexes: routers) that table quantizes after all.
+    seed_table: Optional[Callable[[str, int, bool], Optional[int]]] = None
+    seed_high: Tuple[str, ...] = ()
+    gguf_arch: str = ""  # gguf-py's architecture name when it is not the model_type (imatrix GGUF names)
+    gguf_renames: Tuple[Tuple[str, str], ...] = ()  # module names as gguf-py's tensor-name map knows them
     hf_auto_class: str = "AutoModelForCausalLM"  # transformers Auto class that builds the whole checkpoint
     tested: bool = False
     notes: str = ""
@@ -196,6 +202,13 @@ class Family:
                 raise ValueError(f"{hf}: the MLX weights hold {len(pieces)} of its {len(rule.mlx)} pieces {rule.mlx}")
             out[hf] = torch.cat([pieces[i] for i in range(len(rule.mlx))], dim=-2)
         return out
+
+    def gguf_module(self, name: str) -> str:
+        """The module ``name`` as gguf-py's tensor-name map knows it (``model.language_model.layers.0.x`` ->
+        ``model.layers.0.x`` for a vision-language release)."""
+        for pat, repl in self.gguf_renames:
+            name = re.sub(pat, repl, name)
+        return name
 
     def export_caveats(self, config: dict) -> List[str]:
         """What mlx-lm's port of this model computes differently from transformers (reported on export)."""
