@@ -354,3 +354,11 @@ def np_array(a):
     import numpy as np
 
     return np.array(a.astype(mx.float32))
+
+
+def test_train_vision_flag_reaches_the_config():
+    from mfqat.integrations.train_args import build_parser
+    from mfqat.integrations.train_setup import load_qat_config
+
+    assert load_qat_config(build_parser().parse_args(["--train-vision"])).train_vision
+    assert not load_qat_config(build_parser().parse_args([])).train_vision
