@@ -172,6 +172,30 @@ def test_release_folder_exports_directly(releases, tmp_path):
     assert rep["verify"]["weights_bit_exact"] and rep["dropped"]
 
 
+def test_tied_release_and_awq_on_the_release(tok, tmp_path):
+    """A release with tied embeddings (the small Qwen3.5 checkpoints) keeps one table in the anchor and mlx-lm
+    reads the tying from text_config; AWQ on a release folder finds the language model's decoder layers."""
+    import transformers
+
+    text = {**TEXT, "vocab_size": len(tok), "layer_types": LAYERS["qwen3_5_moe"], "intermediate_size": 128,
+            "tie_word_embeddings": True}
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = to_mlx(tmp_path / "src", tmp_path / "mlx", recipe="seed", awq=True)
+    assert rep["awq"] and rep["verify"]["max_abs_logit_diff"] <= rep["verify"]["logit_tolerance"]
+    cfg = json.loads((tmp_path / "mlx" / "config.json").read_text())
+    assert cfg["text_config"]["tie_word_embeddings"]
+    assert cfg["quantization"]["language_model.model.embed_tokens"]["bits"] == 8  # the tied table: the lm_head row
+    assert not [k for k in _safetensors_keys(tmp_path / "mlx") if "lm_head" in k]
+    model_mlx, tok_mlx = mlx_lm.load(str(tmp_path / "mlx"))
+    assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)
+
+
 # --- the release as published: per-expert FP8 (e4m3 + weight_scale_inv per block) in two shards + index ---
 
 FP8_BLOCK = 32

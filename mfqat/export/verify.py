@@ -113,7 +113,8 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
         model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
     mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
     config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
-    pt = getattr(transformers, plan.family.hf_auto_class).from_config(config, dtype=torch.float32)  # a VL release's class
+    auto = getattr(transformers, plan.family.hf_auto_class)  # a VL release's whole class
+    pt = auto.from_config(config, dtype=torch.float32)
     missing, unexpected = pt.load_state_dict(reference_state(anchor, plan), strict=False)
     missing = [k for k in missing if k not in set(anchor.meta.get("tied", {})) and not plan.family.tower(k)]
     if missing or unexpected:  # the reference must hold every weight the anchor has, nothing else
