@@ -199,14 +199,16 @@ def test_tied_release_and_awq_on_the_release(tok, tmp_path):
 # --- the release as published: per-expert FP8 (e4m3 + weight_scale_inv per block) in two shards + index ---
 
 FP8_BLOCK = 32
-# HF module (inside a decoder layer) -> the GGUF tensor convert_hf_to_gguf.py names it for qwen35moe (by hand:
-# checks gguf-py's map and the family's model.language_model. -> model. renaming)
+# HF module (inside a decoder layer) -> the GGUF tensor convert_hf_to_gguf.py names it for qwen35 / qwen35moe (by
+# hand: checks gguf-py's map and the family's model.language_model. -> model. renaming)
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
               "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_b": "ssm_beta", "linear_attn.out_proj": "ssm_out",
               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.gate": "ffn_gate_inp",
-              "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 
 
 def _to_fp8(weight: torch.Tensor):
@@ -223,16 +225,17 @@ def _from_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             * scale[:, None, :, None]).reshape(out, inp)
 
 
-@pytest.fixture(scope="module")
-def fp8_release(releases, tmp_path_factory):
-    """The tiny qwen3_5_moe release as an FP8 checkpoint: the language model's block matrices (per-expert
-    names) in e4m3 with a block scale_inv, the rest (vision tower, routers, norms, lm_head) as they are, in
-    two safetensors shards with an index; (folder, {name: the float value it holds})."""
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_5"])
+def fp8_release(request, releases, tmp_path_factory):
+    """The tiny release as an FP8 checkpoint: the language model's block matrices (the MoE's per expert) in e4m3
+    with a block scale_inv, the rest (vision tower, routers, norms, lm_head) as they are, in two safetensors
+    shards with an index; (kind, folder, {name: the float value it holds})."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    src, dst = releases["qwen3_5_moe"], tmp_path_factory.mktemp("fp8") / "qwen3_5_moe_fp8"
+    kind = request.param
+    src, dst = releases[kind], tmp_path_factory.mktemp("fp8") / f"{kind}_fp8"
     dst.mkdir()
     tensors, expect = {}, {}
     for k, v in load_file(src / "model.safetensors").items():
@@ -257,34 +260,36 @@ def fp8_release(releases, tmp_path_factory):
     for f in src.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, dst / f.name)
-    return dst, expect
+    return kind, dst, expect
 
 
 def test_fp8_release_loads_whole_experts_stacked_after_dequantizing(fp8_release):
-    folder, expect = fp8_release
-    assert any(k.endswith("experts.2.down_proj.weight_scale_inv") for k in _safetensors_keys(folder))
+    kind, folder, expect = fp8_release
+    assert any(k.endswith("layers.3.mlp.down_proj.weight_scale_inv" if kind == "qwen3_5" else
+                          "experts.2.down_proj.weight_scale_inv") for k in _safetensors_keys(folder))
     model, _ = load_model(str(folder))
     sd = model.state_dict()
     layer = "model.language_model.layers.3.mlp.experts"
-    for e in range(4):
+    for e in range(4 if kind == "qwen3_5_moe" else 0):
         gate, up = (expect[f"{layer}.{e}.{p}_proj.weight"] for p in ("gate", "up"))
         assert torch.equal(sd[f"{layer}.gate_up_proj"][e], torch.cat([gate, up]))
         assert torch.equal(sd[f"{layer}.down_proj"][e], expect[f"{layer}.{e}.down_proj.weight"])
     for k in ("model.language_model.layers.0.linear_attn.in_proj_qkv.weight", "model.visual.blocks.0.attn.qkv.weight",
-              "model.language_model.layers.3.mlp.gate.weight"):
+              "model.language_model.layers.3.mlp.gate.weight" if kind == "qwen3_5_moe" else
+              "model.language_model.layers.3.mlp.down_proj.weight"):
         assert torch.equal(sd[k], expect[k]), k
     assert "quantization_config" not in model.config.to_dict()
 
 
 def _write_imatrix(path, model, ids):
-    """An imatrix GGUF of ``model`` (llama-imatrix's layout, qwen35moe names) measured on ``ids``."""
+    """An imatrix GGUF of ``model`` (llama-imatrix's layout, qwen35 / qwen35moe names) measured on ``ids``."""
     import numpy as np
     from gguf import GGUFWriter
 
     from mfqat.anchor.importance import activation_sums
 
     sums, counts = activation_sums(model, ids)
-    w = GGUFWriter(str(path), arch="qwen35moe")
+    w = GGUFWriter(str(path), arch=GGUF_ARCH[model.config.model_type])
     w.add_type("imatrix")
     w.add_array("imatrix.datasets", ["random ids"])
     for module in sorted(sums):
@@ -301,18 +306,21 @@ def _write_imatrix(path, model, ids):
 
 
 def test_fp8_release_train_then_seed_export_with_imatrix(fp8_release, tok, tmp_path, capsys):
-    """The issue's done-when: FP8 per-expert VL qwen3_5_moe in two shards -> mfqat train -> export-mlx --recipe
-    seed --base-bits 3 --imatrix-path -> mlx_lm.load + generate; the design's per-tensor table in config.json
-    under language_model.model.* keys, the vision tower named as dropped, stored bits = bytes on disk."""
+    """The issue's done-when: the FP8 release (the MoE per expert) in two shards -> mfqat train -> export-mlx
+    --recipe seed --base-bits 3 --imatrix-path -> mlx_lm.load + generate; the design's per-tensor table in
+    config.json under language_model.model.* keys, the vision tower named as dropped, nothing else left in 16
+    bits without a stated reason, stored bits = bytes on disk."""
     from mfqat.cli import main
+    from mfqat.models import family_for
 
-    folder, _ = fp8_release
+    kind, folder, _ = fp8_release
+    moe = kind == "qwen3_5_moe"
     run = tmp_path / "run"
     main(["train", "--model", str(folder), "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--lr", "1e-3",
           "--out", str(run)])
     anchor = run / "anchor"
     meta = json.loads((anchor / "mfqat.json").read_text())
-    assert "model.language_model.layers.3.mlp.experts.gate_up_proj" in meta["tensors"]
+    assert ("model.language_model.layers.3.mlp.experts.gate_up_proj" in meta["tensors"]) == moe
     assert meta["full_precision"]["model.visual.blocks.0.attn.qkv.weight"].startswith("vision tower")
     imatrix = _write_imatrix(tmp_path / "imatrix.gguf", mfqat.load_anchor(anchor), _ids(tok))
     capsys.readouterr()
@@ -326,21 +334,26 @@ def test_fp8_release_train_then_seed_export_with_imatrix(fp8_release, tok, tmp_p
     assert rep["verify"]["weights_bit_exact"]
     quant = json.loads((out / "config.json").read_text())["quantization"]
     lm = "language_model.model.layers"
-    assert (quant["bits"], quant["mode"]) == (3, "affine")  # gate/up and the experts' gate/up: the base
+    assert (quant["bits"], quant["mode"]) == (3, "affine")  # gate/up (the experts' too): the base
     want = {f"{lm}.3.self_attn.q_proj": 5, f"{lm}.0.linear_attn.in_proj_qkv": 5, f"{lm}.0.linear_attn.in_proj_z": 5,
-            f"{lm}.1.mlp.switch_mlp.down_proj": 4, f"{lm}.1.mlp.shared_expert.down_proj": 4,
-            "language_model.model.embed_tokens": 5, "language_model.lm_head": 6, f"{lm}.2.mlp.gate": 8,
-            f"{lm}.2.mlp.shared_expert_gate": 8}
+            "language_model.model.embed_tokens": 5, "language_model.lm_head": 6}
+    want.update({f"{lm}.1.mlp.switch_mlp.down_proj": 4, f"{lm}.1.mlp.shared_expert.down_proj": 4, f"{lm}.2.mlp.gate": 8,
+                 f"{lm}.2.mlp.shared_expert_gate": 8} if moe else {f"{lm}.1.mlp.down_proj": 4})
     assert {k: quant[k]["bits"] for k in want} == want
     assert quant[f"{lm}.3.self_attn.o_proj"] is False and quant[f"{lm}.0.linear_attn.out_proj"] is False
-    assert f"{lm}.0.mlp.switch_mlp.gate_proj" not in quant  # at the base bits: no entry
+    assert f"{lm}.0.mlp.{'switch_mlp.' if moe else ''}gate_proj" not in quant  # at the base bits: no entry
     assert all(k.startswith(("language_model.model.", "language_model.lm_head")) for k in quant
                if k not in ("group_size", "bits", "mode"))
+    written = _safetensors_keys(out)
+    family = family_for(kind)
+    unquantized = [k for k in written if k.endswith(".weight") and f"{k[:-7]}.scales" not in written
+                   and ".layers." in k and "norm" not in k]
+    assert unquantized and all(family.kept_high(k) or quant.get(k[:-7]) is False for k in unquantized), unquantized
     on_disk = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
     assert rep["stored_bytes"] == on_disk
     assert rep["stored_bits_per_weight"] == pytest.approx(8 * on_disk / rep["parameters"])
     text = sum(int(torch.Size(e["shape"]).numel()) for k, e in meta["tensors"].items())
-    assert rep["parameters"] < text + 200_000  # the text model's count, not the tower's 156k on top of it
+    assert rep["parameters"] < text + 100_000  # the text model's count, not the tower's 156k on top of it
     model_mlx, tok_mlx = mlx_lm.load(str(out))
     assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)
 
