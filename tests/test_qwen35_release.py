@@ -196,6 +196,23 @@ def test_tied_release_and_awq_on_the_release(tok, tmp_path):
     assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)
 
 
+def test_mx_qlora_on_a_release_anchor(releases, tok, tmp_path):
+    """MX-QLoRA builds the anchor's whole model (vision tower included) and, with the adapters at B = 0, gives
+    exactly load_anchor's logits in each format."""
+    pytest.importorskip("peft")
+    from mfqat.qlora.model import mx_qlora_model, set_base_format
+
+    model, _ = load_model(str(releases["qwen3_5"]))
+    anchor = mfqat.save_anchor(model, tmp_path / "anchor", "mxint8", tokenizer=tok)
+    qlora = mx_qlora_model(anchor, rank=4)
+    assert type(qlora).__name__.endswith("ForConditionalGeneration")
+    ids = _ids(tok)
+    for fmt in ("mxint8", "mxint4"):
+        set_base_format(qlora, fmt)
+        with torch.no_grad():
+            assert torch.equal(qlora(input_ids=ids).logits, mfqat.load_anchor(anchor, fmt)(input_ids=ids).logits)
+
+
 # --- the release as published: per-expert FP8 (e4m3 + weight_scale_inv per block) in two shards + index ---
 
 FP8_BLOCK = 32
