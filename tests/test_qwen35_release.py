@@ -213,6 +213,28 @@ def test_mx_qlora_on_a_release_anchor(releases, tok, tmp_path):
             assert torch.equal(qlora(input_ids=ids).logits, mfqat.load_anchor(anchor, fmt)(input_ids=ids).logits)
 
 
+def test_hf_trainer_on_a_release(releases, tok, tmp_path):
+    """MFQATTrainer (the HF Trainer callback) trains a release's language model, the tower frozen, and saves an
+    anchor of the whole checkpoint."""
+    from transformers import TrainingArguments
+
+    from mfqat.integrations.hf import MFQATTrainer
+
+    model, _ = load_model(str(releases["qwen3_5_moe"]))
+    mfqat.prepare(model, mfqat.QATConfig(formats=["mxint8", "mxint4"]))
+    tower = {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith("model.visual.")}
+    ds = [{"input_ids": r, "labels": r} for r in _ids(tok)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
+                             save_strategy="no", report_to=[], use_cpu=True, learning_rate=1e-3)
+    trainer = MFQATTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    trainer.train()
+    assert all(torch.equal(p.detach(), tower[n]) for n, p in model.named_parameters() if n in tower)
+    trainer.save_model(str(tmp_path / "final"))
+    anchor = tmp_path / "final" / "mfqat_anchor"
+    assert "model.visual.pos_embed.weight" in mfqat.read_anchor(anchor).plain
+    assert type(mfqat.load_anchor(anchor, "mxint4")).__name__ == "Qwen3_5MoeForConditionalGeneration"
+
+
 # --- the release as published: per-expert FP8 (e4m3 + weight_scale_inv per block) in two shards + index ---
 
 FP8_BLOCK = 32
