@@ -344,6 +344,7 @@ def _write_imatrix(path, model, ids):
     return path
 
 
+@pytest.mark.slow  # mfqat train + export-mlx + mlx_lm generate: 17-35 s on 2 shared cores
 def test_fp8_release_train_then_seed_export_with_imatrix(fp8_release, tok, tmp_path, capsys):
     """The issue's done-when: the FP8 release (the MoE per expert) in two shards -> mfqat train -> export-mlx
     --recipe seed --base-bits 3 --imatrix-path -> mlx_lm.load + generate; the design's per-tensor table in
