@@ -398,6 +398,21 @@ def test_fp8_release_train_then_seed_export_with_imatrix(fp8_release, tok, tmp_p
     assert isinstance(mlx_lm.generate(model_mlx, tok_mlx, prompt="def f", max_tokens=3), str)
 
 
+def test_an_imatrix_that_would_weigh_nothing_is_refused(releases, tok, tmp_path):
+    """seed:affine derives MLX's affine codes, which the imatrix-weighted MX scale search never touches: the
+    export is refused with the file named instead of carrying an imatrix that changed nothing."""
+    model, _ = load_model(str(releases["qwen3_5"]))
+    anchor = mfqat.save_anchor(model, tmp_path / "anchor", "mxint8", tokenizer=tok)
+    imatrix = _write_imatrix(tmp_path / "imatrix.gguf", model, _ids(tok))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="imatrix.gguf: recipe 'seed:affine' plans no format"):
+            to_mlx(anchor, tmp_path / "mlx", recipe="seed:affine", imatrix_path=str(imatrix), verify=False)
+        assert not (tmp_path / "mlx").exists()
+        rep = to_mlx(anchor, tmp_path / "mlx4", recipe="uniform:mxint4", imatrix_path=str(imatrix), verify=False)
+    assert rep["scale_search"]["tensors"] > 0 and "mxint4" in rep["scale_search"]["formats"]
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_text"])
 def test_trained_norms_are_written_as_one_plus_w(kind, releases, tok, tmp_path):
     """Qwen3.5's (1 + w) norms after training (small w): written as bfloat16(1 + w) with conv1d as C x K x 1, so

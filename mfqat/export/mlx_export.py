@@ -186,6 +186,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text, imatrix_path=None if awq else imatrix_path)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
+        if "scale_search" in report and imatrix_path is not None and not awq:  # weighs nothing of this recipe?
+            from mfqat.export.scale_search import check_imatrix_used
+            check_imatrix_used(report["scale_search"], plan.formats.values(), imatrix_path, recipe)
         caveats = plan.family.export_caveats(anchor.config)
         if caveats:
             report["caveats"] = caveats

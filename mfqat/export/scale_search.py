@@ -48,3 +48,12 @@ def imatrix_search(anchor: Anchor, imatrix_path: str) -> dict:
     formats = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
     return {"importance": f"imatrix GGUF {imatrix_path}", "formats": formats,
             "tensors": mark_scale_search(anchor, importance, formats)}
+
+
+def check_imatrix_used(entry: dict, planned, imatrix_path: str, recipe: str) -> None:
+    """Refuse (ValueError, before anything is written) an ``--imatrix-path`` that weighs no tensor of the plan:
+    the recipe's formats are none of those the search serves (derived affine, MXFP: ``entry['formats']``)."""
+    if not set(planned) & set(entry.get("formats", ())):
+        raise ValueError(f"{imatrix_path}: recipe '{recipe}' plans no format the imatrix-weighted scale search serves "
+                         f"({', '.join(entry.get('formats', ())) or 'none from this anchor'}); the imatrix would change "
+                         "nothing: use an MXINT recipe (e.g. seed, uniform:mxint4), or --awq on a full-precision model")
