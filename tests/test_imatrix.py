@@ -113,13 +113,13 @@ def test_missing_tensor_cli_one_line(calibrated, tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
-def test_imatrix_without_awq_is_refused(calibrated, tmp_path, capsys):
+def test_a_missing_imatrix_is_named_before_anything_loads(calibrated, tmp_path, capsys):
     model, tok = calibrated[:2]
     model.save_pretrained(tmp_path / "fp")
     tok.save_pretrained(tmp_path / "fp")
     with pytest.raises(SystemExit) as e:
         main(["export-mlx", str(tmp_path / "fp"), "--out", str(tmp_path / "m"), "--imatrix-path", "x.gguf"])
-    assert e.value.code == 2 and "x.gguf: an imatrix is only used by AWQ" in capsys.readouterr().err
+    assert e.value.code == 2 and "--imatrix-path x.gguf: no such imatrix GGUF file" in capsys.readouterr().err
 
 
 def test_wrong_width(calibrated, tmp_path):

@@ -368,7 +368,10 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
                  dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
                  _stacklevel: int = 2) -> nn.Module:
     """The Hugging Face model of an anchor already read, its quantized weights in ``fmt`` (see load_anchor)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from mfqat.models import family_for
 
     path = anchor.path
     sd = anchor.state_dict(fmt, dtype, group_size)
@@ -379,10 +382,11 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
     if not isinstance(anchor.config, dict) or anchor.config.get("model_type") not in CONFIG_MAPPING:
         raise AnchorError(f"{path}: config.json is missing or has no known model_type")
     config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    family = family_for(anchor.config["model_type"])  # the class of the whole checkpoint (a VL release's)
+    model = getattr(transformers, family.hf_auto_class).from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = set(anchor.meta.get("tied", {}))
-    real_missing = [k for k in missing if k not in tied]
+    real_missing = [k for k in missing if k not in tied and not (family.tower(k) and not any(map(family.tower, sd)))]
     if real_missing or unexpected:
         raise AnchorError(f"{path}: weights do not match config.json: missing {real_missing[:5]}, "
                           f"unexpected {unexpected[:5]}")

@@ -22,24 +22,25 @@ from mfqat.quant.scale_rules import SEARCH_RULE
 
 def default_targets(model: nn.Module, block_size: int) -> List[str]:
     """PTQ targets for a plain model: decoder-block Linear weights whose rows divide into blocks (not
-    those the model's family keeps in high precision), and the fused 3-D expert parameters its family
-    quantizes (mfqat.models)."""
+    those the model's family keeps in high precision, nor a vision tower's), and the fused 3-D expert
+    parameters its family quantizes (mfqat.models)."""
     pat = re.compile(DEFAULT_TARGETS)
     family = family_of(model)
     linears = [f"{n}.weight" for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size == 0
-               and not family.kept_high(f"{n}.weight")]
+               and not family.kept_high(f"{n}.weight") and not family.tower(n)]
     experts = [n for n, p in model.named_parameters() if p.dim() == 3 and pat.search(n)
-               and family.expert_param(n) is not None and p.shape[-1] % block_size == 0]
+               and family.expert_param(n) is not None and p.shape[-1] % block_size == 0 and not family.tower(n)]
     return linears + experts
 
 
 def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
     """{weight: reason} for decoder-block Linear weights whose in_features is not a whole number of blocks."""
     pat = re.compile(DEFAULT_TARGETS)
+    family = family_of(model)
     return {f"{n}.weight": f"in_features {m.in_features} not a multiple of {block_size}"
             for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size}
+            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size and not family.tower(n)}
 
 
 def quantize_targets(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str
@@ -73,7 +74,7 @@ def full_precision(model: nn.Module, sd: Dict[str, torch.Tensor], entries: Dict[
     warns naming layers left out for their width."""
     odd = unblockable(model, block_size)
     family = family_of(model)
-    fp = {k: odd.get(k) or family.kept_high(k) or "not a target" for k, v in sd.items()
+    fp = {k: odd.get(k) or family.kept_high(k) or family.tower(k) or "not a target" for k, v in sd.items()
           if k not in entries and v.is_floating_point() and v.dim() >= 2}
     skipped = [f"{k} ({r})" for k, r in fp.items() if k in odd]
     if skipped:

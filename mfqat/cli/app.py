@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")
     x.add_argument(*OUT_FLAGS, dest="out", required=True)
     x.add_argument("--recipe", default="uniform:mxint4",
-                   help="uniform:FMT | seed[:FAMILY] | dynamic2[:FAMILY] | auto:BPW[:FAMILY] (e.g. auto:4.5, "
-                        "uniform:affine4, seed:affine, dynamic2)")
+                   help="uniform:FMT | seed[:FAMILY] (alias unsloth) | dynamic2[:FAMILY] | auto:BPW[:FAMILY] (e.g. "
+                        "auto:4.5, uniform:affine4, seed:affine, dynamic2)")
     x.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
                    help="group of the affine formats derived from the anchor (uniform:affineK, seed:affine); "
                         "MX formats keep the anchor's block size")
@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "anchor was saved without a tokenizer)")
     x.add_argument("--calib-text", default=None, help="auto/AWQ/--refine/--scale-search: " + CALIB_HELP)
     x.add_argument("--awq", action="store_true", help="AWQ pre-scaling (full-precision model input only)")
-    x.add_argument("--imatrix-path", default=None, help="with --awq: a llama.cpp importance-matrix GGUF "
-                   "(llama-imatrix -o imatrix.gguf, as Unsloth publishes) instead of calibrating on --calib-text")
+    x.add_argument("--imatrix-path", default=None, help="a llama.cpp importance-matrix GGUF (llama-imatrix -o "
+                   "imatrix.gguf, as Unsloth publishes), instead of calibrating on --calib-text: with --awq AWQ's "
+                   "importance, else the --scale-search importance (mxint6..mxint3 blocks)")
     x.add_argument("--scale-search", action="store_true", help="output-aware per-block MX scale choice when "
                    "lowering the anchor to mxint6..mxint3 (importance-weighted error, calibrated on --calib-text; "
                    "docs/numerics.md)")

@@ -218,6 +218,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
                 raise UsageError("--recipe auto:BPW calibrates with the anchor's own tokenizer; this anchor has "
                                  "none: use uniform:FMT or seed with --tokenizer")
             need_calib_sources(a.calib_text)
+            need_path(a.imatrix_path, "--imatrix-path", "imatrix GGUF file")
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")

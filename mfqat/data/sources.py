@@ -201,7 +201,8 @@ def smollm2_dir() -> str:
 
 def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer): the embedded SmolLM2 by default (:data:`EMBEDDED_MODEL`: the Q4_1 GGUF,
-    dequantized to ``dtype``), else a local HF folder or a .gguf file."""
+    dequantized to ``dtype``), else a local HF folder or a .gguf file. A vision-language release (Qwen3.5)
+    loads whole, vision tower included (:func:`model_class`)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -218,7 +219,8 @@ def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.fl
             return _load_anchor_model(path, dtype)
         kwargs = dequantizing_kwargs(path)
     tok = AutoTokenizer.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+    auto = AutoModelForCausalLM if kwargs.get("gguf_file") else model_class(path)
+    model, info = auto.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     if info.get("missing_keys"):  # transformers only logs these (and mfqat turns its logs down): refuse
         raise ValueError(f"{name_or_path}: the checkpoint lacks weights the model needs "
                          f"({', '.join(sorted(info['missing_keys'])[:4])}, ...); refusing to use random weights")
@@ -234,6 +236,23 @@ def load_model(name_or_path: Optional[str] = None, dtype: torch.dtype = torch.fl
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def model_class(path: str):
+    """The transformers Auto class that builds the whole checkpoint in the HF folder ``path``: its family's
+    (``AutoModelForImageTextToText`` for a vision-language release such as Qwen3.5, whose vision tower
+    ``AutoModelForCausalLM`` would silently drop), ``AutoModelForCausalLM`` otherwise."""
+    import transformers
+    from transformers.utils import cached_file
+
+    from mfqat.models import family_for
+
+    try:
+        cfg_file = cached_file(str(path), "config.json", _raise_exceptions_for_missing_entries=False)
+        model_type = json.loads(Path(cfg_file).read_text()).get("model_type") if cfg_file else None
+    except (OSError, ValueError):
+        model_type = None  # transformers reports the missing or unreadable config with its own message
+    return getattr(transformers, family_for(model_type).hf_auto_class)
 
 
 # Pre-quantized checkpoints mfqat trains from: transformers dequantizes them on load when asked

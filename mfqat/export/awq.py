@@ -27,8 +27,9 @@ from mfqat.models import Family, family_of
 
 
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    """The decoder blocks of a Llama-style causal LM."""
+    """The decoder blocks of a Llama-style causal LM (a vision-language release's language model's)."""
     inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)  # Qwen3.5's model.language_model.layers
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"AWQ: {type(model).__name__} has no .model.layers (a Llama-style decoder is expected)")

@@ -61,12 +61,14 @@ def read_imatrix(path) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _arch(model: nn.Module):
+def _arch(model_type):
     import gguf
 
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for arch, name in gguf.MODEL_ARCH_NAMES.items():
-        if name == model_type:
+    from mfqat.models import family_for
+
+    name = family_for(model_type).gguf_arch or model_type  # gguf-py's name (qwen35 for Qwen3.5's qwen3_5)
+    for arch, arch_name in gguf.MODEL_ARCH_NAMES.items():
+        if arch_name == name:
             return arch
     raise ValueError(f"imatrix: gguf-py has no tensor-name map for model_type {model_type!r}")
 
@@ -76,21 +78,33 @@ def imatrix_for_model(model: nn.Module, path, modules: Iterable[str]) -> Dict[st
 
     Raises ValueError naming the file and the missing GGUF tensor (and the module it stands for), or a
     width that does not match the module's ``in_features``."""
+    config = model.config
+    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None) or 0
+    widths = {m: model.get_submodule(m).in_features for m in modules}
+    return imatrix_for_modules(path, config.model_type, n_layers, widths)
+
+
+def imatrix_for_modules(path, model_type: str, n_layers: int, widths: Dict[str, int]) -> Dict[str, torch.Tensor]:
+    """Importance of each module of ``widths`` ({HF module name: in_features}) of a ``model_type`` model with
+    ``n_layers`` decoder layers, read from the imatrix at ``path`` (no model needed: an anchor's shapes do).
+    Names go through the family's ``gguf_module`` (a vision-language release's ``model.language_model.``)."""
     import gguf
 
+    from mfqat.models import family_for
+
     table = read_imatrix(path)
-    n_layers = getattr(model.config, "num_hidden_layers", None) or 0
-    names = gguf.get_tensor_name_map(_arch(model), n_layers)
+    arch = _arch(model_type)
+    names = gguf.get_tensor_name_map(arch, n_layers)
+    family = family_for(model_type)
     out: Dict[str, torch.Tensor] = {}
-    for module in modules:
-        gg = names.get_name(module)
+    for module, width in widths.items():
+        gg = names.get_name(family.gguf_module(module))
         if gg is None:
-            raise ValueError(f"imatrix: no GGUF name for module {module} (gguf-py's {_arch(model).name} map)")
+            raise ValueError(f"imatrix: no GGUF name for module {module} (gguf-py's {arch.name} map)")
         key = gg + ".weight"
         if key not in table:
             raise ValueError(f"{path}: no tensor {key}{SUMS} (needed for {module}); was the imatrix computed "
                              "for this model?")
-        width = model.get_submodule(module).in_features
         if table[key].numel() != width:
             raise ValueError(f"{path}: tensor {key}{SUMS} has {table[key].numel()} channels, {module} has {width} "
                              "input features; the imatrix is for a different model")

@@ -44,7 +44,7 @@ from mfqat.storage.model_card import write_model_card
 from mfqat.storage.manifest import seal
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, ptq_anchor_format
+from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, drop_towers, ptq_anchor_format
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from mfqat.export.storage import anchor_parameters, resolve_scale_dtype, stored_size
 from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_state,  # noqa: F401 (public since 0.1)
@@ -152,7 +152,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     nothing in the temp dir (the next export to ``out_dir`` cleans the partial). ``tokenizer``: a
     folder whose tokenizer files are copied instead of the source's (for an anchor saved without one);
     from the anchor itself only the files its manifest lists are copied (:func:`tokenizer_files`).
-    ``imatrix_path``: with ``awq``, a llama.cpp imatrix GGUF used instead of calibrating on ``calib_text``.
+    ``imatrix_path``: a llama.cpp imatrix GGUF: with ``awq``, AWQ's importance instead of calibrating on
+    ``calib_text``; without, the scale search's importance (mxint6..mxint3 blocks, mfqat.export.scale_search).
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
     ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
     against the anchor on ``calib_text`` (mfqat.export.refine.RefineConfig, DWQ's lever; codes and
@@ -172,17 +173,17 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     if awq and is_anchor:
         raise ValueError(f"{source}: AWQ is a post-training step; pass the full-precision model, not an anchor "
                          "(rescaling an anchor would re-quantize the codes MF-QAT trained)")
-    if imatrix_path is not None and not awq:
-        raise ValueError(f"{imatrix_path}: an imatrix is only used by AWQ; add --awq (awq=True) or drop it")
     report = {"format_version": EXPORT_FORMAT_VERSION, "source": str(source), "recipe": recipe, "tensors": {}}
     with atomic_directory(out_dir, overwrite=overwrite, kind="mlx-export", protect=[src]) as tmp:
         if not is_anchor:
             src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe),
                               imatrix_path)
-        calibrated = scale_search or refine is not None or recipe.startswith("auto:")
+        calibrated = scale_search or refine is not None or recipe.startswith("auto:") or imatrix_path is not None
         anchor = read_anchor(src, lazy=True)
         if calibrated:  # these steps run the model: they hold it anyway, and read each tensor many times
             anchor.materialize()
+        if (dropped := drop_towers(anchor)):  # a VL release's vision tower: not in mlx-lm's model (warns)
+            report["dropped"] = dropped
         tok_dir = Path(tokenizer) if tokenizer else src
         tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None)
         if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -191,10 +192,13 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                               "folder that has them (tokenizer=..., mfqat export-mlx --tokenizer DIR)")
         if not isinstance(anchor.config, dict):
             raise AnchorError(f"{src}: config.json is missing; an export needs the model's config")
-        if scale_search:
+        if scale_search or (imatrix_path is not None and not awq):  # an imatrix without AWQ: the search's importance
             from mfqat.export.scale_search import apply_scale_search
-            report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text)
+            report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text, imatrix_path=None if awq else imatrix_path)
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
+        if "scale_search" in report and imatrix_path is not None and not awq:  # weighs nothing of this recipe?
+            from mfqat.export.scale_search import check_imatrix_used
+            check_imatrix_used(report["scale_search"], plan.formats.values(), imatrix_path, recipe)
         caveats = plan.family.export_caveats(anchor.config)
         if caveats:
             report["caveats"] = caveats

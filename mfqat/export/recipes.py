@@ -29,7 +29,7 @@ FAMILY_BY_BITS = {
     "mxfp": {4: "mxfp4_e2m1", 5: "mxfp6_e2m3", 6: "mxfp6_e2m3", 7: "mxfp8_e4m3", 8: "mxfp8_e4m3"},
     "affine": {b: f"affine{b}" for b in (2, 3, 4, 5, 6, 8)},
 }
-RECIPES = ("uniform:FMT", "seed[:FAMILY]", "dynamic2[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
+RECIPES = ("uniform:FMT", "seed[:FAMILY]", "unsloth[:FAMILY]", "dynamic2[:FAMILY]", "auto:BPW[:FAMILY]")  # FAMILY: mxint, mxfp or affine
 # Matrices above this many elements are lowered, written and checked in row chunks (Plan.chunk_rows): an
 # embedding of 150M entries would otherwise take several float32 copies at once.
 CHUNK_ELEMENTS = 8 * 1024 ** 2
@@ -151,7 +151,44 @@ def _matrix_weights(anchor: Anchor) -> List[str]:
     infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
     return [k for k, v in infos.items()
             if k.endswith(".weight") and len(v.shape) == 2 and v.dtype.is_floating_point and v.shape[-1] % bs == 0
-            and not family.kept_high(k)]
+            and not family.kept_high(k) and not family.tower(k)]
+
+
+def _seed_high(anchor: Anchor, family: Family) -> List[str]:
+    """Plain 2-D weights the family keeps high in general that its seed table quantizes (Qwen3.5's routers at 8
+    bits, as mlx-lm's own quant_predicate does)."""
+    bs = anchor.meta.get("block_size", 32)
+    infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
+    return [k for k, v in infos.items() if len(v.shape) == 2 and v.dtype.is_floating_point and v.shape[-1] % bs == 0
+            and any(re.search(p, k) for p in family.seed_high)]
+
+
+def drop_towers(anchor: Anchor) -> Optional[List[dict]]:
+    """Leave the anchor's towers (a vision-language release's vision encoder, ``Family.towers``) out of an
+    mlx-lm export: their tensors are removed from this in-memory ``anchor`` (never from disk), so the plan,
+    the writer, the stored size and the check see the text model mlx-lm loads, as ``mlx_lm.convert`` drops
+    them. Returns the report's ``dropped`` entry ([{"why", "tensors", "parameters", "examples"}], one per
+    tower) and warns; None when there is nothing to drop."""
+    import warnings
+
+    family = family_for((anchor.config or {}).get("model_type"))
+    found: Dict[str, List[str]] = {}
+    for name in list(anchor.plain) + list(anchor.quantized):
+        why = family.tower(name)
+        if why:
+            found.setdefault(why, []).append(name)
+    if not found:
+        return None
+    out = []
+    for why, names in found.items():
+        count = sum(int(torch.Size(_shape(anchor, n)).numel()) for n in names)
+        for n in names:
+            anchor.plain.pop(n, None)
+            anchor.quantized.pop(n, None)
+        out.append({"why": why, "tensors": len(names), "parameters": count, "examples": sorted(names)[:3]})
+        warnings.warn(f"{anchor.path}: the export leaves out {len(names)} tensors ({count} parameters) of the "
+                      f"{why}", stacklevel=3)
+    return out
 
 
 def check_family(anchor: Anchor) -> Family:
@@ -162,7 +199,8 @@ def check_family(anchor: Anchor) -> Family:
     if family.export_refusal:
         raise ValueError(f"{anchor.path}: cannot export {model_type} to MLX: {family.export_refusal}")
     infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
-    odd = [k for k, v in infos.items() if len(v.shape) >= 3 and v.dtype.is_floating_point and "conv" not in k]
+    odd = [k for k, v in infos.items() if len(v.shape) >= 3 and v.dtype.is_floating_point and "conv" not in k
+           and not family.tower(k)]
     if odd:
         raise ValueError(f"{anchor.path}: mfqat has no MLX layout for {model_type}'s {odd[0]} {tuple(infos[odd[0]].shape)}"
                          f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''}; exporting it would give a model "
@@ -233,6 +271,7 @@ def parse_recipe(recipe: str) -> Tuple[str, Optional[str], Optional[str]]:
     """(kind, argument, family): ``uniform:FMT`` -> ("uniform", FMT, its family); ``seed[:FAMILY]``
     -> ("seed", None, FAMILY or None); ``auto:BPW[:FAMILY]`` -> ("auto", BPW, FAMILY or None)."""
     kind, _, rest = recipe.partition(":")
+    kind = "seed" if kind == "unsloth" else kind  # the issue's name for the Qwen3.5 table (Family.seed_table)
     if kind == "uniform" and rest:
         return kind, canonical_name(rest), get_format(rest).family
     if kind in ("seed", "dynamic2"):
@@ -286,8 +325,12 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             plan.formats[name], plan.origin[name] = fmt, "ptq"
         top = get_format(fmt)
     elif kind == "seed":
-        for name in list(anchor.quantized) + _matrix_weights(anchor):
-            bits = seed_bits(name, base_bits, tied)
+        table = plan.family.seed_table or seed_bits  # a family's own table (Qwen3.5: the design's), else the generic one
+        for name in list(anchor.quantized) + _matrix_weights(anchor) + _seed_high(anchor, plan.family):
+            bits = table(name, base_bits, tied)
+            if bits is None:
+                plan.kept16.add(name)
+                continue
             plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
         top = get_format(_fmt_for_bits(family, base_bits, 8))

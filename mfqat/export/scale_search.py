@@ -17,11 +17,43 @@ from mfqat.anchor.search import search_scales
 
 
 def apply_scale_search(anchor: Anchor, tokenizer_dir: Path, calib_text: Optional[str] = None,
-                       n_blocks: int = 8, seq_len: int = 128) -> dict:
-    """Attach importance and the ``search`` rule to every anchor tensor (in place); returns a report entry."""
+                       n_blocks: int = 8, seq_len: int = 128, imatrix_path: Optional[str] = None) -> dict:
+    """Attach importance and the ``search`` rule to every anchor tensor (in place); returns a report entry.
+    ``imatrix_path``: the importance read from a llama.cpp imatrix GGUF (:func:`imatrix_search`) instead of
+    measured on the calibration text."""
+    if imatrix_path is not None:
+        return imatrix_search(anchor, imatrix_path)
     from transformers import AutoTokenizer
 
     from mfqat.data.sources import calibration_blocks
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     return search_scales(anchor, calibration_blocks(tok, calib_text, n_blocks=n_blocks, seq_len=seq_len))
+
+
+def imatrix_search(anchor: Anchor, imatrix_path: str) -> dict:
+    """``export-mlx --imatrix-path`` on an anchor: each quantized Linear's input importance is the imatrix's mean
+    squared activation (``in_sum2 / counts``, the quantity the search measures on calibration text), so the
+    formats the search serves (mxint6..mxint3) pick each block's exponent by the imatrix-weighted error, as
+    llama.cpp weighs its quantization error. Fused experts keep their rule (no per-expert importance)."""
+    from mfqat.anchor.search import mark_scale_search, searchable_formats
+    from mfqat.export.imatrix import imatrix_for_modules
+
+    config = anchor.config or {}
+    text = config.get("text_config") or config
+    widths = {n[: -len(".weight")]: q.shape[-1] for n, q in anchor.quantized.items()
+              if n.endswith(".weight") and len(q.shape) == 2}
+    importance = imatrix_for_modules(imatrix_path, config.get("model_type"), int(text.get("num_hidden_layers") or 0),
+                                     widths)
+    formats = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
+    return {"importance": f"imatrix GGUF {imatrix_path}", "formats": formats,
+            "tensors": mark_scale_search(anchor, importance, formats)}
+
+
+def check_imatrix_used(entry: dict, planned, imatrix_path: str, recipe: str) -> None:
+    """Refuse (ValueError, before anything is written) an ``--imatrix-path`` that weighs no tensor of the plan:
+    the recipe's formats are none of those the search serves (derived affine, MXFP: ``entry['formats']``)."""
+    if not set(planned) & set(entry.get("formats", ())):
+        raise ValueError(f"{imatrix_path}: recipe '{recipe}' plans no format the imatrix-weighted scale search serves "
+                         f"({', '.join(entry.get('formats', ())) or 'none from this anchor'}); the imatrix would change "
+                         "nothing: use an MXINT recipe (e.g. seed, uniform:mxint4), or --awq on a full-precision model")

@@ -54,6 +54,9 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
                    help="learning rate of the learned scales (default: the config's learned_scales_lr, 1e-3)")
     p.add_argument("--joint-sample", type=int, default=None, metavar="K",
                    help="joint schedule: train the highest + lowest + K sampled formats per step (default: all)")
+    p.add_argument("--train-vision", action="store_true",
+                   help="vision-language release (Qwen3.5): also MF-QAT-train the vision tower's Linears (default: "
+                        "frozen, full precision; QATConfig.train_vision)")
     p.add_argument("--keep-quantized-weights", action="store_true",
                    help="keep each Linear's fake-quantized weight from the forward for its backward instead of "
                         "recomputing it (same gradients; one fewer fake-quant per weight per format, one extra "

@@ -42,6 +42,8 @@ def load_qat_config(args) -> QATConfig:
         data["learned_scales_lr"] = args.learned_scales_lr
     if getattr(args, "keep_quantized_weights", False):
         data["keep_quantized_weights"] = True
+    if getattr(args, "train_vision", False):
+        data["train_vision"] = True
     return QATConfig(**data)
 
 

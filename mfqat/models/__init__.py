@@ -16,7 +16,7 @@ from mfqat.models.family import ExpertParam, Family, PlainRule
 
 FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
                           mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY,
-                          qwen3_next.FAMILY]
+                          qwen3_5.VL_FAMILY, qwen3_5.VL_MOE_FAMILY, qwen3_next.FAMILY]
 DENSE = Family(name="dense (no family file)", model_types=())
 _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -24,7 +24,8 @@ _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 def family_for(model_type: Optional[str]) -> Family:
     """The family of a config's ``model_type`` (the dense rules when mfqat has no file for it). mlx-lm's
     name of a text model whose transformers type ends in ``_text`` (``qwen3_5`` for ``qwen3_5_text``, as an
-    export's config.json says) finds the same family."""
+    export's config.json says) finds the same family, unless the type itself is a release's (``qwen3_5``:
+    the vision-language checkpoint, whose tensor rules are the text family's under its own names)."""
     return _BY_TYPE.get(model_type or "") or _BY_TYPE.get(f"{model_type}_text", DENSE)
 
 

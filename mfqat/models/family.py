@@ -7,6 +7,12 @@ A :class:`Family` answers, for every parameter name of the in-memory transformer
 - does it stay in high precision, and why (routers, gates: ``keep_high``)?
 - what is it called in mlx-lm (``mlx_renames``, and an expert parameter's split into
   ``switch_mlp`` projections), and which config keys must mlx-lm be given (``mlx_config``)?
+- is it part of a tower besides the language model (``towers``: the vision encoder of a
+  vision-language release)? Towers are frozen and kept in full precision by training unless
+  ``QATConfig.train_vision``, stored whole in the anchor, and left out of an mlx-lm export (mlx-lm's
+  model is the text model), with the reason in the export's report;
+- which transformers Auto class builds the whole checkpoint (``hf_auto_class``: a vision-language
+  release is an ``AutoModelForImageTextToText``; ``AutoModelForCausalLM`` would drop its vision tower).
 
 Expert layout (transformers 5): ``gate_up_proj`` is ``[E, 2I, H]`` (gate rows first, then up) and
 ``down_proj`` ``[E, H, I]``: out x in per expert, in_features last, so MX blocks along the last axis
@@ -103,8 +109,21 @@ class Family:
     awq_groups: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()
     norm_offset: float = 0.0
     awq_refusal: str = "mfqat has no AWQ norm -> linear groups for it"
+    towers: Tuple[Tuple[str, str], ...] = ()  # (regex on names, why): non-language parts (vision tower), see above
+    # The ``seed`` recipe's table for this family (name, base bits, tied -> bits, None: bfloat16) instead of the
+    # generic one, and the kept-high tensors (regexes: routers) that table quantizes after all.
+    seed_table: Optional[Callable[[str, int, bool], Optional[int]]] = None
+    seed_high: Tuple[str, ...] = ()
+    gguf_arch: str = ""  # gguf-py's architecture name when it is not the model_type (imatrix GGUF names)
+    gguf_renames: Tuple[Tuple[str, str], ...] = ()  # module names as gguf-py's tensor-name map knows them
+    hf_auto_class: str = "AutoModelForCausalLM"  # transformers Auto class that builds the whole checkpoint
     tested: bool = False
     notes: str = ""
+
+    def tower(self, name: str) -> Optional[str]:
+        """Why the tensor or module ``name`` belongs to a tower that is not the language model (the vision
+        encoder: frozen, full precision, dropped on an mlx-lm export), or None."""
+        return next((why for pat, why in self.towers if re.search(pat, name)), None)
 
     def expert_param(self, name: str) -> Optional[ExpertParam]:
         """The expert rule matching the parameter ``name``, or None."""
@@ -183,6 +202,13 @@ class Family:
                 raise ValueError(f"{hf}: the MLX weights hold {len(pieces)} of its {len(rule.mlx)} pieces {rule.mlx}")
             out[hf] = torch.cat([pieces[i] for i in range(len(rule.mlx))], dim=-2)
         return out
+
+    def gguf_module(self, name: str) -> str:
+        """The module ``name`` as gguf-py's tensor-name map knows it (``model.language_model.layers.0.x`` ->
+        ``model.layers.0.x`` for a vision-language release)."""
+        for pat, repl in self.gguf_renames:
+            name = re.sub(pat, repl, name)
+        return name
 
     def export_caveats(self, config: dict) -> List[str]:
         """What mlx-lm's port of this model computes differently from transformers (reported on export)."""

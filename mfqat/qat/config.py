@@ -117,6 +117,10 @@ class QATConfig:
             until that pass's backward; in the output's dtype, bf16 under bf16 autocast) against one
             fewer fake-quant per weight per format. Default off: a step keeps plain training's memory.
             Fused MoE experts and mask_saturated already keep it (their autograd saves it).
+        train_vision: a vision-language release's vision tower (the model family's ``towers``, e.g.
+            Qwen3.5's ``model.visual``): False (default) leaves it as it is, frozen (``requires_grad``
+            off) and in full precision; True makes its targeted Linears MF-QAT layers, trained and stored
+            quantized in the anchor like the language model's.
     """
 
     formats: List[str] = field(default_factory=lambda: ["mxint8", "mxint6", "mxint4"])
@@ -145,6 +149,7 @@ class QATConfig:
     learn_scales: bool = False
     learned_scales_lr: float = 1e-3
     keep_quantized_weights: bool = False
+    train_vision: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -296,6 +301,7 @@ class QATConfig:
             _check_type("through_anchor", self.through_anchor, (bool,), "true, false or null")
         _check_type("anchor_warmup_steps", self.anchor_warmup_steps, (int,), "an int")
         _check_type("learn_scales", self.learn_scales, (bool,), "true or false")
+        _check_type("train_vision", self.train_vision, (bool,), "true or false")
         _check_type("learned_scales_lr", self.learned_scales_lr, (int, float), "a positive number")
         if not self.learned_scales_lr > 0:
             _fail("learned_scales_lr", f"must be positive, got {self.learned_scales_lr}")

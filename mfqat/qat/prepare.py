@@ -119,7 +119,10 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     schedules: Dict[str, Schedule] = {}
     skipped: List[str] = []
     family = family_of(model)
+    _freeze_towers(model, family, config)
     for name, m in list(model.named_modules()):
+        if family.tower(name) and not config.train_vision:
+            continue
         experts = _expert_params(family, name, m)
         if experts:
             if config.selects(name) and not config.excludes(name):
@@ -167,6 +170,16 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     return model
 
 
+def _freeze_towers(model: nn.Module, family: Family, config: QATConfig) -> None:
+    """Leave the family's towers (a vision encoder) as they are: frozen, full precision (unless
+    ``config.train_vision``)."""
+    if config.train_vision:
+        return
+    for name, p in model.named_parameters():
+        if family.tower(name):
+            p.requires_grad_(False)
+
+
 def _expert_params(family: Family, name: str, module: nn.Module) -> List[str]:
     """The fused 3-D expert parameters of ``module`` that ``family`` quantizes (by full name)."""
     return [p for p, v in module.named_parameters(recurse=False)
@@ -198,7 +211,7 @@ def _warn_uncovered(model: nn.Module, family: Family, config: QATConfig) -> None
     covered = {n for name, m in qat_modules(model) for n in m.target_names(name)}
     left = [f"{n} {tuple(p.shape)}" for n, p in model.named_parameters()
             if p.dim() >= 3 and n not in covered and config.selects(n.rpartition(".")[0])
-            and not family.kept_high(n) and ".learned_scales." not in n]
+            and not family.kept_high(n) and not family.tower(n) and ".learned_scales." not in n]
     if left:
         warnings.warn(f"mfqat.prepare: {family.name} has no rule for {len(left)} weight(s) that stay full "
                       f"precision: {', '.join(left[:4])}{' ...' if len(left) > 4 else ''} (mfqat/models/ lists "

@@ -98,14 +98,18 @@ def _set(model: nn.Module, name: str, new: nn.Module) -> None:
 def _empty_model(a: Anchor) -> nn.Module:
     """The anchor's Hugging Face model with every parameter on the meta device (buffers such as
     rotary frequencies are real): nothing is allocated for the weights until they are filled."""
+    import transformers
     from accelerate import init_empty_weights
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING
+
+    from mfqat.models import family_for
 
     if not isinstance(a.config, dict) or a.config.get("model_type") not in CONFIG_MAPPING:
         raise AnchorError(f"{a.path}: config.json is missing or has no known model_type")
     config = CONFIG_MAPPING[a.config["model_type"]].from_dict(a.config)
+    auto = getattr(transformers, family_for(a.config["model_type"]).hf_auto_class)  # a VL release: the whole model
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return auto.from_config(config, dtype=torch.float32)
 
 
 def mx_qlora_model(anchor: str | Path, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
