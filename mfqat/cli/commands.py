@@ -98,7 +98,7 @@ def evaluate(a: argparse.Namespace) -> None:
         model.eval().mfqat_format = anchor.format
         tok = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     else:
-        model, tok = load_model(a.model, dtype)
+        model, tok = load_model(a.model, dtype=dtype)
     text = load_text(a.text) if a.text else split_text(load_text(None))[1]
     blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
     base_ppl = perplexity(model, blocks, desc="ppl base")

@@ -59,19 +59,30 @@ def _as_written(family, name: str, value: torch.Tensor) -> torch.Tensor:
 def reference_state(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = lambda name: True
                     ) -> Dict[str, torch.Tensor]:
     """The PyTorch weights that the export must reproduce (float32); ``keep``: only the names it accepts."""
+    return dict(reference_tensors(anchor, plan, keep))
+
+
+def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = lambda name: True):
+    """(name, float32 tensor) of :func:`reference_state`, one at a time (large matrices dequantized in row
+    chunks: Plan.chunk_rows)."""
     family = plan.family
-    sd = {}
     for k in anchor.plain:
-        if keep(k):
+        if keep(k) and k not in plan.formats:
             v = anchor.plain[k]
-            sd[k] = _as_written(family, k, v) if v.is_floating_point() else v
+            yield k, (_as_written(family, k, v) if v.is_floating_point() else v)
     for name in plan.formats:
         if keep(name):
-            sd[name] = plan.tensor(anchor, name).dequantize(torch.float32)
+            rows = plan.chunk_rows(anchor, name)
+            if rows is None:
+                yield name, plan.tensor(anchor, name).dequantize(torch.float32)
+            else:
+                out = torch.empty(anchor.shape(name), dtype=torch.float32)
+                for lo, hi, q in plan.tensor_chunks(anchor, name, rows):
+                    out[lo:hi] = q.dequantize(torch.float32)
+                yield name, out
     for name in plan.kept16:
         if keep(name) and name in anchor.quantized:
-            sd[name] = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
-    return sd
+            yield name, anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
 
 
 class WrittenTensors:
@@ -299,9 +310,23 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
     del model
     pt_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
     auto = getattr(transformers, plan.family.hf_auto_class)  # a VL release's whole class
-    pt = auto.from_config(pt_config, dtype=torch.float32)
-    missing, unexpected = pt.load_state_dict(reference_state(anchor, plan, keep), strict=False)
-    missing = [k for k in missing if k not in set(anchor.meta.get("tied", {})) and not plan.family.tower(k)]
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is loaded next
+        pt = auto.from_config(pt_config, dtype=torch.float32)
+    own = dict(pt.state_dict(keep_vars=True))
+    loaded, unexpected = set(), []
+    for k, v in reference_tensors(anchor, plan, keep):  # copied in one at a time, never a second model
+        if k not in own or tuple(own[k].shape) != tuple(v.shape):
+            unexpected.append(k)
+            continue
+        with torch.no_grad():
+            own[k].copy_(v)
+        loaded.add(k)
+        del v
+    buffers = {k for k, _ in pt.named_buffers()}
+    missing = [k for k in own if k not in loaded and k not in buffers and k not in set(anchor.meta.get("tied", {}))
+               and not plan.family.tower(k)]
     if missing or unexpected:  # the reference must hold every weight the anchor has, nothing else
         raise RuntimeError(f"export check failed: the PyTorch reference does not match {anchor.path}'s weights "
                            f"(missing {missing[:3]}, unexpected {unexpected[:3]}); nothing was written")
