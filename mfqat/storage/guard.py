@@ -10,6 +10,10 @@ Single-writer rule: one process writes one path at a time; a second writer gets
 :class:`WriterBusyError` at once (readers never block and never see a half-written folder).
 Under the lock, leftovers of dead PIDs are cleaned: a backup is put back when ``DEST`` is
 missing (a kill between the two renames), everything else is deleted, and each action is logged.
+Only what mfqat provably wrote is deleted: a partial folder carries the hidden marker folder
+``.mfqat-partial/`` naming its writer's PID (removed just before the folder is renamed in), a backup
+is an artifact holding its kind's marker file; a folder that merely has such a name is left, with a
+warning.
 """
 from __future__ import annotations
 
@@ -101,6 +105,33 @@ def partial_name(dest: Path) -> str:
     return f".{dest.name}.{os.getpid()}-{os.urandom(4).hex()}.partial"
 
 
+PARTIAL_MARK = ".mfqat-partial"  # a folder (never sealed into a manifest, which lists files) holding "pid"
+
+
+def mark_partial(tmp: Path) -> None:
+    """Mark a new partial folder as this process's (:func:`is_our_partial` reads the mark)."""
+    (tmp / PARTIAL_MARK).mkdir()
+    (tmp / PARTIAL_MARK / "pid").write_text(str(os.getpid()))
+
+
+def unmark_partial(tmp: Path) -> None:
+    """Remove the mark before the partial folder becomes the artifact."""
+    shutil.rmtree(tmp / PARTIAL_MARK, ignore_errors=True)
+
+
+def is_our_partial(path: Path, pid: int) -> bool:
+    """True when ``path`` carries the mark :func:`mark_partial` makes, naming ``pid`` (a mark whose
+    ``pid`` file is missing or empty is one the writer was killed while making or removing)."""
+    mark = path / PARTIAL_MARK
+    if mark.is_symlink() or not mark.is_dir():
+        return False
+    try:
+        said = (mark / "pid").read_text().strip() if (mark / "pid").exists() else ""
+    except (OSError, UnicodeDecodeError):
+        return False
+    return said in ("", str(pid))
+
+
 def backup_path(dest: Path) -> Path:
     """Where the previous artifact waits while the new one is renamed in."""
     return dest.parent / f".{dest.name}.old-{os.getpid()}"
@@ -122,14 +153,31 @@ def find_strays(dest: Path) -> List[Stray]:
     return out
 
 
+def ours(s: Stray, complete: Callable[[Path], bool]) -> bool:
+    """True when mfqat provably wrote a stray: a partial with its mark, a backup that is ``complete``."""
+    return is_our_partial(s.path, s.pid) if s.kind == "partial" else complete(s.path)
+
+
 def recover(dest: Path, complete: Callable[[Path], bool]) -> List[str]:
     """Clean what dead writers left beside ``dest`` (call with the writer lock held).
 
     A backup is renamed back when ``dest`` is missing and the backup is ``complete``; other
-    strays of dead PIDs are deleted (backups only once ``dest`` exists). Returns (and logs) one line per action.
+    strays of dead PIDs that mfqat provably wrote (:func:`ours`) are deleted (backups only once
+    ``dest`` exists); a folder that only looks like one is left with a warning. Returns (and logs)
+    one line per action.
     """
     said: List[str] = []
-    dead = [s for s in find_strays(dest) if not pid_alive(s.pid)]
+    dead = []
+    for s in find_strays(dest):
+        if pid_alive(s.pid):
+            continue
+        if ours(s, complete):
+            dead.append(s)
+        elif _rmdir_empty(s.path):  # killed between mkdir and the mark: nothing in it to lose
+            said.append(f"removed {s.path.name} beside {dest} (empty, left by killed process {s.pid})")
+        else:
+            said.append(f"left {s.path.name} beside {dest}: named like an mfqat leftover but it carries no mark "
+                        "mfqat wrote; remove it yourself if it is not yours")
     if not dest.exists() and not dest.is_symlink():
         for s in sorted((s for s in dead if s.kind == "old"), key=lambda s: s.path.stat().st_mtime, reverse=True):
             if complete(s.path):
@@ -142,11 +190,34 @@ def recover(dest: Path, complete: Callable[[Path], bool]) -> List[str]:
         if s.kind == "old" and not dest.exists():
             said.append(f"kept {s.path.name} beside {dest}: it may be the only copy of an earlier save")
             continue
-        shutil.rmtree(s.path, ignore_errors=True)
+        remove_marks_last(s.path)
         said.append(f"removed {s.path.name} beside {dest} (left by killed process {s.pid})")
     for line in said:
         LOG.warning("mfqat: %s", line)
     return said
+
+
+def _rmdir_empty(path: Path) -> bool:
+    """Remove ``path`` when it is an empty folder (True), else leave it (False)."""
+    try:
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+
+
+def remove_marks_last(path: Path) -> None:
+    """Delete a folder mfqat wrote, its marks (the partial mark, the kinds' marker files) last, so that
+    a kill during the deletion leaves a folder still recognized as mfqat's (or an empty one)."""
+    marks = {PARTIAL_MARK, *KINDS.values()}
+    children = sorted(path.iterdir(), key=lambda c: c.name in marks)
+    for c in children:
+        if c.is_dir() and not c.is_symlink():
+            shutil.rmtree(c, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                c.unlink()
+    _rmdir_empty(path)
 
 
 def _overlaps(a: Path, b: Path) -> bool:

@@ -11,8 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable, Iterator, Optional, Sequence, Union
 
-from mfqat.storage.guard import (WriterBusyError, backup_path, check_output, is_kind, partial_name,  # noqa: F401
-                    recover, writer_lock)
+from mfqat.storage.guard import (WriterBusyError, backup_path, check_output, is_kind, mark_partial,  # noqa: F401
+                                 partial_name, recover, remove_marks_last, unmark_partial,
+                                 writer_lock)
 
 PathLike = Union[str, Path]
 
@@ -117,10 +118,12 @@ def swap_in(tmp: Path, dest: Path) -> None:
         dest.rmdir()
     elif dest.exists():
         backup = backup_path(dest)
-        if backup.exists():  # our own PID: left by an earlier failed save of this process
-            shutil.rmtree(backup)
+        if backup.exists() or backup.is_symlink():  # our own PID's name, but mfqat removes its backups at once
+            raise FileExistsError(f"{backup} exists (not written by this save); mfqat never deletes what it did "
+                                  "not write: move it away and save again")
         os.replace(dest, backup)
     try:
+        unmark_partial(tmp)  # the last moment: a kill before the rename leaves a folder recover() knows
         os.replace(tmp, dest)
     except BaseException:
         if backup is not None:
@@ -128,7 +131,7 @@ def swap_in(tmp: Path, dest: Path) -> None:
         raise
     fsync_dir(dest.parent)
     if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
+        remove_marks_last(backup)
 
 
 @contextlib.contextmanager
@@ -152,11 +155,13 @@ def atomic_directory(dest: PathLike, overwrite: bool = False, kind: Optional[str
         tmp = dest.parent / partial_name(dest)
         tmp.mkdir()
         try:
+            mark_partial(tmp)
             yield tmp
             settle(tmp)
             swap_in(tmp, dest)
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir():
+                remove_marks_last(tmp)
             if isinstance(e, OSError) and e.errno in DISK_FULL:
                 raise disk_full(dest, e) from e
             raise
