@@ -61,3 +61,150 @@ def test_a_user_folder_named_like_a_leftover_partial_is_kept(tmp_path, caplog):
     assert not killed.exists()
     assert f"left {user.name}" in caplog.text and "carries no mark" in caplog.text
     assert not (tmp_path / "a" / ".mfqat-partial").exists(), "the mark must not end up in the artifact"
+
+
+# --- one output guard: train / mx-qlora never replace their input or a user's files ------------------------------
+
+TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1", "--no-qat", "--steps", "2"]
+
+
+def _files(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_train_never_writes_over_the_anchor_it_trains_from(anchor, tmp_path, capsys, monkeypatch):
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran before its output was checked"))
+    before = _files(anchor.parent)
+    for out in (anchor.parent, anchor, anchor / "sub"):
+        _one_line_exit_2(["train", "--model", str(anchor), "--steps", "2", "--out", str(out), "--overwrite"], capsys,
+                         "would overwrite, hold or sit inside the input")
+    text = tmp_path / "data" / "train.txt"
+    text.parent.mkdir()
+    text.write_text("some text " * 50)
+    _one_line_exit_2(["train", *TINY, "--text", str(text), "--out", str(text.parent)], capsys, "the input")
+    _one_line_exit_2(["mx-qlora", str(anchor), "--out", str(anchor.parent)], capsys, "the input")
+    assert _files(anchor.parent) == before
+
+
+def test_train_out_over_an_earlier_run_needs_overwrite_and_never_replaces_user_files(tmp_path, capsys):
+    from mfqat.integrations.train_loop import main as train_main
+
+    out = tmp_path / "r2"
+    train_main([*TINY, "--out", str(out)])
+    capsys.readouterr()
+    first = _files(out)
+    assert (out / "summary.json").is_file() and (out / "mfqat_run.json").is_file()
+    _one_line_exit_2(["train", *TINY, "--out", str(out)], capsys, "pass --overwrite")
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        train_main([*TINY, "--out", str(out)])
+    assert _files(out) == first
+    train_main([*TINY, "--out", str(out), "--overwrite", "--seed", "1"])  # its own earlier run: replaced
+    capsys.readouterr()
+    assert json.loads((out / "summary.json").read_text())["losses"] != json.loads(first[Path("summary.json")])["losses"]
+    (out / "summary.json").write_text("the user's own summary")  # a user's file of the same name
+    _one_line_exit_2(["train", *TINY, "--out", str(out), "--overwrite"], capsys, "summary.json there was not written")
+    assert (out / "summary.json").read_text() == "the user's own summary"
+    user = tmp_path / "mine"  # a folder mfqat did not make: refused even with --overwrite
+    user.mkdir()
+    (user / "loss.png").write_bytes(b"the user's plot")
+    _one_line_exit_2(["train", *TINY, "--out", str(user), "--overwrite"], capsys, "is no earlier `mfqat train` run")
+    assert (user / "loss.png").read_bytes() == b"the user's plot"
+
+
+def test_mx_qlora_out_and_mlx_adapter_path_never_replace_user_files(anchor, tmp_path, capsys):
+    fast = ["--steps", "1", "--seq-len", "16", "--batch-size", "1", "--eval-blocks", "1", "--lora-rank", "2"]
+    out = tmp_path / "q"
+    main(["mx-qlora", str(anchor), *fast, "--out", str(out)])
+    capsys.readouterr()
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    _one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(out)], capsys, "pass --overwrite")
+    (out / "summary.json").write_text("the user's own summary")
+    _one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(out), "--overwrite"], capsys,
+                     "summary.json there was not written")
+    assert (out / "summary.json").read_text() == "the user's own summary"
+    mine = tmp_path / "mine"  # a user's mlx-lm adapter folder (it has adapter_config.json too)
+    mine.mkdir()
+    (mine / "adapter_config.json").write_text("{}")
+    _one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(tmp_path / "q2"), "--mlx-adapter-path", str(mine)],
+                     capsys, "pass overwrite=True (--overwrite)")
+    assert (mine / "adapter_config.json").read_text() == "{}" and not (tmp_path / "q2").exists()
+
+
+# --- anchors refuse what would poison them ------------------------------------------------------------------------
+
+REFINED_NAME = "model.layers.0.mlp.down_proj.weight"
+
+
+def _reseal(folder: Path, edit) -> None:
+    """Apply ``edit(meta)`` to mfqat.json and re-seal it as a tool that knows the digest would."""
+    import hashlib
+
+    from mfqat.storage.manifest import canonical_digest
+
+    meta = json.loads((folder / "mfqat.json").read_text())
+    edit(meta)
+    meta["manifest"] = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in meta["manifest"]
+                        if (folder / n).is_file()}
+    meta["digest"] = canonical_digest(meta)
+    (folder / "mfqat.json").write_text(json.dumps(meta))
+
+
+@pytest.fixture
+def refined_anchor(anchor, tmp_path):
+    import shutil
+
+    import torch
+
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.anchor.refined_store import add_refined
+    from mfqat.quant.derive import derive
+
+    path = shutil.copytree(anchor, tmp_path / "refined")
+    q = derive(read_anchor(path).quantized[REFINED_NAME].dequantize(torch.float32), "affine4", 32)
+    q.scales = q.scales * 1.01  # "learned": differs from the derived scales
+    add_refined(path, "affine4", 32, {REFINED_NAME: q}, info={})
+    mfqat.load_anchor(path, "affine4", group_size=32)  # readable as stored
+    return path
+
+
+def test_a_changed_and_resealed_refined_width_is_refused_by_the_hash_in_its_name(refined_anchor):
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.storage.manifest import AnchorError
+
+    meta = json.loads((refined_anchor / "mfqat.json").read_text())
+    f = refined_anchor / meta["refined"]["affine4"]["file"]
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0x7F  # the last bfloat16 bias: its high byte becomes an exponent of all ones (NaN / inf)
+    f.write_bytes(bytes(data))
+    _reseal(refined_anchor, lambda m: None)
+    with pytest.raises(AnchorError, match="sha256 does not start with"):
+        read_anchor(refined_anchor)
+
+
+def test_a_refined_width_with_nan_values_is_refused_even_when_its_name_matches(refined_anchor):
+    import torch
+    from safetensors.torch import load, save
+
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.anchor.refined import refined_file
+    from mfqat.storage.manifest import AnchorError
+
+    meta = json.loads((refined_anchor / "mfqat.json").read_text())
+    old = refined_anchor / meta["refined"]["affine4"]["file"]
+    raw = load(old.read_bytes())
+    raw[f"{REFINED_NAME}.scales"] = torch.full_like(raw[f"{REFINED_NAME}.scales"], float("nan"))
+    data = save(raw)
+    import hashlib
+
+    name = refined_file("affine4").replace(".safetensors", f"-{hashlib.sha256(data).hexdigest()[:12]}.safetensors")
+    (refined_anchor / name).write_bytes(data)
+    old.unlink()
+
+    def edit(m):
+        m["refined"]["affine4"]["file"] = name
+        m["manifest"][name] = ""
+    _reseal(refined_anchor, edit)
+    with pytest.raises(AnchorError, match="NaN or infinite"):
+        read_anchor(refined_anchor)

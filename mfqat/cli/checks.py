@@ -159,10 +159,11 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("give --text (plain text) or --dataset, not both")
         need_path(a.text, "--text")
         need_path(a.dataset, "--dataset")
-        from mfqat.integrations.train_args import check_resume  # argparse only: nothing heavy
+        from mfqat.integrations.train_args import check_resume, check_train_output  # argparse only: nothing heavy
         try:
             check_resume(a)
-        except ValueError as e:
+            check_train_output(a)
+        except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
         if a.anchor_format:
@@ -193,9 +194,13 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if not has_tokenizer(a.anchor):
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; mx-qlora tokenizes with it (save the anchor "
                              "with its tokenizer)")
-        from mfqat.qlora.train import QLORA_MINIMUMS
+        from mfqat.qlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
 
         at_least(a, QLORA_MINIMUMS)
+        try:
+            check_qlora_outputs(a)
+        except (OSError, ValueError) as e:
+            raise UsageError(str(e)) from None
         need_path(a.text, "--text")
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
     elif cmd in ("convert", "export-mlx"):

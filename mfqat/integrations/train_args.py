@@ -81,6 +81,8 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--output-dir", "--save-path", dest="out", default="runs/mfqat")
+    p.add_argument("--overwrite", "--overwrite-output-dir", dest="overwrite", action="store_true",
+                   help="replace the outputs of an earlier `mfqat train` run in --out (never a file it did not write)")
     p.add_argument("--anchor-format", default=None,
                    help="format of the saved anchor (default: the QAT config's anchor_format, else mxint8)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint (accelerate state + anchor) every N steps")
@@ -170,3 +172,33 @@ def check_train_args(args) -> None:
     if args.base != "fp" and not args.no_qat:
         raise ValueError(f"--base {args.base} (a bitsandbytes base) and MF-QAT do not combine; add --no-qat "
                          "(QLoRA baseline) or use --base fp")
+
+
+def local_inputs(*paths) -> list:
+    """The arguments that name existing files or folders (the inputs an output must not touch)."""
+    return [Path(p) for p in paths if isinstance(p, str) and p and os.path.exists(p)]
+
+
+def train_outputs(args) -> dict:
+    """{name: "file" or folder kind} of what a `mfqat train` run writes into --out."""
+    outs = {"summary.json": "file", "loss.png": "file"}
+    if not args.no_qat:
+        outs["anchor"] = "anchor"
+    if args.lora_rank:
+        outs["adapter"] = "peft-adapter"
+    if args.save_master:
+        outs["master"] = "hf-model"
+    if args.save_every and args.save_every > 0:
+        for step in [*range(args.save_every, args.steps + 1, args.save_every), args.steps]:
+            outs[f"checkpoint-{step}"] = "train-checkpoint"
+    return outs
+
+
+def check_train_output(args) -> None:
+    """--out of `mfqat train` (mfqat.storage.guard.check_run_folder): not over its model or text, an
+    existing folder only an earlier train run with --overwrite (or the run a --resume continues)."""
+    from mfqat.storage.guard import check_run_folder  # stdlib only
+
+    check_run_folder(Path(args.out), "train", train_outputs(args), args.overwrite,
+                     protect=local_inputs(args.model, args.text, args.dataset),
+                     resume=Path(args.resume) if args.resume else None)

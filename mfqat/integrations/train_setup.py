@@ -82,7 +82,7 @@ def save_master(model, tok, path: Path) -> None:
     state = model.state_dict()
     learned = [k for k in state if f".{LEARNED_ATTR}." in f".{k}"]
     kwargs = {"state_dict": {k: v for k, v in state.items() if k not in learned}} if learned else {}
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, overwrite=True, kind="hf-model") as tmp:  # a run's own earlier master only
         model.save_pretrained(tmp, safe_serialization=True, **kwargs)
         if tok is not None:
             tok.save_pretrained(tmp)

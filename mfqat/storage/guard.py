@@ -19,19 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 LOG = logging.getLogger("mfqat")
 
 # kind -> the marker file that makes a folder an mfqat artifact of that kind
 KINDS = {"anchor": "mfqat.json", "mlx-export": "mfqat_export.json", "convert": "mfqat_convert.json",
-         "mlx-checkpoint": "mlx_step.json", "peft-adapter": "adapter_config.json"}
+         "mlx-checkpoint": "mlx_step.json", "peft-adapter": "adapter_config.json",
+         "train-checkpoint": "mfqat_step.json", "hf-model": "config.json"}
+RUN_RECORD = "mfqat_run.json"  # in a run's --out (train, mx-qlora): what that command wrote there
 
 
 class WriterBusyError(RuntimeError):
@@ -244,3 +248,76 @@ def check_output(dest: Path, overwrite: bool, kind: Optional[str], protect: Sequ
     if not is_kind(dest, kind):
         raise FileExistsError(f"{dest} is not {what} (no {KINDS.get(kind, 'marker file')}); refusing to "
                               "replace a folder mfqat did not write, even with overwrite")
+
+
+def check_inputs(dest: Path, protect: Sequence[Optional[Path]], flag: str = "--out") -> None:
+    """Refuse an output equal to, inside or above an existing input (UnsafeOutputError)."""
+    real = Path(dest).resolve()
+    for p in protect:
+        if p and Path(p).exists() and _overlaps(real, Path(p).resolve()):
+            raise UnsafeOutputError(f"{flag} {dest}: the output would overwrite, hold or sit inside the input {p}; "
+                                    f"choose another {flag}")
+
+
+def read_run_record(out: Path) -> Optional[dict]:
+    """The run record of a run folder (:data:`RUN_RECORD`), None when it has none (or an unreadable one)."""
+    f = Path(out) / RUN_RECORD
+    if f.is_symlink() or not f.is_file():
+        return None
+    try:
+        rec = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(rec, dict) and isinstance(rec.get("files"), dict) and isinstance(rec.get("folders"), dict)
+    return rec if ok else None
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a (small) file."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def owned_output(out: Path, rec: Optional[dict], name: str, kind: Optional[str]) -> bool:
+    """True when ``out/name`` is what the run recorded in ``rec`` wrote there: a file with the recorded
+    sha256, or a recorded folder that (for a ``kind``) still holds that kind's marker file."""
+    path = Path(out) / name
+    if rec is None or path.is_symlink():
+        return False
+    if kind == "file":
+        return path.is_file() and rec["files"].get(name) == file_sha256(path)
+    return path.is_dir() and name in rec["folders"] and (kind is None or is_kind(path, kind))
+
+
+def check_run_folder(out: Path, command: str, outputs: Dict[str, Optional[str]], overwrite: bool,
+                     protect: Sequence[Optional[Path]] = (), resume: Optional[Path] = None) -> None:
+    """Refuse a run's ``--out`` that would lose data, before any model loads.
+
+    ``outputs`` maps each name the run writes into ``out`` to ``"file"`` or the kind of folder
+    (:data:`KINDS`; None: a folder of no kind). ``out`` must not overlap an input (``protect``);
+    an existing non-empty ``out`` must be an earlier run of the same ``command`` (its
+    :data:`RUN_RECORD`) and needs ``overwrite`` (a ``resume`` from a checkpoint inside it
+    continues that run); an output there is replaced only when that run wrote it and it is
+    unchanged since (a user's file of the same name is never replaced).
+    """
+    out = Path(out)
+    check_inputs(out, protect)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise FileExistsError(f"--out {out} exists and is not a folder; mfqat never deletes what it did not write: "
+                              "remove it or choose another --out")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    rec = read_run_record(out)
+    if rec is None or rec.get("command") != command:
+        raise FileExistsError(f"--out {out} exists, is not empty and is no earlier `mfqat {command}` run (no "
+                              f"{RUN_RECORD} of one); mfqat writes a run into a new or empty folder: choose another "
+                              "--out")
+    continuing = resume is not None and out.resolve() in Path(resume).resolve().parents
+    if not overwrite and not continuing:
+        raise FileExistsError(f"--out {out} holds an earlier `mfqat {command}` run; pass --overwrite to replace "
+                              "its outputs, or choose another --out")
+    for name, kind in outputs.items():
+        path = out / name
+        if (path.exists() or path.is_symlink()) and not owned_output(out, rec, name, kind):
+            raise FileExistsError(f"--out {out}: {name} there was not written by `mfqat {command}` (or was changed "
+                                  "since); mfqat never replaces a file it did not write: move it away or choose "
+                                  "another --out")
