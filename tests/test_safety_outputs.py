@@ -208,3 +208,100 @@ def test_a_refined_width_with_nan_values_is_refused_even_when_its_name_matches(r
     _reseal(refined_anchor, edit)
     with pytest.raises(AnchorError, match="NaN or infinite"):
         read_anchor(refined_anchor)
+
+
+# --- every value checked up front ---------------------------------------------------------------------------------
+
+UP_FRONT = [  # caught by the command line's checks: the command never runs
+    (["train", "--model", "tiny", "--lr", "inf"], "--lr must be a finite number"),
+    (["train", "--model", "tiny", "--lr", "nan"], "--lr must be a finite number"),
+    (["train", "--model", "tiny", "--lr", "0"], "--lr must be > 0"),
+    (["train", "--model", "tiny", "--lr-mult", "mxint=-1"], "--lr-mult mxint=-1: must be a finite number > 0"),
+    (["train", "--model", "tiny", "--lr-mult", "mxint=nan"], "--lr-mult mxint=nan: must be a finite number > 0"),
+    (["train", "--model", "tiny", "--lr-mult", "mxnit=2"], "--lr-mult mxnit: not a format family"),
+    (["train", "--model", "tiny", "--distill", "nan"], "--distill must be a finite number"),
+    (["mx-qlora", "{anchor}", "--lr", "inf"], "--lr must be a finite number"),
+    (["mx-qlora", "{anchor}", "--lr", "0"], "--lr must be > 0"),
+    (["refine", "{anchor}", "--lr", "inf"], "--lr must be a finite number"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--recipe", "auto:nan"], "the budget must be a number of bits"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--recipe", "auto:inf"], "the budget must be a number of bits"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--recipe", "auto:1.5"], "from 2.25 (every tensor in mxint2)"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--recipe", "auto:3:affine"], "from 3.5 (every tensor in affine3)"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--recipe", "auto:4:mxnit"], "unknown family 'mxnit'"),
+    (["export-mlx", "{anchor}", "--out", "{d}/x", "--refine", "--refine-lr", "nan"], "--refine-lr must be a finite"),
+    (["eval", "{anchor}", "--plot", "{d}/a-file/plot.png"], "is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("argv,expect", UP_FRONT, ids=[" ".join(a[0][:1] + a[0][2:]) for a in UP_FRONT])
+def test_bad_values_are_one_line_exit_2_before_the_command_runs(anchor, tmp_path, capsys, monkeypatch, argv, expect):
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran: the value was not checked"))
+    (tmp_path / "a-file").write_text("mine")
+    _one_line_exit_2([a.format(d=tmp_path, anchor=anchor) for a in argv], capsys, expect)
+
+
+def test_generate_and_serve_refuse_numbers_that_never_end(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mlx_lm")
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
+    (tmp_path / "config.json").write_text("{}")
+    _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--max-tokens", "-1"], capsys, "--max-tokens must be >= 1")
+    _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--temp", "nan"], capsys, "--temp must be a finite")
+    _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--top-p", "0"], capsys, "--top-p must be in (0, 1]")
+    _one_line_exit_2(["serve", str(tmp_path), "--port", "99999"], capsys, "--port must be between 1 and 65535")
+    _one_line_exit_2(["serve", str(tmp_path), "--port", "-1"], capsys, "--port must be between 1 and 65535")
+
+
+def test_refine_and_eval_plot_refuse_a_folder_they_cannot_write_before_the_work(anchor, tmp_path, capsys, monkeypatch):
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_access = os.access  # root writes through permission bits: the file system's answer is faked
+    monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) in (anchor, ro) else real_access(p, m))
+    _one_line_exit_2(["refine", str(anchor)], capsys, f"cannot write in {anchor}")
+    _one_line_exit_2(["eval", str(anchor), "--plot", str(ro / "plot.png")], capsys, f"--plot {ro / 'plot.png'}: cannot")
+
+
+def test_run_values_only_the_qat_config_answers_fail_before_the_model_loads(tmp_path, monkeypatch):
+    from mfqat.integrations import train_loop
+
+    def loaded(*a, **k):
+        raise AssertionError("the model loaded before the value was checked")
+    monkeypatch.setattr(train_loop, "tiny_llama", loaded)
+    out = tmp_path / "out"
+    base = ["--model", "tiny", "--steps", "1", "--out", str(out)]
+    with pytest.raises(ValueError, match="--lr-mult affine: not a family this run trains"):
+        train_loop.main([*base, "--lr-mult", "affine=2"])
+    with pytest.raises(ValueError, match="through a mxint8 anchor"):
+        train_loop.main([*base, "--anchor-format", "mxfp4"])
+    with pytest.raises(ValueError, match="through a mxint8 anchor"):
+        train_loop.main([*base, "--anchor-format", "mxint4"])
+    cyclic = ["--qat-config", "mxint_468_cyclic"]  # trains no format through its anchor: reachability decides
+    with pytest.raises(ValueError, match="mxfp"):
+        train_loop.main([*base, *cyclic, "--anchor-format", "mxfp8_e4m3"])
+    with pytest.raises(ValueError, match="this run trains"):
+        train_loop.main([*base, *cyclic, "--anchor-format", "mxint4"])
+    assert not out.exists()
+
+
+def test_seq_len_beyond_the_models_positions_and_foreign_token_ids_fail_before_the_first_step(anchor, tmp_path):
+    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.integrations.train_setup import check_token_ids
+
+    with pytest.raises(ValueError, match="--seq-len 100000 is beyond the model's 256 positions"):
+        train_main(["--model", "tiny", "--steps", "1", "--seq-len", "100000", "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit, match="--seq-len 4096 is beyond the model's 256 positions"):
+        main(["mx-qlora", str(anchor), "--seq-len", "4096", "--out", str(tmp_path / "q")])
+    assert not (tmp_path / "q").exists()
+    import torch
+
+    model = tiny_llama(vocab_size=100)
+    check_token_ids(model, torch.tensor([[0, 99]]))
+    with pytest.raises(ValueError, match="token id 100, beyond the model's 100-token vocabulary"):
+        check_token_ids(model, torch.tensor([[0, 99]]), torch.tensor([[100, 1]]))

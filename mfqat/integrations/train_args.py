@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -161,9 +162,46 @@ TRAIN_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "s
                   "distill": 0, "lr": 0}
 
 
+def check_finite(args) -> None:
+    """Every float flag is a finite number (``float('nan')`` passes any ``<`` test, ``inf`` any ``>``)."""
+    for dest, v in vars(args).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"--{dest.replace('_', '-')} must be a finite number, got {v}")
+
+
+def parse_pairs(spec: str, flag: str, keys, what: str, positive: bool = True) -> dict:
+    """``KEY=X,...`` -> {KEY: X}: every KEY one of ``keys``, every X a finite number, > 0 (``positive``)
+    or >= 0; ValueError naming ``flag`` otherwise."""
+    out = {}
+    for item in (x.strip() for x in (spec or "").split(",")):
+        if not item:
+            continue
+        key, eq, val = item.partition("=")
+        key = key.strip().lower()
+        try:
+            x = float(val)
+        except ValueError:
+            x = None
+        if not eq or x is None:
+            raise ValueError(f"{flag} {item}: write KEY=NUMBER, e.g. {flag} {sorted(keys)[0]}=1.5")
+        if key not in keys:
+            raise ValueError(f"{flag} {key}: not {what}; choose from {', '.join(sorted(keys))}")
+        if not math.isfinite(x) or x < 0 or (positive and x == 0):
+            raise ValueError(f"{flag} {key}={val}: must be a finite number {'> 0' if positive else '>= 0'}")
+        out[key] = x
+    return out
+
+
+FAMILIES = ("mxint", "mxfp", "affine", "nvfp4")  # the families an MF-QAT run trains
+
+
 def check_train_args(args) -> None:
     """The checks of `mfqat train`'s own flags that need no file (ValueError names the flag)."""
+    check_finite(args)
     at_least(args, TRAIN_MINIMUMS)
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    parse_pairs(args.lr_mult, "--lr-mult", FAMILIES, "a format family")
     if args.distill >= 1:
         raise ValueError(f"--distill must be below 1 (the weight of the KL term), got {args.distill}")
     if args.base != "fp" and not args.lora_rank:

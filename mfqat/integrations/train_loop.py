@@ -34,7 +34,7 @@ from mfqat.integrations.optim import make_optimizer
 from mfqat.qat.learned_scales import param_groups
 from mfqat.integrations.train_args import (build_parser, check_resume, check_train_args, check_train_output,
                                            run_identity)
-from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
+from mfqat.integrations.train_setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
 from mfqat.integrations import fsdp, grad_compress
 from mfqat.storage.io import RunFolder
@@ -89,8 +89,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     # a run with these settings: checked before any model loads
     resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0
     check_resume(args)
-    check_train_output(args)  # every rank checks --out before rank 0 writes its run record (below)
+    check_train_output(args)  # every rank, before the barrier after which rank 0 writes into --out
     cfg = None if args.no_qat else load_qat_config(args)  # a recipe that cannot work fails before the model loads
+    check_run_values(args, cfg)
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
     out = Path(args.out)
@@ -98,8 +99,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     wanted = (list(trackers or []) + ([named] if isinstance(named, str) else named or [])) or None
     acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available(),
                       log_with=wanted, project_dir=str(out))
-    acc.wait_for_everyone()
-    run = RunFolder(out, "train").start() if acc.is_main_process else None
+    acc.wait_for_everyone()  # every rank checked --out (above) before rank 0 writes its run record (below)
     if wanted:
         acc.init_trackers("mfqat", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
     set_seed(args.seed)
@@ -109,7 +109,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     elif fsdp.requested() and acc.num_processes == 1:
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
+    check_model_fits(model, args.seq_len)
     train, held = load_data(args, tok, acc.num_processes)  # tiny: the text's bytes are the token ids
+    check_token_ids(model, train, held, what=f"--dataset {args.dataset}" if args.dataset else f"--text {args.text or 'pydoc'}")
     tok = tok if tok is not None else byte_tokenizer()  # saved with every anchor: eval / export-mlx read it
     if cfg is not None:
         if args.distill and cfg.schedule == "joint":
@@ -170,6 +172,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         if importance and not importance_state.load_state(base, args.resume, acc.process_index):
             warnings.warn(f"{args.resume} holds no importance sums (mfqat_importance_rank*.pt); the search "
                           "rule's importance statistic restarts from this step")
+    run = RunFolder(out, "train").start() if acc.is_main_process else None  # the first write into --out
     grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []

@@ -23,8 +23,8 @@ from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.formats import canonical_name, get_format
 from mfqat.integrations.lora import DEFAULT_TARGETS
-from mfqat.integrations.train_args import at_least, local_inputs
-from mfqat.integrations.train_setup import peak_memory_mib
+from mfqat.integrations.train_args import at_least, check_finite, local_inputs
+from mfqat.integrations.train_setup import check_model_fits, check_token_ids, peak_memory_mib
 from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
 from mfqat.qlora.mlx_adapter import peft_to_mlx
 from mfqat.progress import progress
@@ -101,10 +101,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     from transformers import AutoTokenizer
 
     a = build_parser().parse_args(argv)
+    check_finite(a)
     at_least(a, QLORA_MINIMUMS)  # before the anchor loads
+    if not a.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {a.lr}")
     check_outputs(a)
     torch.manual_seed(a.seed)
     model = mx_qlora_model(a.anchor, a.lora_rank, a.lora_alpha, a.lora_dropout, a.lora_targets.split(","))
+    check_model_fits(model, a.seq_len)
     anchor_fmt = model.mx_qlora["anchor_format"]
     formats = [canonical_name(f) for f in (a.formats.split(",") if a.formats else [anchor_fmt])]
     for f in formats:
@@ -113,6 +117,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     text_train, text_eval = split_text(load_text(a.text))
     train = token_blocks(tok, text_train, a.seq_len, max_blocks=max(a.steps * a.batch_size, 1))
     held = token_blocks(tok, text_eval, a.seq_len, max_blocks=a.eval_blocks)
+    check_token_ids(model, train, held, what=f"--text {a.text or 'pydoc'}")
     if a.gradient_checkpointing:
         enable_checkpointing(model)
     opt = torch.optim.AdamW(lora_parameters(model), lr=a.lr)
