@@ -305,3 +305,127 @@ def test_seq_len_beyond_the_models_positions_and_foreign_token_ids_fail_before_t
     check_token_ids(model, torch.tensor([[0, 99]]))
     with pytest.raises(ValueError, match="token id 100, beyond the model's 100-token vocabulary"):
         check_token_ids(model, torch.tensor([[0, 99]]), torch.tensor([[100, 1]]))
+
+
+# --- crafted files: one line, never a traceback, never executed ---------------------------------------------------
+
+def _drop_config_key(src: Path, dst: Path, key: str) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg[key]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    _reseal(dst, lambda m: None)
+    return dst
+
+
+def test_a_config_without_hidden_size_is_one_line_before_any_model_loads(anchor, tmp_path, capsys, monkeypatch):
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
+    bad = _drop_config_key(anchor, tmp_path / "bad", "hidden_size")
+    expect = "config.json has no positive integer 'hidden_size'"
+    _one_line_exit_2(["eval", str(bad)], capsys, expect)
+    _one_line_exit_2(["convert", str(bad), "--out", str(tmp_path / "c")], capsys, expect)
+    _one_line_exit_2(["export-mlx", str(bad), "--out", str(tmp_path / "e")], capsys, expect)
+    _one_line_exit_2(["train", "--model", str(bad), "--out", str(tmp_path / "t")], capsys, expect)
+    _one_line_exit_2(["mx-qlora", str(bad), "--out", str(tmp_path / "q")], capsys, expect)
+
+
+@pytest.mark.parametrize("content,expect", [
+    ("formats: !!python/object/apply:os.mkdir ['{marker}']\n", "no python tags"),
+    ("!!python/object/apply:os.mkdir ['{marker}']\n", "no python tags"),
+    ("- mxint8\n- mxint4\n", "expected a YAML mapping of QATConfig fields"),
+    ("formats: [mxint8, mxint4\n", "not a YAML QATConfig file"),
+    ("\x89PNG\r\n\x1a\n\x00\xff\xfe", "not a YAML QATConfig file"),
+    ("formats: [mxint8, mxint4]\nblock_size: 32.0\n", "QATConfig.block_size: expected an int"),
+], ids=["tag-in-field", "tag-at-top", "a-list", "broken-yaml", "binary", "block-size-float"])
+def test_a_crafted_qat_config_is_one_line_and_never_runs(tmp_path, capsys, content, expect):
+    marker = tmp_path / "code-ran"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_bytes(content.format(marker=marker).encode("latin-1"))
+    _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(cfg), "--out", str(tmp_path / "o")], capsys,
+                     expect)
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def search_checkpoint(tmp_path_factory):
+    from mfqat.integrations.train_loop import main as train_main
+
+    out = tmp_path_factory.mktemp("search") / "run"
+    train_main(["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1", "--steps", "1",
+                "--save-every", "1", "--out", str(out)])  # the default recipe trains the search rule: importance sums
+    ck = out / "checkpoint-1"
+    assert (ck / "mfqat_importance_rank0.pt").is_file()
+    return ck
+
+
+@pytest.mark.parametrize("crafted,expect", [
+    ("not-a-dict", "expected {module: importance sums}, got list"),
+    ("wrong-shape", "expected float64 (64,)"),
+    ("nan", "negative, NaN or infinite"),
+    ("unknown-module", "not an MF-QAT module of this model"),
+    ("garbage", "not the importance sums mfqat saves"),
+])
+def test_a_crafted_importance_file_on_resume_is_one_line(search_checkpoint, tmp_path, capsys, crafted, expect):
+    import shutil
+
+    import torch
+
+    from mfqat.storage.train_checkpoint import seal_checkpoint
+
+    ck = shutil.copytree(search_checkpoint, tmp_path / "checkpoint-1")
+    f = ck / "mfqat_importance_rank0.pt"
+    state = torch.load(f, weights_only=True)
+    name = next(iter(state))
+    if crafted == "not-a-dict":
+        state = [1, 2]
+    elif crafted == "wrong-shape":
+        state[name]["sum"] = torch.ones(3, dtype=torch.float64)
+    elif crafted == "nan":
+        state[name]["sum"] = torch.full_like(state[name]["sum"], float("nan"))
+    elif crafted == "unknown-module":
+        state["model.nope"] = state[name]
+    if crafted == "garbage":
+        f.write_bytes(b"\x80\x04not a torch file")
+    else:
+        torch.save(state, f)
+    seal_checkpoint(ck, 1, extra={"run": json.loads((search_checkpoint / "mfqat_step.json").read_text())["run"]})
+    _one_line_exit_2(["train", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1",
+                      "--steps", "2", "--save-every", "1", "--resume", str(ck), "--out", str(tmp_path / "o")],
+                     capsys, expect)
+
+
+def test_verify_refuses_unlisted_symlinks_and_folders_in_an_anchor(anchor, tmp_path, capsys):
+    import shutil
+
+    a = shutil.copytree(anchor, tmp_path / "a")
+    main(["verify", str(a)])
+    capsys.readouterr()
+    (a / "link.safetensors").symlink_to(a / "model.safetensors")
+    _one_line_exit_2(["verify", str(a)], capsys, "symlink link.safetensors not covered by the manifest")
+    (a / "link.safetensors").unlink()
+    (a / "extra").mkdir()
+    (a / "extra" / "payload.bin").write_bytes(b"x")
+    _one_line_exit_2(["verify", str(a)], capsys, "folder extra not covered by the manifest")
+
+
+@pytest.mark.parametrize("tied,expect", [
+    ({"model.layers.0.mlp.down_proj.weight": "model.embed_tokens.weight"}, "no alias of a saved tensor"),
+    ({"lm_head.weight": "lm_head.weight"}, "no alias of a saved tensor"),
+    ({"lm_head.weight": "x.weight", "x.weight": "model.embed_tokens.weight"}, "no alias of a saved tensor"),
+    ({"../lm_head.weight": "model.embed_tokens.weight"}, "is not a pair of parameter names"),
+])
+def test_tampered_tied_aliases_are_refused(anchor, tmp_path, tied, expect):
+    import shutil
+
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.storage.manifest import AnchorError
+
+    a = shutil.copytree(anchor, tmp_path / "a")
+    assert json.loads((a / "mfqat.json").read_text())["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    _reseal(a, lambda m: m.update(tied=tied))
+    with pytest.raises(AnchorError, match=expect):
+        read_anchor(a)

@@ -107,6 +107,29 @@ def need_model(path: Optional[str], flag: str) -> None:
                          f"a Hub id or one of {', '.join(BUILTIN_MODELS)})")
     if not (p / "config.json").is_file():
         raise UsageError(f"{flag} {path}: not a model folder (no config.json)")
+    need_config(path, flag)
+
+
+CONFIG_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size")  # what every supported family's config gives
+
+
+def need_config(path: str, flag: str) -> None:
+    """A model folder's config.json: a JSON object whose (text) model config has positive integer
+    :data:`CONFIG_SIZES`; without them transformers builds a model of its default sizes and the weights
+    do not fit (a traceback after the model loaded, or a model of the wrong shape)."""
+    f = Path(path) / "config.json"
+    try:
+        cfg = json.loads(f.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{flag} {path}: config.json is not readable JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{flag} {path}: config.json is not a JSON object")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key in CONFIG_SIZES:
+        v = text.get(key, cfg.get(key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{flag} {path}: config.json has no positive integer '{key}' (got {v!r}); the weights "
+                             "cannot be placed in a model without it: restore the model's own config.json")
 
 
 def need_formats(names: Iterable[str], flag: str) -> None:
@@ -299,6 +322,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if not has_tokenizer(a.anchor):
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; mx-qlora tokenizes with it (save the anchor "
                              "with its tokenizer)")
+        need_config(a.anchor, "ANCHOR")
         from mfqat.qlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
 
         finite(a)
@@ -316,6 +340,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if cmd == "convert":
             if not is_anchor(a.anchor):
                 raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); convert reads anchors")
+            need_config(a.anchor, "ANCHOR")
             need_formats([a.to or ""], "--to")
             if a.scale_search:
                 if not has_tokenizer(a.anchor):
@@ -342,6 +367,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); refine stores learned scales in an anchor")
         if not has_tokenizer(a.anchor):
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; refine tokenizes the calibration text with it")
+        need_config(a.anchor, "ANCHOR")
         need_formats(a.formats.split(","), "--formats")
         finite(a)
         at_least(a, {"steps": 1})
@@ -384,6 +410,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if is_anchor(a.model):
             raise UsageError(f"{a.model} is an anchor (PyTorch); run it on MLX after `mfqat export-mlx {a.model} "
                              "--out DIR`")
+        need_config(a.model, "MODEL")
         need_path(a.adapter_path, "--adapter-path", "folder")
         finite(a)
         if cmd == "generate":

@@ -34,7 +34,8 @@ from mfqat.integrations.optim import make_optimizer
 from mfqat.qat.learned_scales import param_groups
 from mfqat.integrations.train_args import (build_parser, check_resume, check_train_args, check_train_output,
                                            run_identity)
-from mfqat.integrations.train_setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
+from mfqat.integrations.train_setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data,
+                          load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
 from mfqat.integrations import fsdp, grad_compress
 from mfqat.storage.io import RunFolder
@@ -169,7 +170,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
             gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index),
                                           weights_only=True))
-        if importance and not importance_state.load_state(base, args.resume, acc.process_index):
+        if importance and not load_importance(base, args.resume, acc.process_index):
             warnings.warn(f"{args.resume} holds no importance sums (mfqat_importance_rank*.pt); the search "
                           "rule's importance statistic restarts from this step")
     run = RunFolder(out, "train").start() if acc.is_main_process else None  # the first write into --out

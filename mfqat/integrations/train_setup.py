@@ -44,7 +44,10 @@ def load_qat_config(args) -> QATConfig:
         data["learned_scales_lr"] = args.learned_scales_lr
     if getattr(args, "keep_quantized_weights", False):
         data["keep_quantized_weights"] = True
-    return QATConfig(**data)
+    try:
+        return QATConfig(**data)
+    except TypeError as e:  # a field of the wrong type (block_size: 32.0): the user's file, not a bug
+        raise ValueError(f"--qat-config {source or '(command line)'}: {e}") from None
 
 
 def trained_formats(cfg: QATConfig) -> list:
@@ -114,6 +117,56 @@ def check_token_ids(model, *blocks: torch.Tensor, what: str = "the text") -> Non
         raise ValueError(f"{what}: the tokenizer gives token id {top}, beyond the model's {vocab}-token vocabulary "
                          "(its embedding); use the model's own tokenizer (--tokenizer) or fix vocab_size in its "
                          "config.json")
+
+
+def check_importance_state(model, state: object, where: str) -> None:
+    """The importance sums of a checkpoint (mfqat.qat.importance_state): {module name: {"sum", "tokens",
+    "pending_sum", "pending_tokens"}}, each sum None or a finite, non-negative float64 vector of the module's
+    input width, each count a non-negative int; ValueError naming the file otherwise."""
+    from mfqat.qat.importance_state import input_width
+    from mfqat.qat.prepare import qat_modules
+
+    mods = dict(qat_modules(model))
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: expected {{module: importance sums}}, got {type(state).__name__}")
+    for name, e in state.items():
+        at = f"{where}: {name!r}"
+        if name not in mods or not isinstance(e, dict) or set(e) - {"sum", "tokens", "pending_sum", "pending_tokens"}:
+            raise ValueError(f"{at}: not an MF-QAT module of this model with its importance sums")
+        for key in ("tokens", "pending_tokens"):
+            v = e.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{at}.{key}: expected a count >= 0, got {v!r}")
+        for key in ("sum", "pending_sum"):
+            t = e.get(key)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or tuple(t.shape) != (input_width(mods[name]),):
+                raise ValueError(f"{at}.{key}: expected float64 ({input_width(mods[name])},), got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if not torch.isfinite(t).all() or (t < 0).any():
+                raise ValueError(f"{at}.{key}: holds negative, NaN or infinite sums of squares")
+
+
+def load_importance(model, folder, rank: int) -> bool:
+    """mfqat.qat.importance_state.load_state, its file checked first (a crafted one is a one-line ValueError
+    naming it, never a traceback or sums of the wrong shape); False when the checkpoint holds none."""
+    from mfqat.qat import importance_state
+
+    for r in (rank, 0):
+        path = importance_state.state_file(folder, r)
+        if path.is_file():
+            break
+    else:
+        return False
+    where = f"--resume {folder}: {path.name}"
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError, RuntimeError, EOFError, ...: never executed, never a traceback
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{where}: not the importance sums mfqat saves ({first})") from None
+    check_importance_state(model, state, where)
+    return importance_state.load_state(model, folder, rank)
 
 
 def load_data(args, tok, num_processes: int):
