@@ -247,7 +247,7 @@ def test_generate_and_serve_refuse_numbers_that_never_end(tmp_path, capsys, monk
     from mfqat.cli import app
 
     monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 320}))
     _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--max-tokens", "-1"], capsys, "--max-tokens must be >= 1")
     _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--temp", "nan"], capsys, "--temp must be a finite")
     _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--top-p", "0"], capsys, "--top-p must be in (0, 1]")

@@ -310,7 +310,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         at_least(a, MLX_MINIMUMS)
         try:
             check_outputs(a)
-        except FileExistsError as e:
+        except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
         if a.resume:
             from mfqat.storage.train_checkpoint import verify_checkpoint

@@ -11,7 +11,7 @@ Single-writer rule: one process writes one path at a time; a second writer gets
 Under the lock, leftovers of dead PIDs are cleaned: a backup is put back when ``DEST`` is
 missing (a kill between the two renames), everything else is deleted, and each action is logged.
 Only what mfqat provably wrote is deleted: a partial folder carries the hidden marker folder
-``.mfqat-partial/`` naming its writer's PID (removed just before the folder is renamed in), a backup
+``.mfqat-partial/`` naming its writer's PID (removed just after the folder is renamed in), a backup
 is an artifact holding its kind's marker file; a folder that merely has such a name is left, with a
 warning.
 """
@@ -196,6 +196,15 @@ def recover(dest: Path, complete: Callable[[Path], bool]) -> List[str]:
             continue
         remove_marks_last(s.path)
         said.append(f"removed {s.path.name} beside {dest} (left by killed process {s.pid})")
+    pid_file = dest / PARTIAL_MARK / "pid"
+    if (dest / PARTIAL_MARK).is_dir() and not dest.is_symlink():  # killed between its rename and unmark
+        try:
+            pid = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
+        except (OSError, ValueError):
+            pid = 0
+        if not pid or not pid_alive(pid):
+            shutil.rmtree(dest / PARTIAL_MARK, ignore_errors=True)
+            said.append(f"removed the marker {PARTIAL_MARK} a killed save left inside {dest}")
     for line in said:
         LOG.warning("mfqat: %s", line)
     return said
@@ -213,8 +222,10 @@ def _rmdir_empty(path: Path) -> bool:
 def remove_marks_last(path: Path) -> None:
     """Delete a folder mfqat wrote, its marks (the partial mark, the kinds' marker files) last, so that
     a kill during the deletion leaves a folder still recognized as mfqat's (or an empty one)."""
-    marks = {PARTIAL_MARK, *KINDS.values()}
-    children = sorted(path.iterdir(), key=lambda c: c.name in marks)
+    def order(c: Path) -> int:  # config.json marks only an hf-model, and an anchor holds one too: before the rest
+        return 3 if c.name == PARTIAL_MARK else 2 if c.name in KINDS.values() and c.name != "config.json" else \
+            1 if c.name == "config.json" else 0
+    children = sorted(path.iterdir(), key=order)
     for c in children:
         if c.is_dir() and not c.is_symlink():
             shutil.rmtree(c, ignore_errors=True)

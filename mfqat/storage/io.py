@@ -124,12 +124,12 @@ def swap_in(tmp: Path, dest: Path) -> None:
                                   "not write: move it away and save again")
         os.replace(dest, backup)
     try:
-        unmark_partial(tmp)  # the last moment: a kill before the rename leaves a folder recover() knows
         os.replace(tmp, dest)
     except BaseException:
         if backup is not None:
             os.replace(backup, dest)
         raise
+    unmark_partial(dest)  # after the rename: a partial is never without its mark (recover() cleans a stale one)
     fsync_dir(dest.parent)
     if backup is not None:
         remove_marks_last(backup)
