@@ -711,6 +711,12 @@ MUTATIONS: List[Mutation] = [
              '        if alias == target or alias in tensors or alias in tied.values() or target in tied:',
              '        if alias == target:',
              ('tests/test_safety_outputs.py::test_tampered_tied_aliases_are_refused',)),
+    Mutation("i47-eval-token-ids-unchecked", "mfqat/cli/commands.py",
+             '    check_token_ids(model, blocks, what=f"--text {a.text}" if a.text else "the held-out pydoc text")\n', "",
+             ("tests/test_safety_outputs.py::test_eval_with_a_tokenizer_beyond_the_models_vocabulary_is_one_line",)),
+    Mutation("i47-run-out-writability-unchecked", "mfqat/cli/checks.py",
+             '    need_writable_file(str(Path(out) / "summary.json"), "--out")', "    pass",
+             ("tests/test_safety_outputs.py::test_a_run_out_that_cannot_be_written_is_refused_before_the_work",)),
 ]
 
 

@@ -429,3 +429,21 @@ def test_tampered_tied_aliases_are_refused(anchor, tmp_path, tied, expect):
     _reseal(a, lambda m: m.update(tied=tied))
     with pytest.raises(AnchorError, match=expect):
         read_anchor(a)
+
+
+def test_eval_with_a_tokenizer_beyond_the_models_vocabulary_is_one_line(tmp_path, capsys):
+    tok = tiny_tokenizer()
+    small = mfqat.save_anchor(tiny_llama(vocab_size=len(tok) // 2, tie=True), tmp_path / "small", "mxint8", tok)
+    _one_line_exit_2(["eval", str(small), "--blocks", "1", "--formats", "mxint4", "--plot", str(tmp_path / "p.png")],
+                     capsys, f"beyond the model's {len(tok) // 2}-token vocabulary")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_a_run_out_that_cannot_be_written_is_refused_before_the_work(anchor, tmp_path, capsys, monkeypatch):
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
+    real_access = os.access  # root writes through permission bits: the file system's answer is faked
+    monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == tmp_path else real_access(p, m))
+    for argv in (["train", *TINY], ["mx-qlora", str(anchor)]):
+        _one_line_exit_2([*argv, "--out", str(tmp_path / "new" / "run")], capsys, f"cannot write in {tmp_path}")

@@ -266,6 +266,12 @@ def need_writable_file(path: str, flag: str) -> None:
                          f"system); choose another {flag}")
 
 
+def need_writable_out(out: str) -> None:
+    """A run's --out (train, mx-qlora, mlx-train): it, or the nearest folder above it that exists, is a
+    folder this process can write in (checked before the minutes of training, not at the first save)."""
+    need_writable_file(str(Path(out) / "summary.json"), "--out")
+
+
 def need_writable_anchor(anchor: str) -> None:
     """``refine`` changes the anchor in place (a new width file, mfqat.json replaced) and takes the writer
     lock beside it: both folders must be writable, checked before the minutes of learning."""
@@ -293,6 +299,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             check_train_output(a)
         except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
+        need_writable_out(a.out)
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
         if a.anchor_format:
             need_formats([a.anchor_format], "--anchor-format")
@@ -312,6 +319,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             check_outputs(a)
         except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
+        need_writable_out(a.out)
         if a.resume:
             from mfqat.storage.train_checkpoint import verify_checkpoint
 
@@ -332,6 +340,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             check_qlora_outputs(a)
         except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
+        need_writable_out(a.out)
         need_path(a.text, "--text")
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
     elif cmd in ("convert", "export-mlx"):

@@ -79,6 +79,7 @@ def evaluate(a: argparse.Namespace) -> None:
     from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
+    from mfqat.integrations.train_setup import check_token_ids
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
@@ -91,6 +92,7 @@ def evaluate(a: argparse.Namespace) -> None:
         model, tok = load_model(a.model)
     text = load_text(a.text) if a.text else split_text(load_text(None))[1]
     blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
+    check_token_ids(model, blocks, what=f"--text {a.text}" if a.text else "the held-out pydoc text")
     base_ppl = perplexity(model, blocks, desc="ppl base")
     if is_anchor:
         anchor = read_anchor(a.model)
