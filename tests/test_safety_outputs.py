@@ -42,6 +42,7 @@ def anchor(tmp_path_factory):
 # --- leftovers are ours before they are removed ----------------------------------------------------------------
 
 def test_a_user_folder_named_like_a_leftover_partial_is_kept(tmp_path, caplog):
+    mfqat.save_anchor(tiny_llama(), tmp_path / "a")  # the next save replaces it: backups of it may go
     pid = dead_pid()
     user = tmp_path / f".a.{pid}-deadbeef.partial"
     user.mkdir()
@@ -55,7 +56,7 @@ def test_a_user_folder_named_like_a_leftover_partial_is_kept(tmp_path, caplog):
     backup = tmp_path / f".a.old-{pid}"  # named like a backup, but no anchor
     backup.mkdir()
     (backup / "notes.txt").write_text("mine")
-    mfqat.save_anchor(tiny_llama(), tmp_path / "a")
+    mfqat.save_anchor(tiny_llama(), tmp_path / "a", overwrite=True)
     assert (user / "thesis.tex").read_text() == "years of work"
     assert (backup / "notes.txt").read_text() == "mine" and wrong.is_dir()
     assert not killed.exists()
@@ -281,23 +282,26 @@ def test_run_values_only_the_qat_config_answers_fail_before_the_model_loads(tmp_
         train_loop.main([*base, "--anchor-format", "mxfp4"])
     with pytest.raises(ValueError, match="through a mxint8 anchor"):
         train_loop.main([*base, "--anchor-format", "mxint4"])
-    cyclic = ["--qat-config", "mxint_468_cyclic"]  # trains no format through its anchor: reachability decides
+    fixed = ["--qat-config", "fixed_mxint4"]  # trains no format through an anchor: reachability decides
     with pytest.raises(ValueError, match="mxfp"):
-        train_loop.main([*base, *cyclic, "--anchor-format", "mxfp8_e4m3"])
-    with pytest.raises(ValueError, match="this run trains"):
-        train_loop.main([*base, *cyclic, "--anchor-format", "mxint4"])
+        train_loop.main([*base, *fixed, "--anchor-format", "mxfp8_e4m3"])
+    with pytest.raises(ValueError, match="this run trains mxint4"):
+        train_loop.main([*base, *fixed, "--anchor-format", "mxint2"])
     assert not out.exists()
+    with pytest.raises(AssertionError, match="the model loaded"):  # an anchor mxint4 is sliced from: accepted
+        train_loop.main([*base, *fixed, "--anchor-format", "mxint6"])
 
 
 def test_seq_len_beyond_the_models_positions_and_foreign_token_ids_fail_before_the_first_step(anchor, tmp_path):
     from mfqat.integrations.train_loop import main as train_main
     from mfqat.integrations.train_setup import check_token_ids
 
-    with pytest.raises(ValueError, match="--seq-len 100000 is beyond the model's 256 positions"):
-        train_main(["--model", "tiny", "--steps", "1", "--seq-len", "100000", "--out", str(tmp_path / "o")])
+    one = ["--steps", "1", "--batch-size", "1", "--eval-blocks", "1"]  # cheap even if the check were missing
+    with pytest.raises(ValueError, match="--seq-len 257 is beyond the model's 256 positions"):
+        train_main(["--model", "tiny", "--no-qat", *one, "--seq-len", "257", "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
-    with pytest.raises(SystemExit, match="--seq-len 4096 is beyond the model's 256 positions"):
-        main(["mx-qlora", str(anchor), "--seq-len", "4096", "--out", str(tmp_path / "q")])
+    with pytest.raises(SystemExit, match="--seq-len 257 is beyond the model's 256 positions"):
+        main(["mx-qlora", str(anchor), *one, "--lora-rank", "2", "--seq-len", "257", "--out", str(tmp_path / "q")])
     assert not (tmp_path / "q").exists()
     import torch
 
