@@ -717,6 +717,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("i47-run-out-writability-unchecked", "mfqat/cli/checks.py",
              '    need_writable_file(str(Path(out) / "summary.json"), "--out")', "    pass",
              ("tests/test_safety_outputs.py::test_a_run_out_that_cannot_be_written_is_refused_before_the_work",)),
+    Mutation("i47-trainer-output-dir-over-the-model", "mfqat/integrations/hf.py",
+             "        check_output_dir(args.output_dir, model)\n", "",
+             ("tests/test_safety_outputs.py::test_the_trainer_callback_refuses_an_output_dir_over_the_model_it_loaded",)),
 ]
 
 

@@ -451,3 +451,26 @@ def test_a_run_out_that_cannot_be_written_is_refused_before_the_work(anchor, tmp
     monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == tmp_path else real_access(p, m))
     for argv in (["train", *TINY], ["mx-qlora", str(anchor)]):
         _one_line_exit_2([*argv, "--out", str(tmp_path / "new" / "run")], capsys, f"cannot write in {tmp_path}")
+
+
+def test_the_trainer_callback_refuses_an_output_dir_over_the_model_it_loaded(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from mfqat.integrations.hf import MFQATCallback, MFQATTrainer
+    from mfqat.qat import QATConfig
+    from mfqat.storage.guard import UnsafeOutputError
+
+    tok = tiny_tokenizer()
+    src = tmp_path / "model"
+    tiny_llama(vocab_size=len(tok)).save_pretrained(src)
+    before = _files(src)
+    model = mfqat.prepare(AutoModelForCausalLM.from_pretrained(src), QATConfig(formats=["mxint8"], schedule="fixed"))
+    ids = torch.randint(0, len(tok), (4, 16), generator=torch.Generator().manual_seed(0))
+    ds = [{"input_ids": r, "labels": r} for r in ids]
+    for out in (src, tmp_path):
+        args = TrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, save_strategy="no",
+                                 report_to=[], use_cpu=True)
+        with pytest.raises(UnsafeOutputError, match="output_dir .* the input"):
+            MFQATTrainer(model=model, args=args, train_dataset=ds, callbacks=[MFQATCallback()]).train()
+    assert _files(src) == before
