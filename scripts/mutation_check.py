@@ -720,6 +720,9 @@ MUTATIONS: List[Mutation] = [
     Mutation("i47-trainer-output-dir-over-the-model", "mfqat/integrations/hf.py",
              "        check_output_dir(args.output_dir, model)\n", "",
              ("tests/test_safety_outputs.py::test_the_trainer_callback_refuses_an_output_dir_over_the_model_it_loaded",)),
+    Mutation("i47-eval-seq-len-beyond-positions", "mfqat/cli/commands.py",
+             "    check_model_fits(model, a.seq_len)\n", "",
+             ("tests/test_safety_outputs.py::test_eval_with_a_tokenizer_beyond_the_models_vocabulary_is_one_line",)),
 ]
 
 

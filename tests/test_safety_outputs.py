@@ -441,6 +441,8 @@ def test_eval_with_a_tokenizer_beyond_the_models_vocabulary_is_one_line(tmp_path
     _one_line_exit_2(["eval", str(small), "--blocks", "1", "--formats", "mxint4", "--plot", str(tmp_path / "p.png")],
                      capsys, f"beyond the model's {len(tok) // 2}-token vocabulary")
     assert not (tmp_path / "p.png").exists()
+    _one_line_exit_2(["eval", str(small), "--blocks", "1", "--seq-len", "257", "--plot", str(tmp_path / "p.png")],
+                     capsys, "--seq-len 257 is beyond the model's 256 positions")
 
 
 def test_a_run_out_that_cannot_be_written_is_refused_before_the_work(anchor, tmp_path, capsys, monkeypatch):
