@@ -112,7 +112,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
     check_model_fits(model, args.seq_len)
     train, held = load_data(args, tok, acc.num_processes)  # tiny: the text's bytes are the token ids
-    check_token_ids(model, train, held, what=f"--dataset {args.dataset}" if args.dataset else f"--text {args.text or 'pydoc'}")
+    what = f"--dataset {args.dataset}" if args.dataset else f"--text {args.text or 'pydoc'}"
+    check_token_ids(model, train, held, what=what)  # a tokenizer that is not the model's: before the first step
     tok = tok if tok is not None else byte_tokenizer()  # saved with every anchor: eval / export-mlx read it
     if cfg is not None:
         if args.distill and cfg.schedule == "joint":

@@ -141,8 +141,9 @@ def check_importance_state(model, state: object, where: str) -> None:
             t = e.get(key)
             if t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or tuple(t.shape) != (input_width(mods[name]),):
-                raise ValueError(f"{at}.{key}: expected float64 ({input_width(mods[name])},), got "
+            width = input_width(mods[name])
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or tuple(t.shape) != (width,):
+                raise ValueError(f"{at}.{key}: expected float64 ({width},), got "
                                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
             if not torch.isfinite(t).all() or (t < 0).any():
                 raise ValueError(f"{at}.{key}: holds negative, NaN or infinite sums of squares")

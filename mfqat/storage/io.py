@@ -187,7 +187,7 @@ def disk_full(dest: Path, exc: OSError) -> DiskFullError:
 
 
 class RunFolder:
-    """A run's ``--out`` (train, mx-qlora): the files and folders it writes there, recorded in
+    """A run's ``--out`` (train, mx-qlora, mlx-train): the files and folders it writes there, recorded in
     :data:`~mfqat.storage.guard.RUN_RECORD` so that a later ``--overwrite`` replaces only what this
     command wrote (checked up front by :func:`mfqat.storage.guard.check_run_folder`)."""
 
