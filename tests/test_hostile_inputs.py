@@ -276,13 +276,16 @@ def test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten(anchor, tm
     out = tmp_path / "mlx"
     (out / "adapters").mkdir(parents=True)
     (out / "adapters" / "adapters.safetensors").write_bytes(b"earlier adapters")
-    _one_line_exit_2(["mlx-train", "--out", str(out)], capsys, "adapters exists")
+    _one_line_exit_2(["mlx-train", "--out", str(out), "--overwrite"], capsys, "is no earlier `mfqat mlx-train` run")
     from mfqat.mlx.train import main as mlx_train
+    from mfqat.storage.io import RunFolder
 
+    (out / "adapters" / "adapter_config.json").write_text("{}")
+    RunFolder(out, "mlx-train").start().folder("adapters", "peft-adapter")  # as an earlier run leaves it
     with pytest.raises(FileExistsError, match="pass --overwrite"):
-        mlx_train(["--out", str(out)])
+        mlx_train(["--out", str(out), "--lora-rank", "4"])
     assert (out / "adapters" / "adapters.safetensors").read_bytes() == b"earlier adapters"
-    main(["mlx-train", "--out", str(out), "--overwrite"])
+    main(["mlx-train", "--out", str(out), "--overwrite", "--lora-rank", "4"])
     assert ran == ["eval", "mlx-train"]
 
 

@@ -104,7 +104,8 @@ def test_next_save_recovers_a_crash_between_the_renames(model, tmp_path, caplog)
     path = mfqat.save_anchor(model, tmp_path / "a", step=1)
     pid = dead_pid()
     os.replace(path, tmp_path / f".a.old-{pid}")  # killed after moving the old anchor away
-    (tmp_path / f".a.{pid}-0badc0de.partial").mkdir()
+    (tmp_path / f".a.{pid}-0badc0de.partial" / ".mfqat-partial").mkdir(parents=True)  # as mark_partial left it
+    (tmp_path / f".a.{pid}-0badc0de.partial" / ".mfqat-partial" / "pid").write_text(str(pid))
     (tmp_path / f".a.{pid}-0badc0de.partial" / "model.safetensors").write_bytes(b"half")
     with pytest.raises(FileExistsError):  # the old anchor is back, so a plain save refuses
         mfqat.save_anchor(model, path, step=2)

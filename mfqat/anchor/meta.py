@@ -11,6 +11,8 @@ only when a format's scale rule is ``search``: the rule in ``scale_rules`` and a
 """
 from __future__ import annotations
 
+import re
+
 from typing import Dict
 
 import torch
@@ -66,6 +68,24 @@ def check_tensor_entry(name: object, e: object, anchor_format: str, block: int, 
         raise AnchorError(f"{at}.dtype': {e.get('dtype')!r} is not one of {sorted(TENSOR_DTYPES)}")
 
 
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+def check_tied(tied: object, tensors: dict, where: str) -> None:
+    """The ``tied`` field: {alias: tensor name} of parameters saved once (an alias is then not an error
+    when the weights lack it). Each a plain parameter name, the alias no quantized tensor of the anchor and
+    not itself a target, no alias of itself: else a tampered entry could excuse a weight that is missing."""
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise AnchorError(f"{where}: field 'tied': expected an object {{alias: tensor name}}")
+    for alias, target in tied.items():
+        at = f"{where}: field 'tied.{alias}'"
+        if not TENSOR_NAME.fullmatch(alias) or not TENSOR_NAME.fullmatch(target):
+            raise AnchorError(f"{at}: {alias!r} -> {target!r} is not a pair of parameter names")
+        if alias == target or alias in tensors or alias in tied.values() or target in tied:
+            raise AnchorError(f"{at}: {alias} -> {target} is no alias of a saved tensor (an alias is not saved "
+                              "itself, and points at a tensor that is); the anchor was edited: save it again")
+
+
 def validate_meta(meta: dict, where: str) -> dict:
     """Check every field of a parsed mfqat.json (already digest-checked); return it."""
     version = check_version(meta, where)
@@ -92,9 +112,7 @@ def validate_meta(meta: dict, where: str) -> dict:
         raise AnchorError(f"{where}: field 'tensors': expected an object, got {type(tensors).__name__}")
     for name, e in tensors.items():
         check_tensor_entry(name, e, f.name, block, where)
-    tied = meta.get("tied", {})
-    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-        raise AnchorError(f"{where}: field 'tied': expected an object {{alias: tensor name}}")
+    check_tied(meta.get("tied", {}), tensors, where)
     files = check_digests(meta.get("files"), f"{where}: field 'files'")
     if version >= 2:
         manifest = check_digests(meta.get("manifest"), f"{where}: field 'manifest'")

@@ -19,6 +19,7 @@ rewrites only ``mfqat.json`` (atomically, after the new file is on disk) and kee
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -75,6 +76,20 @@ def encode_refined(fmt: str, tensors: Dict[str, MXTensor]) -> Tuple[str, bytes]:
     return refined_file(fmt).replace(".safetensors", f"-{digest[:12]}.safetensors"), data
 
 
+def check_refined_name(name: str, fmt: str, data: bytes, where: Path) -> None:
+    """A width file is named ``refined-<fmt>-<sha12>.safetensors`` by :func:`encode_refined`: refuse (AnchorError)
+    a name for another width or whose hash is not the first 12 hex digits of the bytes' sha256 (the file was
+    changed and the anchor re-sealed)."""
+    stem = refined_file(fmt)[: -len(".safetensors")]
+    m = re.fullmatch(re.escape(stem) + r"-([0-9a-f]{12})\.safetensors", name)
+    if m is None:
+        raise AnchorError(f"{where / name}: not named {stem}-<sha12>.safetensors as mfqat writes the {fmt} width; "
+                          "refine the anchor again")
+    if hashlib.sha256(data).hexdigest()[:12] != m.group(1):
+        raise AnchorError(f"{where / name}: the file's sha256 does not start with the {m.group(1)} in its name: it was "
+                          "changed after refine wrote it (and the anchor re-sealed); refine the anchor again")
+
+
 def learned_widths(state: Dict[str, torch.Tensor], learned: Dict[Tuple[str, str], torch.Tensor], anchor: ElementFormat,
                    block_size: int, scale_rule: str, group_size: int) -> Dict[str, Dict[str, MXTensor]]:
     """{width: {tensor: MXTensor}} of the scales a model trained with ``learn_scales`` learned
@@ -120,8 +135,10 @@ def read_refined(meta: dict, read_bytes, where: Path) -> Dict[str, RefinedWidth]
     checked bytes. A tensor the file names that the anchor does not quantize is refused."""
     out: Dict[str, RefinedWidth] = {}
     for fmt, e in (meta.get("refined") or {}).items():
+        data = read_bytes(e["file"])
+        check_refined_name(e["file"], fmt, data, where)
         try:
-            raw = load_safetensors_bytes(read_bytes(e["file"]))
+            raw = load_safetensors_bytes(data)
         except AnchorError:
             raise
         except Exception as err:  # safetensors raises its own types on a bad header
@@ -134,6 +151,10 @@ def read_refined(meta: dict, read_bytes, where: Path) -> Dict[str, RefinedWidth]
             if name not in meta["tensors"] or f"{name}.biases" not in raw:
                 raise AnchorError(f"{where / e['file']}: {key}: no such quantized tensor, or its biases are missing; "
                                   "refine the anchor again")
+            for part in (key, f"{name}.biases"):
+                if not torch.isfinite(raw[part].float()).all():
+                    raise AnchorError(f"{where / e['file']}: {part} holds NaN or infinite values (a width learned "
+                                      "from diverged training, or an edited file): refine the anchor again")
             width.scales[name] = (raw[key], raw[f"{name}.biases"])
         out[width.fmt] = width
     return out

@@ -6,6 +6,8 @@ Only cheap checks live here (paths, names, flag combinations), so they import no
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import re
 from pathlib import Path
@@ -52,7 +54,7 @@ def need_output(out: str, overwrite: bool, kind: str, protect: Iterable[str] = (
         parent = parent.parent
     if not parent.is_dir():
         raise UsageError(f"--out {out}: {parent} is a file, not a folder; choose another --out")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not can_write_in(parent):
         raise UsageError(f"--out {out}: cannot write in {parent} (no write permission, or a read-only file "
                          "system); choose another --out")
 
@@ -105,6 +107,29 @@ def need_model(path: Optional[str], flag: str) -> None:
                          f"a Hub id or one of {', '.join(BUILTIN_MODELS)})")
     if not (p / "config.json").is_file():
         raise UsageError(f"{flag} {path}: not a model folder (no config.json)")
+    need_config(path, flag)
+
+
+CONFIG_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size")  # what every supported family's config gives
+
+
+def need_config(path: str, flag: str) -> None:
+    """A model folder's config.json: a JSON object whose (text) model config has positive integer
+    :data:`CONFIG_SIZES`; without them transformers builds a model of its default sizes and the weights
+    do not fit (a traceback after the model loaded, or a model of the wrong shape)."""
+    f = Path(path) / "config.json"
+    try:
+        cfg = json.loads(f.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"{flag} {path}: config.json is not readable JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{flag} {path}: config.json is not a JSON object")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for key in CONFIG_SIZES:
+        v = text.get(key, cfg.get(key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"{flag} {path}: config.json has no positive integer '{key}' (got {v!r}); the weights "
+                             "cannot be placed in a model without it: restore the model's own config.json")
 
 
 def need_formats(names: Iterable[str], flag: str) -> None:
@@ -148,6 +173,115 @@ def at_least(a: argparse.Namespace, minimums: dict) -> None:
         raise UsageError(str(e)) from None
 
 
+def finite(a: argparse.Namespace) -> None:
+    """Every float flag is a finite number (nan and inf pass a ``<`` check; they fail here)."""
+    for dest, v in vars(a).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UsageError(f"--{dest.replace('_', '-')} must be a finite number, got {v}")
+
+
+def positive(a: argparse.Namespace, dest: str) -> None:
+    """``a.<dest>`` > 0 (a learning rate: zero learns nothing, a negative one climbs the loss)."""
+    v = getattr(a, dest)
+    if v is not None and not v > 0:
+        raise UsageError(f"--{dest.replace('_', '-')} must be > 0, got {v}")
+
+
+AUTO_FAMILIES = {"mxint": "mxint2", "mxfp": "mxfp4_e2m1", "affine": "affine3"}  # the lowest level of each ladder
+
+
+def need_auto_budget(a: argparse.Namespace) -> None:
+    """``--recipe auto:BPW[:FAMILY]``: BPW a finite number no lower than the smallest plan (every tensor in
+    the family's lowest level) and no higher than 16 (bfloat16), FAMILY one of the ladders; checked before
+    the sensitivity pass (minutes) rather than after it."""
+    kind, _, rest = a.recipe.partition(":")
+    if kind != "auto":
+        return
+    budget, _, family = rest.partition(":")
+    try:
+        bpw = float(budget)
+    except ValueError:
+        raise UsageError(f"--recipe {a.recipe}: write the budget in bits per weight, e.g. auto:4.5") from None
+    if family and family not in AUTO_FAMILIES:
+        raise UsageError(f"--recipe {a.recipe}: unknown family '{family}'; choose from {', '.join(AUTO_FAMILIES)}")
+    if not family:
+        family = anchor_family(a.anchor) or "mxint"
+    from mfqat.formats import get_format
+
+    lowest = AUTO_FAMILIES.get(family, "mxint2")
+    group = a.group_size if family == "affine" else anchor_block_size(a.anchor)
+    floor = get_format(lowest).bits_per_weight(group)
+    if not math.isfinite(bpw) or not floor <= bpw <= 16:
+        raise UsageError(f"--recipe {a.recipe}: the budget must be a number of bits per weight from {floor:g} (every "
+                         f"tensor in {lowest}) to 16, got {budget}")
+
+
+def _anchor_meta(path: Optional[str]) -> dict:
+    try:
+        meta = json.loads((Path(path) / "mfqat.json").read_text()) if is_anchor(path) else {}
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def anchor_family(path: Optional[str]) -> Optional[str]:
+    """The format family of an anchor's mfqat.json (None: not an anchor, or unreadable)."""
+    from mfqat.formats import get_format
+
+    try:
+        return get_format(_anchor_meta(path).get("format")).family
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def anchor_block_size(path: Optional[str]) -> int:
+    """An anchor's block size (32 when it does not say)."""
+    bs = _anchor_meta(path).get("block_size")
+    return bs if isinstance(bs, int) and bs > 0 else 32
+
+
+def can_write_in(folder: Path) -> bool:
+    """True when this process can create a file in ``folder`` (asked of the file system with a temporary
+    file, removed at once: permission bits say nothing for root, or on a read-only mount)."""
+    import tempfile
+
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".mfqat-probe-"):
+            return True
+    except OSError:
+        return False
+
+
+def need_writable_file(path: str, flag: str) -> None:
+    """A file to be written: its folder (the nearest existing one) is a folder this process can write in."""
+    parent = Path(path).absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder; choose another {flag}")
+    if not can_write_in(parent):
+        raise UsageError(f"{flag} {path}: cannot write in {parent} (no write permission, or a read-only file "
+                         f"system); choose another {flag}")
+
+
+def need_writable_out(out: str) -> None:
+    """A run's --out (train, mx-qlora, mlx-train): it, or the nearest folder above it that exists, is a
+    folder this process can write in (checked before the minutes of training, not at the first save)."""
+    need_writable_file(str(Path(out) / "summary.json"), "--out")
+
+
+def need_writable_anchor(anchor: str) -> None:
+    """``refine`` changes the anchor in place (a new width file, mfqat.json replaced) and takes the writer
+    lock beside it: both folders must be writable, checked before the minutes of learning."""
+    folder = Path(anchor).absolute()
+    for where in (folder, folder.parent):
+        if not can_write_in(where):
+            raise UsageError(f"{anchor}: cannot write in {where} (read-only, or no write permission); refine stores "
+                             "the learned widths in the anchor: copy it somewhere writable and refine the copy")
+
+
 def check(cmd: str, a: argparse.Namespace) -> None:
     """The up-front checks of one subcommand's parsed arguments."""
     if cmd == "train":
@@ -159,11 +293,13 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("give --text (plain text) or --dataset, not both")
         need_path(a.text, "--text")
         need_path(a.dataset, "--dataset")
-        from mfqat.integrations.train_args import check_resume  # argparse only: nothing heavy
+        from mfqat.integrations.train_args import check_resume, check_train_output  # argparse only: nothing heavy
         try:
             check_resume(a)
-        except ValueError as e:
+            check_train_output(a)
+        except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
+        need_writable_out(a.out)
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
         if a.anchor_format:
             need_formats([a.anchor_format], "--anchor-format")
@@ -181,8 +317,9 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         at_least(a, MLX_MINIMUMS)
         try:
             check_outputs(a)
-        except FileExistsError as e:
+        except (OSError, ValueError) as e:
             raise UsageError(str(e)) from None
+        need_writable_out(a.out)
         if a.resume:
             from mfqat.storage.train_checkpoint import verify_checkpoint
 
@@ -193,9 +330,17 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if not has_tokenizer(a.anchor):
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; mx-qlora tokenizes with it (save the anchor "
                              "with its tokenizer)")
-        from mfqat.qlora.train import QLORA_MINIMUMS
+        need_config(a.anchor, "ANCHOR")
+        from mfqat.qlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
 
+        finite(a)
         at_least(a, QLORA_MINIMUMS)
+        positive(a, "lr")
+        try:
+            check_qlora_outputs(a)
+        except (OSError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        need_writable_out(a.out)
         need_path(a.text, "--text")
         need_formats((a.formats or "").split(",") + a.eval_formats.split(","), "--formats/--eval-formats")
     elif cmd in ("convert", "export-mlx"):
@@ -204,6 +349,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if cmd == "convert":
             if not is_anchor(a.anchor):
                 raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); convert reads anchors")
+            need_config(a.anchor, "ANCHOR")
             need_formats([a.to or ""], "--to")
             if a.scale_search:
                 if not has_tokenizer(a.anchor):
@@ -219,6 +365,10 @@ def check(cmd: str, a: argparse.Namespace) -> None:
                                  "none: use uniform:FMT or seed with --tokenizer")
             need_calib_sources(a.calib_text)
             need_path(a.imatrix_path, "--imatrix-path", "imatrix GGUF file")
+            need_auto_budget(a)
+            finite(a)
+            at_least(a, {"refine_steps": 1})
+            positive(a, "refine_lr")
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")
@@ -227,11 +377,13 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError(f"{a.anchor}: not an mfqat anchor (no mfqat.json); refine stores learned scales in an anchor")
         if not has_tokenizer(a.anchor):
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; refine tokenizes the calibration text with it")
+        need_config(a.anchor, "ANCHOR")
         need_formats(a.formats.split(","), "--formats")
+        finite(a)
         at_least(a, {"steps": 1})
-        if not a.lr > 0:
-            raise UsageError(f"--lr must be positive, got {a.lr}")
+        positive(a, "lr")
         need_calib_sources(a.calib_text)
+        need_writable_anchor(a.anchor)
     elif cmd == "eval":
         positional_or_model(a, "model", cmd)
         need_model(a.model, "MODEL")
@@ -243,6 +395,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError(f"--plot {a.plot} exists; pass --overwrite to replace it, or choose another --plot")
         if Path(a.plot).is_dir():
             raise UsageError(f"--plot {a.plot} is a folder; give a .png file name")
+        need_writable_file(a.plot, "--plot")
         if a.compare and not (is_anchor(a.model) and a.fp_model):
             raise UsageError("--compare: give an anchor and --fp-model (the full-precision model whose direct "
                              "quantization is compared with Slice-and-Scale)")
@@ -267,6 +420,14 @@ def check(cmd: str, a: argparse.Namespace) -> None:
         if is_anchor(a.model):
             raise UsageError(f"{a.model} is an anchor (PyTorch); run it on MLX after `mfqat export-mlx {a.model} "
                              "--out DIR`")
+        need_config(a.model, "MODEL")
         need_path(a.adapter_path, "--adapter-path", "folder")
+        finite(a)
+        if cmd == "generate":
+            at_least(a, {"max_tokens": 1, "temp": 0})
+            if not 0 < a.top_p <= 1:
+                raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
+        elif not 1 <= a.port <= 65535:
+            raise UsageError(f"--port must be between 1 and 65535, got {a.port}")
     elif cmd == "verify":
         need_path(a.path, "PATH", "folder")

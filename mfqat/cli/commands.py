@@ -81,6 +81,7 @@ def evaluate(a: argparse.Namespace) -> None:
     from mfqat.eval.elastic import evaluate_anchor_formats, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
+    from mfqat.integrations.train_setup import check_model_fits, check_token_ids
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
@@ -100,7 +101,9 @@ def evaluate(a: argparse.Namespace) -> None:
     else:
         model, tok = load_model(a.model, dtype=dtype)
     text = load_text(a.text) if a.text else split_text(load_text(None))[1]
+    check_model_fits(model, a.seq_len)
     blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
+    check_token_ids(model, blocks, what=f"--text {a.text}" if a.text else "the held-out pydoc text")
     base_ppl = perplexity(model, blocks, desc="ppl base")
     if is_anchor:
         if a.scale_search:

@@ -5,6 +5,7 @@ import contextlib
 import math
 import os
 import warnings
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -17,6 +18,9 @@ from mfqat.qat.joint import normalized_weights, token_kl
 from mfqat.qat.learned_scales import learned_parameters
 from mfqat.qat.prepare import MFQATController, set_format
 from mfqat.integrations.lora import merged_copy
+from mfqat.integrations.train_args import local_inputs
+from mfqat.integrations.train_setup import load_importance
+from mfqat.storage.guard import check_inputs
 from mfqat.integrations.hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
 
 
@@ -33,6 +37,14 @@ def find_controller(model) -> MFQATController:
         if seen is None:
             break
     raise ValueError("MFQATCallback: the model was not prepared; call mfqat.prepare(model, config) first")
+
+
+def check_output_dir(output_dir: str, model) -> None:
+    """The Trainer's ``output_dir`` (where it and the callback's anchors write) must not be, hold or sit
+    inside the local folder the model was loaded from (UnsafeOutputError, before the first step)."""
+    src = getattr(getattr(model, "config", None), "_name_or_path", None) if model is not None else None
+    if isinstance(src, str) and os.path.isdir(src):
+        check_inputs(Path(output_dir), local_inputs(src), flag="output_dir")
 
 
 class MFQATCallback(TrainerCallback):
@@ -66,6 +78,7 @@ class MFQATCallback(TrainerCallback):
         find_controller(model).set_step(model, state.global_step, max(state.max_steps, 1))
 
     def on_train_begin(self, args, state, control, model=None, **kw):
+        check_output_dir(args.output_dir, model)
         if model is not None and not getattr(self, "driven_by_trainer", False):
             ctl = find_controller(model)
             several = ctl.step_formats(state.global_step, max(state.max_steps, 1))
@@ -78,7 +91,7 @@ class MFQATCallback(TrainerCallback):
         if model is None or not state.global_step or not importance_state.uses_search(model):
             return  # a resumed run (global_step > 0) continues the search rule's importance statistic
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not importance_state.load_state(model, ckpt, args.process_index):
+        if not load_importance(model, ckpt, args.process_index):  # a crafted file: one line, never loaded
             warnings.warn(f"MFQATCallback: {importance_state.state_file(ckpt, args.process_index)} not found; the "
                           "search rule's importance statistic restarts from this step")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--output-dir", "--save-path", dest="out", default="runs/mfqat")
+    p.add_argument("--overwrite", "--overwrite-output-dir", dest="overwrite", action="store_true",
+                   help="replace the outputs of an earlier `mfqat train` run in --out (never a file it did not write)")
     p.add_argument("--anchor-format", default=None,
                    help="format of the saved anchor (default: the QAT config's anchor_format, else mxint8)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint (accelerate state + anchor) every N steps")
@@ -162,9 +165,46 @@ TRAIN_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "grad_accum": 1, "s
                   "distill": 0, "lr": 0}
 
 
+def check_finite(args) -> None:
+    """Every float flag is a finite number (``float('nan')`` passes any ``<`` test, ``inf`` any ``>``)."""
+    for dest, v in vars(args).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"--{dest.replace('_', '-')} must be a finite number, got {v}")
+
+
+def parse_pairs(spec: str, flag: str, keys, what: str, positive: bool = True) -> dict:
+    """``KEY=X,...`` -> {KEY: X}: every KEY one of ``keys``, every X a finite number, > 0 (``positive``)
+    or >= 0; ValueError naming ``flag`` otherwise."""
+    out = {}
+    for item in (x.strip() for x in (spec or "").split(",")):
+        if not item:
+            continue
+        key, eq, val = item.partition("=")
+        key = key.strip().lower()
+        try:
+            x = float(val)
+        except ValueError:
+            x = None
+        if not eq or x is None:
+            raise ValueError(f"{flag} {item}: write KEY=NUMBER, e.g. {flag} {sorted(keys)[0]}=1.5")
+        if key not in keys:
+            raise ValueError(f"{flag} {key}: not {what}; choose from {', '.join(sorted(keys))}")
+        if not math.isfinite(x) or x < 0 or (positive and x == 0):
+            raise ValueError(f"{flag} {key}={val}: must be a finite number {'> 0' if positive else '>= 0'}")
+        out[key] = x
+    return out
+
+
+FAMILIES = ("mxint", "mxfp", "affine", "nvfp4")  # the families an MF-QAT run trains
+
+
 def check_train_args(args) -> None:
     """The checks of `mfqat train`'s own flags that need no file (ValueError names the flag)."""
+    check_finite(args)
     at_least(args, TRAIN_MINIMUMS)
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    parse_pairs(args.lr_mult, "--lr-mult", FAMILIES, "a format family")
     if args.distill >= 1:
         raise ValueError(f"--distill must be below 1 (the weight of the KL term), got {args.distill}")
     if args.base != "fp" and not args.lora_rank:
@@ -173,3 +213,33 @@ def check_train_args(args) -> None:
     if args.base != "fp" and not args.no_qat:
         raise ValueError(f"--base {args.base} (a bitsandbytes base) and MF-QAT do not combine; add --no-qat "
                          "(QLoRA baseline) or use --base fp")
+
+
+def local_inputs(*paths) -> list:
+    """The arguments that name existing files or folders (the inputs an output must not touch)."""
+    return [Path(p) for p in paths if isinstance(p, str) and p and os.path.exists(p)]
+
+
+def train_outputs(args) -> dict:
+    """{name: "file" or folder kind} of what a `mfqat train` run writes into --out."""
+    outs = {"summary.json": "file", "loss.png": "file"}
+    if not args.no_qat:
+        outs["anchor"] = "anchor"
+    if args.lora_rank:
+        outs["adapter"] = "peft-adapter"
+    if args.save_master:
+        outs["master"] = "hf-model"
+    if args.save_every and args.save_every > 0:
+        for step in [*range(args.save_every, args.steps + 1, args.save_every), args.steps]:
+            outs[f"checkpoint-{step}"] = "train-checkpoint"
+    return outs
+
+
+def check_train_output(args) -> None:
+    """--out of `mfqat train` (mfqat.storage.guard.check_run_folder): not over its model or text, an
+    existing folder only an earlier train run with --overwrite (or the run a --resume continues)."""
+    from mfqat.storage.guard import check_run_folder  # stdlib only
+
+    check_run_folder(Path(args.out), "train", train_outputs(args), args.overwrite,
+                     protect=local_inputs(args.model, args.text, args.dataset),
+                     resume=Path(args.resume) if args.resume else None)

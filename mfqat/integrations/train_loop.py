@@ -32,10 +32,13 @@ from mfqat.integrations.lora import (base_bits_per_weight, maybe_lora, merged_co
                                      trainable_summary)
 from mfqat.integrations.optim import make_optimizer
 from mfqat.qat.learned_scales import param_groups
-from mfqat.integrations.train_args import build_parser, check_resume, check_train_args, run_identity
-from mfqat.integrations.train_setup import (_forever, load_data, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
+from mfqat.integrations.train_args import (build_parser, check_resume, check_train_args, check_train_output,
+                                           run_identity)
+from mfqat.integrations.train_setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data,
+                          load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                           peak_memory_mib, save_master)
 from mfqat.integrations import fsdp, grad_compress
+from mfqat.storage.io import RunFolder
 from mfqat.storage.sharded import full_state_dict, is_sharded
 from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
 from mfqat.qat import importance_state
@@ -87,7 +90,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     # a run with these settings: checked before any model loads
     resume_step = verify_checkpoint(args.resume, steps=args.steps) if args.resume else 0
     check_resume(args)
+    check_train_output(args)  # every rank, before the barrier after which rank 0 writes into --out
     cfg = None if args.no_qat else load_qat_config(args)  # a recipe that cannot work fails before the model loads
+    check_run_values(args, cfg)
     # without CUDA, cpu=True lets torchrun-style launches (accelerate launch --multi_gpu) run as
     # MULTI_CPU ranks over gloo instead of silently running N independent single processes
     out = Path(args.out)
@@ -95,6 +100,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     wanted = (list(trackers or []) + ([named] if isinstance(named, str) else named or [])) or None
     acc = Accelerator(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available(),
                       log_with=wanted, project_dir=str(out))
+    acc.wait_for_everyone()  # every rank checked --out (above) before rank 0 writes its run record (below)
     if wanted:
         acc.init_trackers("mfqat", config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
     set_seed(args.seed)
@@ -104,7 +110,10 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     elif fsdp.requested() and acc.num_processes == 1:
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
     model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
+    check_model_fits(model, args.seq_len)
     train, held = load_data(args, tok, acc.num_processes)  # tiny: the text's bytes are the token ids
+    what = f"--dataset {args.dataset}" if args.dataset else f"--text {args.text or 'pydoc'}"
+    check_token_ids(model, train, held, what=what)  # a tokenizer that is not the model's: before the first step
     tok = tok if tok is not None else byte_tokenizer()  # saved with every anchor: eval / export-mlx read it
     if cfg is not None:
         if args.distill and cfg.schedule == "joint":
@@ -162,9 +171,10 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         if gc and grad_compress.residual_file(args.resume, acc.process_index).is_file():
             gc.load_state_dict(torch.load(grad_compress.residual_file(args.resume, acc.process_index),
                                           weights_only=True))
-        if importance and not importance_state.load_state(base, args.resume, acc.process_index):
+        if importance and not load_importance(base, args.resume, acc.process_index):
             warnings.warn(f"{args.resume} holds no importance sums (mfqat_importance_rank*.pt); the search "
                           "rule's importance statistic restarts from this step")
+    run = RunFolder(out, "train").start() if acc.is_main_process else None  # the first write into --out
     grad_bytes: List[int] = []
     losses: List[float] = []
     fmts: List[str] = []
@@ -213,6 +223,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                     save_anchor(merged_copy(base), ckpt / "mfqat_anchor", anchor_format, tok, step=step,
                                 schedule=cfg.to_dict(), overwrite=True, state_dict=sd)
                 seal_checkpoint(ckpt, step, extra={"run": run_identity(args)})  # last: --resume refuses a folder without it
+                run.folder(ckpt.name, "train-checkpoint")
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
@@ -236,18 +247,18 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
             ImportanceStatistic(base).load_state_dict(sharded_importance)
         summary["fsdp"] = "fully_shard (torch FSDP2) on CPU ranks" if self_shard else "accelerate FSDP"
     if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
         saved = merged_copy(base) if cfg else None  # what the anchor holds: LoRA merged into the weights
         if cfg:
             save_anchor(saved, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
-                        overwrite=True)  # a rerun into the same --out replaces its own anchor
-            summary["anchor"] = str(out / "anchor")
+                        overwrite=True)  # only this command's own earlier anchor (checked up front)
+            summary["anchor"] = str(run.folder("anchor", "anchor"))
         if lora is not None:
-            summary["adapter"] = str(save_adapter(base, out / "adapter", tok))
+            save_adapter(base, out / "adapter", tok)
+            summary["adapter"] = str(run.folder("adapter", "peft-adapter"))
             summary.update(trainable_summary(base), base=args.base)
         if args.save_master:
             save_master(base, tok, out / "master")
-            summary["master"] = str(out / "master")
+            summary["master"] = str(run.folder("master", "hf-model"))
         rows = []
         for f in [x for x in args.eval_formats.split(",") if x]:
             if cfg:  # the saved model's QAT forward in format f (through the anchor: what load_anchor(fmt=f)
@@ -268,8 +279,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         if wanted:
             acc.log({f"eval/{r['format'].split()[0]}_ppl": r["perplexity"] for r in rows}, step=step)
         if losses:
-            plot_curve(losses, out / "loss.png", "training loss", labels=fmts)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            run.write("loss.png", lambda p: plot_curve(losses, p, "training loss", labels=fmts))
+        run.write_text("summary.json", json.dumps(summary, indent=2))
         print(format_table(rows, ["format", "bits/weight", "perplexity"]))
         print(f"steps={args.steps} time={train_s:.1f}s ({train_s / max(len(losses), 1):.2f} s/step) "
               f"final loss={summary['final_loss']} peak memory={summary['peak_memory_mib']:.0f} MiB out={out}")

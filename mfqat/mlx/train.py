@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mfqat.data.sources import token_blocks
 from mfqat.data.jsonl import training_texts
+from mfqat.integrations.train_args import check_finite, local_inputs
 from mfqat.eval.report import format_table, plot_curve
 from mfqat.quant.derive import is_derived
 from mfqat.formats import canonical_name, get_format
@@ -32,6 +33,8 @@ from mfqat.mlx.models import hf_tokenizer, load_for_training
 from mfqat.mlx import runtime
 from mfqat.mlx.observers import clip_rates
 from mfqat.mlx.qat import prepare, set_format
+from mfqat.storage.guard import check_run_folder
+from mfqat.storage.io import RunFolder, atomic_directory
 
 
 MLX_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 0, "lora_rank": 0, "eval_blocks": 1,
@@ -167,12 +170,13 @@ def apply_lora(model: nn.Module, rank: int = 8, scale: float = 20.0, num_layers:
 
 def save_adapters(model: nn.Module, out: Path, rank: int, scale: float, num_layers: int,
                   keys: Optional[List[str]] = None) -> Path:
-    """adapters.safetensors + adapter_config.json in mlx-lm's layout (``--adapter-path`` loads it)."""
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": num_layers,
-        "lora_parameters": lora_config(rank, scale, keys)}, indent=2))
+    """adapters.safetensors + adapter_config.json in mlx-lm's layout (``--adapter-path`` loads it), written
+    atomically; replaces only an earlier adapter folder (mfqat.storage.io.atomic_directory)."""
+    with atomic_directory(out, overwrite=True, kind="peft-adapter") as tmp:
+        mx.save_safetensors(str(tmp / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+        (tmp / "adapter_config.json").write_text(json.dumps({
+            "fine_tune_type": "lora", "num_layers": num_layers,
+            "lora_parameters": lora_config(rank, scale, keys)}, indent=2))
     return out
 
 
@@ -220,12 +224,27 @@ def build_parser(p: Optional[argparse.ArgumentParser] = None) -> argparse.Argume
 OUTPUTS = ("adapters", "anchor", "summary.json", "loss.png")  # what a run writes into --out
 
 
+def run_outputs(a: argparse.Namespace) -> dict:
+    """{name: "file" or folder kind} of what this run writes into --out (mfqat.storage.guard.check_run_folder)."""
+    outs = {"summary.json": "file", "loss.png": "file"}
+    if a.lora_rank:
+        outs["adapters"] = "peft-adapter"
+    elif not a.no_qat:
+        outs["anchor"] = "anchor"
+    if a.save_every and a.save_every > 0:
+        for step in [*range(a.save_every, a.steps + 1, a.save_every), a.steps]:
+            outs[f"checkpoint-{step}"] = "mlx-checkpoint"
+    return outs
+
+
 def check_outputs(a: argparse.Namespace) -> None:
-    """An earlier run's outputs in --out are replaced only with --overwrite (the anchors' rule)."""
-    found = [n for n in OUTPUTS if (Path(a.out) / n).exists()]
-    if found and not a.overwrite:
-        raise FileExistsError(f"--out {a.out}: {found[0]} exists (an earlier run's); pass --overwrite to replace "
-                              f"{', '.join(found)}, or choose another --out")
+    """--out, checked before the model loads by the guard every run shares: not over the model or the text,
+    an existing folder only an earlier mlx-train run with --overwrite (or the run a --resume continues), a
+    file it did not write never replaced."""
+    check_finite(a)
+    check_run_folder(Path(a.out), "mlx-train", run_outputs(a), a.overwrite,
+                     protect=local_inputs(a.model or a.model_flag, a.text, a.data),
+                     resume=Path(a.resume) if a.resume else None)
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -235,9 +254,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         if getattr(a, dest) < low:
             raise ValueError(f"--{dest.replace('_', '-')} must be >= {low}, got {getattr(a, dest)}")
     check_outputs(a)
+    if not a.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {a.lr}")
     quiet_dependency_logs()  # see mfqat.progress
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     mx.random.seed(a.seed)
     limits = runtime.set_limits(a.memory_limit, a.cache_limit)
     model, tok, src = load_for_training(a.model or a.model_flag)
@@ -267,12 +287,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if a.resume:
         start = runtime.load_checkpoint(Path(a.resume), model, opt)
     batches = batches_from(train, a.batch_size, a.seed)
+    run = RunFolder(out, "mlx-train").start()  # the first write into --out
     for _ in range(start):  # resume: the batches of an uninterrupted run
         next(batches)
 
     def on_step(step: int, o: optim.Optimizer) -> None:
         if a.save_every and (step % a.save_every == 0 or step == a.steps):  # the last step too
             runtime.save_checkpoint(out / f"checkpoint-{step}", model, o, step)
+            run.folder(f"checkpoint-{step}", "mlx-checkpoint")
     mx.reset_peak_memory()
     t = time.perf_counter()
     losses = train_steps(model, batches, a.steps, a.lr, a.grad_clip, weight_decay=a.weight_decay, opt=opt,
@@ -297,17 +319,17 @@ def main(argv: Optional[List[str]] = None) -> dict:
                  "perplexity": perplexity(model, held, desc="eval")})
     if a.lora_rank:
         save_adapters(model, out / "adapters", a.lora_rank, lora_scale, lora_layers, lora_keys)
-        summary["adapters"] = str(out / "adapters")
+        summary["adapters"] = str(run.folder("adapters", "peft-adapter"))
     elif cfg is not None:
         from mfqat.mlx.anchor import save_anchor
 
         save_anchor(model, out / "anchor", a.anchor_format or cfg.anchor_format or "mxint8", source_dir=src,
                     step=a.steps, schedule=cfg.to_dict(), overwrite=True)
-        summary["anchor"] = str(out / "anchor")
+        summary["anchor"] = str(run.folder("anchor", "anchor"))
     summary["eval"] = rows
     if losses:
-        plot_curve(losses, out / "loss.png", "training loss (MLX)")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.write("loss.png", lambda p: plot_curve(losses, p, "training loss (MLX)"))
+    run.write_text("summary.json", json.dumps(summary, indent=2))
     print(format_table(rows, ["format", "bits/weight", "perplexity"]))
     print(f"steps={a.steps} time={train_s:.1f}s ({summary['seconds_per_step']:.2f} s/step) "
           f"final loss={summary['final_loss']} {mem_line} out={out}")

@@ -329,8 +329,20 @@ class QATConfig:
     def read_yaml(cls, path: Union[str, Path]) -> dict:
         """The QATConfig fields of a YAML file, or of a shipped recipe named by its bare name
         (:func:`resolve_config`), as a dict (unknown keys are an error)."""
-        data = yaml.safe_load(resolve_config(path).read_text()) or {}
-        data = data.get("qat", data)
+        file = resolve_config(path)
+        try:  # safe_load: a python tag (!!python/object/apply, ...) is an error, never run
+            data = yaml.safe_load(file.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a YAML QATConfig file (not UTF-8 text)") from None
+        except yaml.YAMLError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path}: not a YAML QATConfig file mfqat reads ({first}; only plain YAML: no "
+                             "python tags)") from None
+        if isinstance(data, dict) and "qat" in data:
+            data = data["qat"]
+        if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+            raise ValueError(f"{path}: expected a YAML mapping of QATConfig fields (e.g. formats: [mxint8, mxint4]), "
+                             f"got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:

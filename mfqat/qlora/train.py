@@ -23,11 +23,13 @@ from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.formats import canonical_name, get_format
 from mfqat.integrations.lora import DEFAULT_TARGETS
-from mfqat.integrations.train_args import at_least
-from mfqat.integrations.train_setup import peak_memory_mib
+from mfqat.integrations.train_args import at_least, check_finite, local_inputs
+from mfqat.integrations.train_setup import check_model_fits, check_token_ids, peak_memory_mib
 from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
 from mfqat.qlora.mlx_adapter import peft_to_mlx
 from mfqat.progress import progress
+from mfqat.storage.guard import check_output, check_run_folder
+from mfqat.storage.io import RunFolder
 
 SCHEDULES = ("cyclic", "joint", "fixed")
 QLORA_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "lora_rank": 1, "eval_blocks": 1, "lr": 0,
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each block's activations in backward (less memory, one more forward), as QLoRA does")
     p.add_argument("--out", default="runs/mxqlora")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier `mfqat mx-qlora` run in --out (never a file it did not "
+                        "write) and an earlier adapter at --mlx-adapter-path")
     p.add_argument("--mlx-adapter-path", default=None, metavar="DIR",
                    help="also write the adapter as an mlx-lm adapter folder (mlx_lm.load(EXPORT, adapter_path=DIR), "
                         "mlx_lm.generate --adapter-path DIR) for any `mfqat export-mlx` of this anchor")
@@ -81,14 +86,29 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def check_outputs(a: argparse.Namespace) -> None:
+    """--out (mfqat.storage.guard.check_run_folder) and --mlx-adapter-path (an earlier adapter only with
+    --overwrite), neither over the anchor or the text: checked before the anchor loads."""
+    inputs = local_inputs(a.anchor, a.text)
+    check_run_folder(Path(a.out), "mx-qlora", {"adapter": "peft-adapter", "summary.json": "file"}, a.overwrite,
+                     protect=inputs)
+    if a.mlx_adapter_path:
+        check_output(Path(a.mlx_adapter_path).absolute(), a.overwrite, "peft-adapter", inputs)
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     """Train, save the adapter, evaluate; return the summary (also OUT/summary.json)."""
     from transformers import AutoTokenizer
 
     a = build_parser().parse_args(argv)
+    check_finite(a)
     at_least(a, QLORA_MINIMUMS)  # before the anchor loads
+    if not a.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {a.lr}")
+    check_outputs(a)
     torch.manual_seed(a.seed)
     model = mx_qlora_model(a.anchor, a.lora_rank, a.lora_alpha, a.lora_dropout, a.lora_targets.split(","))
+    check_model_fits(model, a.seq_len)
     anchor_fmt = model.mx_qlora["anchor_format"]
     formats = [canonical_name(f) for f in (a.formats.split(",") if a.formats else [anchor_fmt])]
     for f in formats:
@@ -97,6 +117,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     text_train, text_eval = split_text(load_text(a.text))
     train = token_blocks(tok, text_train, a.seq_len, max_blocks=max(a.steps * a.batch_size, 1))
     held = token_blocks(tok, text_eval, a.seq_len, max_blocks=a.eval_blocks)
+    check_token_ids(model, train, held, what=f"--text {a.text or 'pydoc'}")
     if a.gradient_checkpointing:
         enable_checkpointing(model)
     opt = torch.optim.AdamW(lora_parameters(model), lr=a.lr)
@@ -122,8 +143,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     bar.close()
     train_s = time.perf_counter() - t0
     out = Path(a.out)
+    run = RunFolder(out, "mx-qlora").start()
     adapter = save_mx_adapter(model, out / "adapter")
-    mlx_adapter = peft_to_mlx(adapter, a.mlx_adapter_path) if a.mlx_adapter_path else None
+    run.folder("adapter", "peft-adapter")
+    mlx_adapter = peft_to_mlx(adapter, a.mlx_adapter_path, overwrite=a.overwrite) if a.mlx_adapter_path else None
     rows = []
     for f in [canonical_name(x) for x in (a.eval_formats.split(",") if a.eval_formats else formats)]:
         set_base_format(model, f)
@@ -134,7 +157,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                "gradient_checkpointing": a.gradient_checkpointing, "peak_memory_mib": peak_memory_mib(),
                "adapter": str(adapter), "mlx_adapter": mlx_adapter and str(mlx_adapter), "eval": rows,
                **model.mx_qlora}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    run.write_text("summary.json", json.dumps(summary, indent=2))
     print(format_table(rows, ["format", "bits/weight", "perplexity"]))
     print(f"steps={a.steps} ({summary['s_per_step']:.2f} s/step) peak memory={summary['peak_memory_mib']:.0f} MiB "
           f"adapter={adapter}")

@@ -11,8 +11,10 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable, Iterator, Optional, Sequence, Union
 
-from mfqat.storage.guard import (WriterBusyError, backup_path, check_output, is_kind, partial_name,  # noqa: F401
-                    recover, writer_lock)
+from mfqat.storage.guard import (RUN_RECORD, WriterBusyError, backup_path, check_output, file_sha256,  # noqa: F401
+                                 is_kind, mark_partial, owned_output, read_run_record,
+                                 partial_name, recover, remove_marks_last, unmark_partial,
+                                 writer_lock)
 
 PathLike = Union[str, Path]
 
@@ -117,8 +119,9 @@ def swap_in(tmp: Path, dest: Path) -> None:
         dest.rmdir()
     elif dest.exists():
         backup = backup_path(dest)
-        if backup.exists():  # our own PID: left by an earlier failed save of this process
-            shutil.rmtree(backup)
+        if backup.exists() or backup.is_symlink():  # our own PID's name, but mfqat removes its backups at once
+            raise FileExistsError(f"{backup} exists (not written by this save); mfqat never deletes what it did "
+                                  "not write: move it away and save again")
         os.replace(dest, backup)
     try:
         os.replace(tmp, dest)
@@ -126,9 +129,10 @@ def swap_in(tmp: Path, dest: Path) -> None:
         if backup is not None:
             os.replace(backup, dest)
         raise
+    unmark_partial(dest)  # after the rename: a partial is never without its mark (recover() cleans a stale one)
     fsync_dir(dest.parent)
     if backup is not None:
-        shutil.rmtree(backup, ignore_errors=True)
+        remove_marks_last(backup)
 
 
 @contextlib.contextmanager
@@ -152,11 +156,13 @@ def atomic_directory(dest: PathLike, overwrite: bool = False, kind: Optional[str
         tmp = dest.parent / partial_name(dest)
         tmp.mkdir()
         try:
+            mark_partial(tmp)
             yield tmp
             settle(tmp)
             swap_in(tmp, dest)
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_dir():
+                remove_marks_last(tmp)
             if isinstance(e, OSError) and e.errno in DISK_FULL:
                 raise disk_full(dest, e) from e
             raise
@@ -178,3 +184,62 @@ def disk_full(dest: Path, exc: OSError) -> DiskFullError:
     left = (f"the previous {dest.name} is intact" if dest.exists() else "nothing was written there")
     return DiskFullError(exc.errno, f"{dest}: {exc.strerror or 'no space left on device'} while saving; {left} "
                    "(the partial copy was removed); free some space and run again")
+
+
+class RunFolder:
+    """A run's ``--out`` (train, mx-qlora, mlx-train): the files and folders it writes there, recorded in
+    :data:`~mfqat.storage.guard.RUN_RECORD` so that a later ``--overwrite`` replaces only what this
+    command wrote (checked up front by :func:`mfqat.storage.guard.check_run_folder`)."""
+
+    def __init__(self, out: PathLike, command: str):
+        self.out = Path(out)
+        self.command = command
+
+    def start(self) -> "RunFolder":
+        """Create the folder and its record (an earlier run's record of this command is kept)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        rec = read_run_record(self.out)
+        if rec is None or rec.get("command") != self.command:
+            self._save({"command": self.command, "files": {}, "folders": {}})
+        return self
+
+    def _save(self, rec: dict) -> None:
+        write_json(self.out / RUN_RECORD, rec)
+
+    def _record(self) -> dict:
+        rec = read_run_record(self.out)
+        if rec is None or rec.get("command") != self.command:
+            raise FileExistsError(f"{self.out / RUN_RECORD}: missing or changed during the run; nothing more is "
+                                  "written there")
+        return rec
+
+    def write(self, name: str, produce: Callable[[Path], object]) -> Path:
+        """Write the file ``name``: ``produce(path)`` writes a temporary file (same suffix), which then
+        replaces ``name``; a file of that name this run's record does not hold is never replaced."""
+        rec = self._record()
+        path = self.out / name
+        if (path.exists() or path.is_symlink()) and not owned_output(self.out, rec, name, "file"):
+            raise FileExistsError(f"{path}: not written by `mfqat {self.command}` (or changed since); mfqat never "
+                                  "replaces a file it did not write: move it away")
+        tmp = self.out / f".{name}.{os.getpid()}.tmp{path.suffix}"
+        try:
+            produce(tmp)
+            fsync_file(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        rec["files"][name] = file_sha256(path)
+        self._save(rec)
+        return path
+
+    def write_text(self, name: str, text: str) -> Path:
+        """Write a text file (:meth:`write`)."""
+        return self.write(name, lambda p: Path(p).write_text(text))
+
+    def folder(self, name: str, kind: Optional[str]) -> Path:
+        """Record a folder written into the run (by its own atomic writer); returns its path."""
+        rec = self._record()
+        rec["folders"][name] = kind
+        self._save(rec)
+        return self.out / name

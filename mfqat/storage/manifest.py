@@ -198,6 +198,24 @@ def _swapping(path: Path) -> bool:
     return not path.exists() and any(p.name.startswith(f".{path.name}.old-") for p in path.parent.iterdir())
 
 
+def unlisted_entries(snap: Snapshot, listed: set) -> List[str]:
+    """The non-hidden symlinks and subfolders of a snapshot's folder that ``listed`` does not name, each as
+    ``"symlink NAME"`` / ``"folder NAME"`` (the files are :meth:`Snapshot.names`' job)."""
+    out = []
+    for n in sorted(os.listdir(snap.fd)):
+        if n.startswith(".") or n in listed:
+            continue
+        try:
+            mode = os.stat(n, dir_fd=snap.fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+        if (mode & 0o170000) == 0o120000:
+            out.append(f"symlink {n}")
+        elif (mode & 0o170000) == 0o040000:
+            out.append(f"folder {n}")
+    return out
+
+
 def verify_folder(path: Path, meta_name: str, extra_ok: Iterable[str] = ()) -> dict:
     """Check every file of an artifact against its manifest; refuse files the manifest lacks."""
     def read(snap: Snapshot) -> dict:
@@ -210,5 +228,9 @@ def verify_folder(path: Path, meta_name: str, extra_ok: Iterable[str] = ()) -> d
         extra = [n for n in snap.names() if n not in manifest and n != meta_name and n not in extra_ok]
         if extra:
             raise AnchorError(f"{snap.path}: files not covered by the manifest: {extra[:5]}")
+        odd = unlisted_entries(snap, set(manifest) | {meta_name} | set(extra_ok))
+        if odd:
+            raise AnchorError(f"{snap.path}: {', '.join(odd[:5])} not covered by the manifest (an artifact holds only "
+                              "the files its manifest lists); remove them or re-save the artifact")
         return meta
     return retry_read(Path(path), read)
