@@ -110,6 +110,10 @@ def check_refined(meta: dict, version: int, where: str) -> None:
         if not isinstance(e, dict) or not isinstance(e.get("group_size"), int) or isinstance(e.get("group_size"), bool) \
                 or e["group_size"] < 1:
             raise AnchorError(f"{where}: field 'refined.{fmt}': expected an object with a positive 'group_size'")
+        try:
+            get_format(fmt).check_block_size(e["group_size"])
+        except ValueError as err:
+            raise AnchorError(f"{where}: field 'refined.{fmt}.group_size': {err}") from None
         name = check_name(e.get("file"), f"{where}: field 'refined.{fmt}.file'")
         if name not in manifest:
             raise AnchorError(f"{where}: field 'refined.{fmt}.file': {name} is not in the manifest")
@@ -134,6 +138,12 @@ def read_refined(meta: dict, read_bytes, where: Path) -> Dict[str, RefinedWidth]
             if name not in meta["tensors"] or f"{name}.biases" not in raw:
                 raise AnchorError(f"{where / e['file']}: {key}: no such quantized tensor, or its biases are missing; "
                                   "refine the anchor again")
+            for part in (key, f"{name}.biases"):
+                t = raw[part]
+                if t.dtype != torch.bfloat16 or not bool(torch.isfinite(t).all()):
+                    raise AnchorError(f"{where / e['file']}: {part}: learned scales and biases are finite bfloat16 "
+                                      f"values, got {t.dtype}" + ("" if t.dtype != torch.bfloat16 else " with NaN/Inf")
+                                      + "; refine the anchor again")
             width.scales[name] = (raw[key], raw[f"{name}.biases"])
         out[width.fmt] = width
     return out
