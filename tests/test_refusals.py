@@ -4,6 +4,7 @@ negative, NaN, Inf, wrong type or dtype), and its message names the argument or 
 inside is accepted. Cases marked xfail(strict) are refusals the code does not make yet (the reason says
 where the fix goes); they turn into failures once it is made, so the marker cannot outlive the fix."""
 import json
+import re
 
 import pytest
 import torch
@@ -405,3 +406,55 @@ def test_an_unknown_scale_dtype_is_refused_naming_it(dtype):
 
     with pytest.raises(ValueError, match=f"scale_dtype '{dtype}': choose one of"):
         resolve_scale_dtype(dtype, {})
+
+
+# --- a PEFT adapter converted for mlx-lm: only what mlx-lm's plain LoRA layer computes ------------------
+
+def _peft_adapter(folder, **config):
+    """A PEFT LoRA adapter folder as peft's save_pretrained writes it (rank 2, alpha 4, q_proj of block 0)."""
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                            "lora_dropout": 0.0, **config}))
+    g = torch.Generator().manual_seed(0)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, 64, generator=g),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 2, generator=g)},
+              str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+SAFE_PEFT = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {},
+             "modules_to_save": None, "bias": "none", "lora_bias": False, "use_qalora": False,
+             "layer_replication": None, "target_parameters": None}
+
+
+def test_a_plain_peft_lora_adapter_converts_with_scale_alpha_over_r(tmp_path):
+    from mfqat.qlora.mlx_adapter import peft_to_mlx
+
+    out = peft_to_mlx(_peft_adapter(tmp_path / "peft", **SAFE_PEFT), tmp_path / "mlx")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["lora_parameters"]["scale"] == 2.0 and cfg["lora_parameters"]["keys"] == ["self_attn.q_proj"]
+    w = load_file(str(out / "adapters.safetensors"))
+    assert w["model.layers.0.self_attn.q_proj.lora_a"].shape == (64, 2)
+
+
+@pytest.mark.parametrize("key,value", [("use_rslora", True), ("use_dora", True), ("fan_in_fan_out", True),
+                                       ("rank_pattern", {"q_proj": 4}), ("alpha_pattern", {"q_proj": 8}),
+                                       ("modules_to_save", ["lm_head"]), ("bias", "all"), ("lora_bias", True),
+                                       ("use_qalora", True), ("layer_replication", [[0, 1]]),
+                                       ("target_parameters", ["mlp.experts.gate_up_proj"])])
+def test_a_peft_variant_mlx_lm_cannot_compute_is_refused_naming_the_option(tmp_path, key, value):
+    """rsLoRA scales by alpha / sqrt(r), DoRA rescales the weight's norm, fan-in-fan-out stores the matrices
+    transposed: converted as plain LoRA each would run with the wrong scale or layout, so each is refused."""
+    from mfqat.qlora.mlx_adapter import peft_to_mlx
+
+    src = _peft_adapter(tmp_path / "peft", **{**SAFE_PEFT, key: value})
+    with pytest.raises(ValueError, match=re.escape(f"adapter_config.json: {key}={value!r} has no mlx-lm LoRA equivalent")):
+        peft_to_mlx(src, tmp_path / "mlx")
+    assert not (tmp_path / "mlx").exists()
+
+
+def test_a_peft_adapter_of_another_type_is_refused(tmp_path):
+    from mfqat.qlora.mlx_adapter import peft_to_mlx
+
+    with pytest.raises(ValueError, match="peft_type 'IA3'; only LoRA adapters convert"):
+        peft_to_mlx(_peft_adapter(tmp_path / "peft", peft_type="IA3"), tmp_path / "mlx")
