@@ -19,7 +19,7 @@ CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor 
 
 def _cli(*args, **env):
     return subprocess.run([sys.executable, "-m", "mfqat.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=600)
 
 
 def test_version_and_help_do_not_import_torch():
@@ -27,7 +27,7 @@ def test_version_and_help_do_not_import_torch():
             "['eval', '--help']):\n    try: main(a)\n    except SystemExit as e: assert e.code == 0, a\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert run.returncode == 0, run.stderr
     assert f"mfqat {mfqat.__version__}" in run.stdout
     assert "usage: mfqat train" in run.stdout and "--output-dir" in run.stdout and "--max-steps" in run.stdout
@@ -65,6 +65,31 @@ def test_user_mistakes_are_one_line_exit_2(anchors, tmp_path, capsys, argv, expe
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2
     assert err.startswith(f"mfqat {argv[0]}: error: ") and "\n" not in err and expect in err, err
+
+
+@pytest.mark.parametrize("cmd", ["convert", "export-mlx", "eval", "generate", "serve", "mlx-train"])
+def test_cli_model_given_twice_the_same_is_one_model_two_different_are_refused(anchors, tmp_path, capsys, cmd):
+    """`mfqat CMD X --model X` is `mfqat CMD X` (the next check names X, not a second model); `mfqat CMD X
+    --model Y` is one line, exit 2, before anything loads."""
+    anchor, bare, _ = anchors
+    extra = {"convert": ["--to", "mxint4", "--out", str(tmp_path / "o")], "export-mlx": ["--out", str(tmp_path / "o")],
+             "generate": ["--prompt", "hi"]}.get(cmd, [])
+    with pytest.raises(SystemExit) as e:
+        main([cmd, str(anchor), "--model", str(bare), *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == f"mfqat {cmd}: error: two models given ({anchor} and --model {bare}); give one"
+    missing = str(tmp_path / "missing")
+    with pytest.raises(SystemExit) as e:
+        main([cmd, missing, "--model", missing, *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "two models" not in err and "missing" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_convert_with_the_anchor_as_positional_and_as_model_converts_it(anchors, tmp_path):
+    anchor = anchors[0]
+    main(["convert", str(anchor), "--model", str(anchor), "--to", "mxint4", "--out", str(tmp_path / "o")])
+    assert json.loads((tmp_path / "o" / "mfqat_convert.json").read_text())["format"] == "mxint4"
 
 
 def test_runtime_user_error_is_one_line_and_debug_shows_traceback(anchors, tmp_path):

@@ -9,7 +9,7 @@ from mfqat.integrations.lora import DEFAULT_TARGETS, apply_lora
 from mfqat.integrations.train_args import LLAMA_LORA_TARGETS
 from mfqat.qlora.model import mx_qlora_model
 
-from tests.test_families import SUPPORTED, build  # the tiny family models
+from tests.tiny_models import SUPPORTED, build  # the tiny family models
 
 EXPECTED = {  # module names every family's default must adapt (its attention and MLP Linears)
     "llama": set(LLAMA_LORA_TARGETS.split(",")),

@@ -125,6 +125,10 @@ def check_refined(meta: dict, version: int, where: str) -> None:
         if not isinstance(e, dict) or not isinstance(e.get("group_size"), int) or isinstance(e.get("group_size"), bool) \
                 or e["group_size"] < 1:
             raise AnchorError(f"{where}: field 'refined.{fmt}': expected an object with a positive 'group_size'")
+        try:
+            get_format(fmt).check_block_size(e["group_size"])
+        except ValueError as err:
+            raise AnchorError(f"{where}: field 'refined.{fmt}.group_size': {err}") from None
         name = check_name(e.get("file"), f"{where}: field 'refined.{fmt}.file'")
         if name not in manifest:
             raise AnchorError(f"{where}: field 'refined.{fmt}.file': {name} is not in the manifest")
@@ -152,9 +156,12 @@ def read_refined(meta: dict, read_bytes, where: Path) -> Dict[str, RefinedWidth]
                 raise AnchorError(f"{where / e['file']}: {key}: no such quantized tensor, or its biases are missing; "
                                   "refine the anchor again")
             for part in (key, f"{name}.biases"):
-                if not torch.isfinite(raw[part].float()).all():
-                    raise AnchorError(f"{where / e['file']}: {part} holds NaN or infinite values (a width learned "
-                                      "from diverged training, or an edited file): refine the anchor again")
+                t = raw[part]
+                if t.dtype != torch.bfloat16 or not bool(torch.isfinite(t).all()):
+                    raise AnchorError(f"{where / e['file']}: {part}: learned scales and biases are finite bfloat16 "
+                                      f"values, got {t.dtype}" + ("" if t.dtype != torch.bfloat16 else
+                                      " holding NaN or infinite values (a width learned from diverged training, "
+                                      "or an edited file)") + "; refine the anchor again")
             width.scales[name] = (raw[key], raw[f"{name}.biases"])
         out[width.fmt] = width
     return out

@@ -12,20 +12,24 @@ from mfqat.progress import progress as progress_bar
 
 @torch.no_grad()
 def mean_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, desc: Optional[str] = None) -> float:
-    """Mean next-token negative log-likelihood over (n, seq_len) blocks of token ids."""
-    was_training = model.training
+    """Mean next-token negative log-likelihood over (n, seq_len) blocks of token ids, in eval mode; every
+    submodule is left in the train/eval mode it had (also when the forward raises)."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    batches = range(0, blocks.shape[0], batch_size)
-    for i in progress_bar(batches, desc=desc, leave=False, disable=desc is None):
-        ids = blocks[i:i + batch_size].to(device)
-        logits = model(input_ids=ids).logits.float()
-        nll = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                          ids[:, 1:].reshape(-1), reduction="sum")
-        total += nll.item()
-        count += ids[:, 1:].numel()
-    model.train(was_training)
+    try:
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        batches = range(0, blocks.shape[0], batch_size)
+        for i in progress_bar(batches, desc=desc, leave=False, disable=desc is None):
+            ids = blocks[i:i + batch_size].to(device)
+            logits = model(input_ids=ids).logits.float()
+            nll = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                              ids[:, 1:].reshape(-1), reduction="sum")
+            total += nll.item()
+            count += ids[:, 1:].numel()
+    finally:
+        for m, training in modes:
+            m.training = training
     return total / max(count, 1)
 
 

@@ -1,6 +1,7 @@
 """Public quantize / dequantize / fake-quantize, with input checks and backend dispatch."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -24,7 +25,10 @@ def validate(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int], scale_
             f"{name}: dtype {x.dtype} is not supported; quantize float32, bfloat16 or float16 "
             f"tensors (convert with .float())"
         )
-    bs = f.resolve_block_size(block_size)
+    if block_size is not None and (isinstance(block_size, bool) or not hasattr(block_size, "__index__")):
+        raise TypeError(f"{name}: block_size={block_size!r} is not an integer; give the number of elements per "
+                        f"block (e.g. {f.default_block_size})")
+    bs = f.resolve_block_size(None if block_size is None else operator.index(block_size))
     if x.dim() == 0 or x.shape[-1] % bs:
         raise ValueError(
             f"{name}: shape {tuple(x.shape)} has a last dimension that is not a multiple of "

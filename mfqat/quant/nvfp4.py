@@ -45,13 +45,21 @@ LUT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.
 
 
 def e4m3_encode(v: torch.Tensor) -> torch.Tensor:
-    """Non-negative float32 -> E4M3 bytes: round half to even, saturating at 448 (inf too), subnormals kept."""
-    q, _ = mx_round_elements(v.to(torch.float32), E4M3)
+    """Non-negative float32 -> E4M3 bytes: round half to even, saturating at 448 (inf too), subnormals kept.
+    A negative or NaN scale has no byte here (a NaN block gets 0x7F from its caller): ValueError."""
+    v = v.to(torch.float32)
+    bad = (v < 0) | torch.isnan(v)
+    if bool(bad.any()):
+        raise ValueError(f"e4m3_encode: block scales must be non-negative and not NaN, got "
+                         f"{v[bad].flatten()[0].item()} ({int(bad.sum())} of {v.numel()})")
+    q, _ = mx_round_elements(v, E4M3)
     return mx_values_to_codes(q, E4M3)
 
 
 def e4m3_decode(scales: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes -> float32 (0x7F / 0xFF: NaN)."""
+    """E4M3 bytes (uint8) -> float32 (0x7F / 0xFF: NaN)."""
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"e4m3_decode: nvfp4 scales are E4M3 bytes (uint8), got {scales.dtype}")
     v = mx_codes_to_values(scales, E4M3)
     return torch.where((scales.to(torch.int32) & 0x7F) == E4M3_NAN, torch.full_like(v, float("nan")), v)
 
@@ -60,10 +68,18 @@ def _encode_factors(global_scale: Optional[torch.Tensor]) -> Tuple[Optional[torc
     """(enc = fl32(2688 / g), dec = fl32(g / 2688)) as float32 scalars, or (None, None) without g."""
     if global_scale is None:
         return None, None
-    g = torch.as_tensor(global_scale, dtype=torch.float32).reshape(())
-    if not (torch.isfinite(g) and g > 0):
-        raise ValueError(f"nvfp4 global_scale must be a finite positive float32, got {g.item()}")
-    return torch.tensor(NVFP4_RANGE) / g, g / torch.tensor(NVFP4_RANGE)
+    try:
+        g = torch.as_tensor(global_scale, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"nvfp4 global_scale must be a float32 number, got {type(global_scale).__name__}") from None
+    if g.numel() != 1:
+        raise ValueError(f"nvfp4 global_scale must be one number per tensor, got shape {tuple(g.shape)}")
+    g = g.reshape(())
+    enc = torch.tensor(NVFP4_RANGE) / g
+    if not (torch.isfinite(g) and g > 0 and torch.isfinite(enc)):
+        raise ValueError(f"nvfp4 global_scale must be a finite positive float32 whose encode factor "
+                         f"{NVFP4_RANGE:g} / global_scale is finite, got {g.item()}")
+    return enc, g / torch.tensor(NVFP4_RANGE)
 
 
 def nvfp4_quantize_blocks(blocks: torch.Tensor, global_scale: Optional[torch.Tensor] = None, rule: str = "nvidia",

@@ -11,6 +11,8 @@ import torch
 
 
 def _check_row(n: int, bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits!r}: codes are packed at 1 to 8 bits")
     if (n * bits) % 8:
         raise ValueError(f"cannot pack a last dimension of {n} codes of {bits} bits into whole bytes")
 
