@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Memory and time at the sizes users ship: each command as its own process, its peak resident memory
-(the child's ru_maxrss from os.wait4) and wall time, next to `mlx_lm.convert -q` on the same folder.
+(the child's own VmHWM, read as it exits; ru_maxrss would also count this script's memory at the fork) and
+wall time, next to `mlx_lm.convert -q` on the same folder.
 
 Random-weight Llama checkpoints saved in bfloat16 (sharded safetensors with an index, SmolLM2's
 tokenizer, vocabulary 49152) are built tensor by tensor (never a whole model in memory):
@@ -80,18 +81,41 @@ def build(size: str, folder: Path) -> int:
     return nbytes
 
 
+# Runs `python -m MOD ...` / `python -c CODE ...` in this process and writes its VmHWM (kB) at exit.
+PEAK_WRAPPER = """
+import atexit, os, runpy, sys
+def _report():
+    with open('/proc/self/status') as f:
+        hwm = next(line for line in f if line.startswith('VmHWM:')).split()[1]
+    with open(os.environ['BENCH_PEAK_FILE'], 'w') as f:
+        f.write(hwm)
+atexit.register(_report)
+kind, target, *rest = sys.argv[1:]
+if kind == '-m':
+    sys.argv = [target, *rest]
+    runpy.run_module(target, run_name='__main__', alter_sys=True)
+else:
+    sys.argv = ['-c', *rest]
+    exec(compile(target, '<bench>', 'exec'), {'__name__': '__main__'})
+"""
+
+
 def measure(cmd, log: Path, limit_gib: float) -> dict:
-    """Run ``cmd`` as a child; its peak RSS (GiB), wall seconds and exit status."""
-    env = {**os.environ, "MFQAT_PROGRESS": "0", "PYTHONPATH": str(ROOT)}
+    """Run ``cmd`` (``[python, -m|-c, ...]``) as a child; its peak RSS (GiB: its own VmHWM; ru_maxrss if it
+    died before reporting), wall seconds and exit status."""
+    peak_file = log.with_suffix(".peak")
+    env = {**os.environ, "MFQAT_PROGRESS": "0", "PYTHONPATH": str(ROOT), "BENCH_PEAK_FILE": str(peak_file)}
     t0 = time.perf_counter()
     with open(log, "w") as out:
         def cap():
             import resource
             lim = int(limit_gib * 1024 ** 3)
             resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=cap)
+        proc = subprocess.Popen([cmd[0], "-c", PEAK_WRAPPER, *cmd[1:]], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, preexec_fn=cap)
         _, status, usage = os.wait4(proc.pid, 0)
-    return {"peak_gib": usage.ru_maxrss / 1024 ** 2, "seconds": time.perf_counter() - t0,
+    kib = int(peak_file.read_text()) if peak_file.is_file() else usage.ru_maxrss
+    return {"peak_gib": kib / 1024 ** 2, "seconds": time.perf_counter() - t0,
             "rc": os.waitstatus_to_exitcode(status)}
 
 

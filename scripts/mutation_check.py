@@ -877,6 +877,16 @@ MUTATIONS: List[Mutation] = [
     Mutation("peft-to-mlx-converts-fan-in-fan-out", "mfqat/qlora/mlx_adapter.py",
              '"fan_in_fan_out": False, ', "",
              ("tests/test_refusals.py::test_a_peft_variant_mlx_lm_cannot_compute_is_refused_naming_the_option[fan_in_fan_out-True]",)),
+    # the refusals test_refusals.py marked xfail, now made (export budget, API base_bits, save_anchor block size)
+    Mutation("auto-budget-nan-accepted", "mfqat/export/recipes.py",
+             "        if not math.isfinite(budget):", "        if False:",
+             ("tests/test_refusals.py::test_a_non_finite_budget_is_refused_naming_the_recipe",)),
+    Mutation("api-base-bits-unchecked", "mfqat/export/recipes.py",
+             "or not 2 <= base_bits <= 8):", "or False):",
+             ("tests/test_refusals.py::test_seed_base_bits_outside_2_to_8_are_refused_by_the_api",)),
+    Mutation("save-anchor-block-size-zero-unchecked", "mfqat/anchor/checkpoint.py",
+             "    f.check_block_size(block_size)  # 0,", "    pass  # 0,",
+             ("tests/test_refusals.py::test_save_anchor_refuses_block_size_zero_naming_it",)),
 ]
 
 

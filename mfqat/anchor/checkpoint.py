@@ -154,6 +154,10 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     f = get_format(fmt or next((m.anchor_format for _, m in qat_modules(model) if m.anchor_format), "mxint8"))
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"save_anchor: block_size={block_size!r} is not an integer; give the number of elements "
+                        f"per block (e.g. {f.default_block_size})")
+    f.check_block_size(block_size)  # 0, negative or a size the format does not take: one line, before any work
     sd, tied = unique_state_dict(model, state_dict)
     learned = pop_learned(sd, tied)  # QATConfig.learn_scales: stored as the anchor's widths, not as tensors
     if any("lora_" in k for k in sd):

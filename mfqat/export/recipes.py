@@ -8,6 +8,7 @@ directly when the plan names a format for them (origin "ptq"), else kept in bflo
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
@@ -306,6 +307,10 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
     """A per-tensor plan from a recipe name; checks everything before anything is written."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
+    if kind in ("seed", "dynamic2") and (isinstance(base_bits, bool) or not isinstance(base_bits, int)
+                                         or not 2 <= base_bits <= 8):
+        raise ValueError(f"recipe '{recipe}': base_bits must be an integer from 2 to 8 (the bits of the recipe's "
+                         f"base format), got {base_bits!r}")
     if want == "nvfp4" and kind != "uniform":
         raise ValueError(f"recipe '{recipe}': nvfp4 has one width; write uniform:nvfp4")
     if want in ("affine", "nvfp4"):
@@ -351,6 +356,9 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             budget = float(arg)
         except ValueError:
             raise ValueError(f"recipe '{recipe}': write the budget in bits per weight, e.g. auto:4.5") from None
+        if not math.isfinite(budget):
+            raise ValueError(f"recipe '{recipe}': the budget must be a finite number of bits per weight, "
+                             "e.g. auto:4.5")
         names = list(anchor.quantized) + _matrix_weights(anchor)
         _check_group_size(anchor, names, group)
         formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text, family=want,
