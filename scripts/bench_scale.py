@@ -138,10 +138,16 @@ def main() -> None:
     ap.add_argument("--commands", default=",".join(COMMANDS), help="comma-separated names from: " + ", ".join(COMMANDS))
     ap.add_argument("--limit-gib", type=float, default=20.0, help="address-space cap of each command")
     ap.add_argument("--keep", action="store_true", help="keep the outputs (default: removed after each size)")
+    ap.add_argument("--merge", action="store_true", help="add to the rows of an earlier --out/scale.json "
+                    "(its rows of the sizes and commands run now are replaced)")
     a = ap.parse_args()
     out = Path(a.out)
+    sizes = a.sizes.split(",")
     rows = []
-    for size in a.sizes.split(","):
+    if a.merge and (out / "scale.json").is_file():
+        rows = [r for r in json.loads((out / "scale.json").read_text())["rows"]
+                if r["size"] not in sizes or r["command"] not in a.commands.split(",")]
+    for size in sizes:
         src = out / f"src-{size}B"
         gib = build(size, src) / 1024 ** 3
         work = out / f"work-{size}B"

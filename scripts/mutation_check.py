@@ -887,6 +887,13 @@ MUTATIONS: List[Mutation] = [
     Mutation("save-anchor-block-size-zero-unchecked", "mfqat/anchor/checkpoint.py",
              "    f.check_block_size(block_size)  # 0,", "    pass  # 0,",
              ("tests/test_refusals.py::test_save_anchor_refuses_block_size_zero_naming_it",)),
+    Mutation("vocab-cut-chunk-rows-misplaced", "mfqat/export/verify.py",
+             "out[inside] = q.dequantize(torch.float32)[picked[inside] - lo]",
+             "out[inside] = q.dequantize(torch.float32)[inside]",
+             ("tests/test_streaming.py::test_the_checks_vocabulary_cut_gives_the_whole_models_logits_on_the_kept_ids",)),
+    Mutation("vocab-cut-mlx-side-not-cut", "mfqat/export/verify.py",
+             "writer.add(name, vocab.rows_of(name, t) if vocab else t)", "writer.add(name, t)",
+             ("tests/test_streaming.py::test_every_familys_export_passes_the_cut_check",)),
 ]
 
 

@@ -233,11 +233,17 @@ def test_plain_trainer_with_the_callback_refuses_a_joint_recipe(tmp_path):
 
 # --- item 3: an anchor that quantizes nothing is refused -----------------------------------------------------
 
+def test_save_anchor_refuses_a_block_size_that_quantizes_no_tensor(tmp_path):
+    model = tiny_llama(vocab_size=320)  # in_features 64 and 128: block 256 (allowed by MX) divides none
+    with pytest.raises(ValueError, match=r"block_size 256 quantizes no tensor \(model\.layers\.0\."):
+        mfqat.save_anchor(model, tmp_path / "a", "mxint8", block_size=256)
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("block_size", [7, 33, 48])
-def test_save_anchor_refuses_a_block_size_that_quantizes_no_tensor(tmp_path, block_size):
-    model = tiny_llama(vocab_size=320)
-    with pytest.raises(ValueError, match=rf"block_size {block_size} quantizes no tensor \(model\.layers\.0\."):
-        mfqat.save_anchor(model, tmp_path / "a", "mxint8", block_size=block_size)
+def test_save_anchor_refuses_a_block_size_the_format_does_not_take_before_any_work(tmp_path, block_size):
+    with pytest.raises(ValueError, match=rf"block_size={block_size} is not allowed for format 'mxint8'"):
+        mfqat.save_anchor(tiny_llama(vocab_size=320), tmp_path / "a", "mxint8", block_size=block_size)
     assert not (tmp_path / "a").exists()
 
 

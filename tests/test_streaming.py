@@ -2,6 +2,7 @@
 anchors quantized tensor by tensor from a sharded bf16 checkpoint, the export's check past a memory budget,
 and the memory law of a streaming export (peak growth / the model's bf16 bytes), measured in a child process."""
 import json
+import re
 import os
 import struct
 import subprocess
@@ -182,7 +183,7 @@ def test_export_from_the_folder_streams_and_equals_the_export_of_the_loaded_mode
 def test_past_the_memory_budget_the_logits_are_checked_on_the_first_layers(bf16_folder, tmp_path):
     rep = mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
     v = rep["verify"]
-    assert v["logits_checked"] == "first 2 of 3 layers"
+    assert re.fullmatch(r"first 2 of 3 layers, \d+ of 257 token ids", v["logits_checked"]), v["logits_checked"]
     assert v["weights_bit_exact"] and v["max_abs_logit_diff"] <= v["logit_tolerance"]
     assert not list((tmp_path / "m").glob(".check-*")), "the cut model was left in the export"
     full = mfqat.export.to_mlx(bf16_folder, tmp_path / "f", recipe="uniform:mxint4")["verify"]
@@ -332,3 +333,51 @@ def test_the_cut_check_counts_the_layers_of_a_vision_language_releases_text_conf
     cut = cut_config(cfg, 4)
     assert cut["text_config"]["num_hidden_layers"] == 4 and cut["text_config"]["layer_types"] == ["a", "a", "a", "b"]
     assert cfg["text_config"]["num_hidden_layers"] == 8, "the anchor's own config was changed"
+
+
+def _logits(config: dict, state: dict, ids: list) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[config["model_type"]].from_dict(config), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    model.tie_weights()
+    with torch.no_grad():
+        return model.eval()(torch.tensor([ids])).logits
+
+
+def test_the_checks_vocabulary_cut_gives_the_whole_models_logits_on_the_kept_ids(bf16_folder, tmp_path, monkeypatch):
+    """The cut logits check keeps a few token ids' rows of the embedding and head (VocabCut): the cut
+    reference model's logits are the whole model's on those ids, in the renumbered order (the row-chunked
+    dequantization of large matrices included)."""
+    from mfqat.export import recipes, verify
+    from mfqat.export.recipes import build_plan
+
+    anchor = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "a"))
+    plan = build_plan(anchor, "uniform:affine4")
+    ids = [5, 17, 17, 200, 3, 130]
+    full = _logits(anchor.config, dict(verify.reference_tensors(anchor, plan)), ids)
+    monkeypatch.setattr(verify.VocabCut, "FIRST", 4)
+    monkeypatch.setattr(recipes, "CHUNK_ELEMENTS", 64 * 5 + 1)  # the embedding dequantized in row chunks
+    vocab = verify.VocabCut(anchor.config["vocab_size"], ids, anchor.config)
+    state = dict(verify.reference_tensors(anchor, plan, vocab=vocab))
+    assert state["model.embed_tokens.weight"].shape[0] == len(vocab.ids) < anchor.config["vocab_size"]
+    assert {5, 17, 200, 3, 130, 0, 1, 2} <= set(vocab.ids.tolist())
+    cut = _logits(vocab.config(anchor.config), state, vocab.tokens(ids))
+    torch.testing.assert_close(cut, full[..., vocab.ids], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "gemma3_text", "gpt_neox", "deepseek_v3", "qwen3_5_moe"])
+def test_every_familys_export_passes_the_cut_check(name, tmp_path, monkeypatch):
+    """Past the memory budget the logits check runs on the first layers and a few token ids: it passes on
+    families with other special tokens (phi3), embedding scaling and softcaps (gemma3), untied heads
+    (gpt_neox), dense-then-MoE layers (deepseek_v3) and hybrid linear attention (qwen3_5_moe)."""
+    from mfqat.export import verify
+    from tests.tiny_models import SUPPORTED, build
+
+    monkeypatch.setattr(verify.VocabCut, "FIRST", 8)
+    tok = tiny_tokenizer()
+    model_type, extra = SUPPORTED[name]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxint8", tokenizer=tok)
+    rep = mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
+    assert re.fullmatch(r"first \d+ of \d+ layers, \d+ of 257 token ids", rep["verify"]["logits_checked"])

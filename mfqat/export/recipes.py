@@ -81,10 +81,11 @@ class Plan:
         return self.refined[name] if name in self.refined else in_format(anchor, name, self.formats[name],
                                                                           self.derived_group)
 
-    def chunk_rows(self, anchor: Anchor, name: str, elements: int = CHUNK_ELEMENTS) -> Optional[int]:
+    def chunk_rows(self, anchor: Anchor, name: str, elements: Optional[int] = None) -> Optional[int]:
         """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row
-        chunks (a 2-D matrix of over ``elements`` elements written under one mlx-lm name, with no learned
-        scales), else None (whole)."""
+        chunks (a 2-D matrix of over ``elements`` elements, default :data:`CHUNK_ELEMENTS` read at the call,
+        written under one mlx-lm name, with no learned scales), else None (whole)."""
+        elements = CHUNK_ELEMENTS if elements is None else elements
         shape = anchor.shape(name)
         fmt = self.formats[name]
         if len(shape) != 2 or shape[0] * shape[1] <= elements or name in self.refined:

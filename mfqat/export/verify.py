@@ -62,27 +62,107 @@ def reference_state(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = la
     return dict(reference_tensors(anchor, plan, keep))
 
 
-def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = lambda name: True):
+def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = lambda name: True,
+                      vocab: Optional["VocabCut"] = None):
     """(name, float32 tensor) of :func:`reference_state`, one at a time (large matrices dequantized in row
-    chunks: Plan.chunk_rows)."""
+    chunks: Plan.chunk_rows); ``vocab``: only the kept rows of the tensors indexed by token id."""
     family = plan.family
     for k in anchor.plain:
         if keep(k) and k not in plan.formats:
             v = anchor.plain[k]
-            yield k, (_as_written(family, k, v) if v.is_floating_point() else v)
+            v = _as_written(family, k, v) if v.is_floating_point() else v
+            yield k, (vocab.rows_of(k, v) if vocab else v)
     for name in plan.formats:
         if keep(name):
-            rows = plan.chunk_rows(anchor, name)
-            if rows is None:
-                yield name, plan.tensor(anchor, name).dequantize(torch.float32)
-            else:
-                out = torch.empty(anchor.shape(name), dtype=torch.float32)
-                for lo, hi, q in plan.tensor_chunks(anchor, name, rows):
-                    out[lo:hi] = q.dequantize(torch.float32)
-                yield name, out
+            yield name, _dequantized(anchor, plan, name, vocab)
     for name in plan.kept16:
         if keep(name) and name in anchor.quantized:
-            yield name, anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
+            v = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
+            yield name, (vocab.rows_of(name, v) if vocab else v)
+
+
+def _dequantized(anchor: Anchor, plan: Plan, name: str, vocab: Optional["VocabCut"]) -> torch.Tensor:
+    """Planned tensor ``name`` dequantized to float32 (row chunks for large matrices; with ``vocab``, only its
+    kept rows when it is indexed by token id)."""
+    shape = anchor.shape(name)
+    picked = vocab.index(name, shape) if vocab else None
+    rows = plan.chunk_rows(anchor, name)
+    if rows is None:
+        v = plan.tensor(anchor, name).dequantize(torch.float32)
+        return v if picked is None else v[picked]
+    out = torch.empty((len(picked),) + tuple(shape[1:]) if picked is not None else shape, dtype=torch.float32)
+    for lo, hi, q in plan.tensor_chunks(anchor, name, rows):
+        if picked is None:
+            out[lo:hi] = q.dequantize(torch.float32)
+            continue
+        inside = ((picked >= lo) & (picked < hi)).nonzero().flatten()
+        if len(inside):
+            out[inside] = q.dequantize(torch.float32)[picked[inside] - lo]
+    return out
+
+
+class VocabCut:
+    """The cut check's vocabulary: the token ids it keeps (the prompt's, the config's special tokens and
+    the first ``FIRST`` ids), renumbered 0..n-1. Rows of tensors indexed by token id (embeddings, lm_head:
+    outside the decoder layers, first dimension the vocabulary) are independent, so the cut model's logits
+    are the whole model's on those ids exactly, and its embedding and head are n rows instead of the
+    vocabulary (at 1.2B parameters, 1.6 GB of float32 reference less)."""
+
+    FIRST = 256
+
+    def __init__(self, vocab_size: int, ids, config: dict):
+        keep = set(i for i in ids if 0 <= i < vocab_size) | set(range(min(self.FIRST, vocab_size)))
+        keep |= {i for i in _special_ids(config) if 0 <= i < vocab_size}
+        self.vocab_size = vocab_size
+        self.ids = torch.tensor(sorted(keep), dtype=torch.long)
+        self.new = {int(i): n for n, i in enumerate(self.ids.tolist())}
+
+    def index(self, name: str, shape) -> Optional[torch.Tensor]:
+        """The rows to keep of tensor ``name`` (None: all of it, not indexed by token id)."""
+        if _layer(name) is None and len(shape) >= 1 and shape[0] == self.vocab_size:
+            return self.ids
+        return None
+
+    def rows_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with only its kept rows when it is indexed by token id."""
+        picked = self.index(name, t.shape)
+        return t if picked is None else t[picked]
+
+    def tokens(self, ids) -> list:
+        """``ids`` renumbered into the cut vocabulary."""
+        return [self.new[i] for i in ids]
+
+    def config(self, config: dict) -> dict:
+        """``config`` (already cut to its first layers) with the cut vocabulary and its special ids renumbered."""
+        cfg = json.loads(json.dumps(config))
+        for c in (cfg, cfg.get("text_config")):
+            if not isinstance(c, dict):
+                continue
+            if c.get("vocab_size") == self.vocab_size:
+                c["vocab_size"] = len(self.ids)
+            for k, v in list(c.items()):
+                if k.endswith("_token_id"):
+                    c[k] = self._renumber(v)
+        return cfg
+
+    def _renumber(self, v):
+        if isinstance(v, bool) or v is None:
+            return v
+        if isinstance(v, int):
+            return self.new.get(v, v if v < len(self.ids) else None)
+        if isinstance(v, list):
+            return [self._renumber(x) for x in v]
+        return v
+
+
+def _special_ids(config: dict) -> list:
+    """Every integer ``*_token_id`` of a config (and of its ``text_config``)."""
+    out = []
+    for c in (config, config.get("text_config")):
+        for k, v in (c.items() if isinstance(c, dict) else ()):
+            if k.endswith("_token_id"):
+                out += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, int) and not isinstance(x, bool)]
+    return out
 
 
 class WrittenTensors:
@@ -256,15 +336,22 @@ def cut_config(config: dict, k: int) -> dict:
 
 
 def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dict:
-    """The logits check on the export cut to its first :func:`check_layers` layers: a folder holding those
-    layers' written tensors (and every tensor outside the layers) is loaded by mlx_lm and compared with
-    the PyTorch reference cut the same way."""
+    """The logits check on the export cut to its first :func:`check_layers` layers and to the check's
+    vocabulary (:class:`VocabCut`): a folder holding those layers' written tensors (and every tensor
+    outside the layers, token-indexed ones cut to the kept rows) is loaded by mlx_lm and compared with the
+    PyTorch reference cut the same way."""
     import shutil
     import tempfile
+
+    from mlx_lm.utils import load_tokenizer
 
     config = anchor.config
     k = check_layers(config)
     keep = lambda name: (_layer(name) is None or _layer(name) < k)  # noqa: E731
+    ids = check_ids(load_tokenizer(out), prompt)
+    size = (layer_config(config) or config).get("vocab_size")
+    vocab = VocabCut(size, ids, config) if isinstance(size, int) and not isinstance(size, bool) else None
+    cut_vocab = (lambda c: vocab.config(c)) if vocab else (lambda c: c)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix=".check-", dir=out) as tmp:
         cut = Path(tmp)
         written = WrittenTensors(out)
@@ -272,24 +359,35 @@ def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dic
         try:
             for name in written.where:
                 if keep(name):
-                    writer.add(name, written.torch(name))
+                    t = written.torch(name)
+                    writer.add(name, vocab.rows_of(name, t) if vocab else t)
             writer.close()
         finally:
             written.close()
         mlx_cfg = json.loads((out / "config.json").read_text())
-        (cut / "config.json").write_text(json.dumps(cut_config(mlx_cfg, k)))
+        (cut / "config.json").write_text(json.dumps(cut_vocab(cut_config(mlx_cfg, k))))
         for f in out.iterdir():
             if f.is_file() and not f.name.startswith("model") and f.name != "config.json":
                 shutil.copy(f, cut / f.name)
-        rep = compare_logits(cut, anchor, plan, prompt, config=cut_config(config, k), keep=keep)
-    rep["logits_checked"] = f"first {k} of {layer_config(config)['num_hidden_layers']} layers"
+        rep = compare_logits(cut, anchor, plan, prompt, config=cut_vocab(cut_config(config, k)), keep=keep,
+                             vocab=vocab, ids=vocab.tokens(ids) if vocab else ids)
+    rep["logits_checked"] = (f"first {k} of {layer_config(config)['num_hidden_layers']} layers"
+                             + (f", {len(vocab.ids)} of {size} token ids" if vocab else ""))
     return rep
 
 
+def check_ids(tok, prompt: str) -> list:
+    """The check's token ids: ``prompt`` encoded, repeated to at least :data:`CHECK_TOKENS` tokens."""
+    ids = tok.encode(prompt)
+    return (ids * -(-CHECK_TOKENS // max(len(ids), 1)))[:max(CHECK_TOKENS, len(ids))]
+
+
 def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: Optional[dict] = None,
-                   keep: Callable[[str], bool] = lambda name: True) -> dict:
+                   keep: Callable[[str], bool] = lambda name: True, vocab: Optional[VocabCut] = None,
+                   ids: Optional[list] = None) -> dict:
     """Load with mlx_lm and compare logits on ``prompt`` with the PyTorch model in the same format
-    (``config``/``keep``: a cut model, see :func:`compare_truncated`)."""
+    (``config``/``keep``/``vocab``/``ids``: a cut model and its renumbered tokens, see
+    :func:`compare_truncated`)."""
     import mlx.core as mx
     from mlx_lm import load as mlx_load
     import transformers
@@ -299,8 +397,7 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
 
     config = anchor.config if config is None else config
     model, tok = mlx_load(str(out))
-    ids = tok.encode(prompt)
-    ids = (ids * -(-CHECK_TOKENS // max(len(ids), 1)))[:max(CHECK_TOKENS, len(ids))]  # the prompt, repeated
+    ids = check_ids(tok, prompt) if ids is None else ids
     params = tree_flatten(model.parameters())
     bf16_scales = any(a.dtype == mx.bfloat16 and k.endswith((".scales", ".biases")) for k, a in params)
     compute = "float32-upcast" if bf16_scales else "float32"  # see LOGIT_RTOL
@@ -316,7 +413,7 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
         pt = auto.from_config(pt_config, dtype=torch.float32)
     own = dict(pt.state_dict(keep_vars=True))
     loaded, unexpected = set(), []
-    for k, v in reference_tensors(anchor, plan, keep):  # copied in one at a time, never a second model
+    for k, v in reference_tensors(anchor, plan, keep, vocab):  # copied in one at a time, never a second model
         if k not in own or tuple(own[k].shape) != tuple(v.shape):
             unexpected.append(k)
             continue
