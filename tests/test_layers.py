@@ -88,7 +88,8 @@ def test_checker_reads_the_roots_lazy_table_and_import_module_strings(tmp_path):
 
 
 @pytest.mark.parametrize("line,upward", [("from mfqat import __version__", True), ("import mfqat", True),
-                                         ("from mfqat import _C", False), ("from mfqat._build import EXTENSION", False)])
+                                         ("from mfqat import _C", False),
+                                         ("from mfqat._build import EXTENSION", False)])
 def test_checker_sees_an_import_of_the_root_but_not_of_the_extension(tmp_path, line, upward):
     pkg = _package(tmp_path, {"quant/__init__.py": "", "quant/api.py": f"{line}\n", "_build.py": "EXTENSION = 1\n"})
     found = layers.violations(layers.import_graph(pkg))
