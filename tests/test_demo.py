@@ -8,7 +8,6 @@ from mfqat.data.sources import tiny_tokenizer
 from mfqat.cli.demo import run_demo
 
 
-
 def test_demo_smoke(tiny_dir, tmp_path, capsys):
     s = run_demo(str(tmp_path / "demo"), steps=4, eval_blocks=2, model_name=str(tiny_dir))
     assert [r["format"] for r in s["rows"]] == ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]

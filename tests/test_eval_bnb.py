@@ -8,7 +8,6 @@ from mfqat.data.sources import tiny_llama, tiny_tokenizer
 pytest.importorskip("bitsandbytes")
 
 
-
 def test_rows_are_the_bnb_models_and_differ_from_fp(tiny_dir):
     from transformers import AutoModelForCausalLM
 

@@ -54,7 +54,6 @@ BAD_NUMBERS = [
 ]
 
 
-
 @pytest.mark.parametrize("argv,expect", BAD_NUMBERS, ids=[" ".join(a[0]) for a in BAD_NUMBERS])
 def test_bad_numbers_are_one_line_exit_2_before_any_model_loads(anchor, tmp_path, capsys, monkeypatch, argv, expect):
     from mfqat.cli import app

@@ -19,7 +19,6 @@ EXPECTED = {  # module names every family's default must adapt (its attention an
 }
 
 
-
 def adapted(model) -> set:
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)}
 

@@ -14,7 +14,6 @@ from mfqat.mlx.models import load_for_training  # noqa: E402
 from mfqat.mlx.train import main as mlx_train, train_steps  # noqa: E402
 
 
-
 def _run(tiny_dir, out, *extra):
     return mlx_train([str(tiny_dir), "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--eval-blocks", "1",
                       "--lr", "3e-3", "--eval-formats", "mxint4", "--out", str(out), *extra])

@@ -44,7 +44,6 @@ def build_release(kind: str, vocab: int):
     return getattr(transformers, f"{name}ForConditionalGeneration")(config)
 
 
-
 @pytest.fixture(scope="module")
 def releases(tok, tmp_path_factory):
     """{kind: folder} of the tiny releases as save_pretrained writes them."""

@@ -18,7 +18,6 @@ from mfqat.export.refine import RefineConfig, refine  # noqa: E402
 SMALL = dict(steps=6, lr=3e-3, batch=2, seq_len=32, n_blocks=8, n_valid=2)
 
 
-
 @pytest.fixture(scope="module")
 def anchor(tok, tmp_path_factory):
     torch.manual_seed(0)

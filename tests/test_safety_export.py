@@ -13,7 +13,6 @@ from mfqat.export import mlx_export  # noqa: E402
 from mfqat.export import to_mlx  # noqa: E402
 
 
-
 def test_export_refuses_its_input_and_foreign_folders(anchor, tmp_path):
     with pytest.raises((ValueError, FileExistsError), match="input|not an mfqat"):
         to_mlx(anchor, anchor, overwrite=True)

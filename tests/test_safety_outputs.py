@@ -32,7 +32,6 @@ def dead_pid() -> int:
     return p.pid
 
 
-
 # --- leftovers are ours before they are removed ----------------------------------------------------------------
 
 def test_a_user_folder_named_like_a_leftover_partial_is_kept(tmp_path, caplog):

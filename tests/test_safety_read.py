@@ -16,7 +16,6 @@ from mfqat.data.sources import tiny_llama
 from mfqat.storage.manifest import canonical_digest, seal
 
 
-
 @pytest.fixture
 def copy(untied_anchor, tmp_path):
     import shutil

@@ -16,8 +16,6 @@ from mfqat.data.sources import tiny_llama
 from mfqat.storage.manifest import canonical_digest, seal
 
 
-
-
 @pytest.fixture
 def copy(untied_anchor, tmp_path):
     return shutil.copytree(untied_anchor, tmp_path / "a")
