@@ -2,11 +2,15 @@
 
 The public names are imported on first use (PEP 562), so ``mfqat --version`` / ``--help`` and
 ``import mfqat`` do not load torch.
+
+The root is the top of the package's layers (docs/architecture.md): nothing in mfqat imports it.
+``__version__`` and the compiled extension (``mfqat._C``) live in the leaf ``mfqat._build``, and
+scripts/gen_layers.py reads ``_PUBLIC`` below as the root's imports.
 """
 from importlib import import_module
 from typing import Any, List
 
-__version__ = "0.1.0"
+from mfqat._build import __version__
 
 _PUBLIC = {
     ".formats": ["ALIASES", "FORMATS", "ElementFormat", "get_format", "known_formats"],
@@ -17,6 +21,7 @@ _PUBLIC = {
     ".qat": ["QATConfig", "joint_backward", "prepare", "set_format", "unprepare", "clip_rates", "sync_importance"],
     ".anchor.checkpoint": ["read_anchor", "save_anchor"],
     ".anchor.load": ["load_anchor"],
+    ".export.mlx_export": ["to_mlx"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
     ".qlora.model": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
     ".qlora.mlx_adapter": ["peft_to_mlx"],
@@ -27,6 +32,7 @@ __all__ = [
     "__version__", "ElementFormat", "FORMATS", "ALIASES", "get_format", "known_formats",
     "MXTensor", "quantize", "dequantize", "fake_quantize", "fake_quantize_through", "slice_and_scale",
     "QATConfig", "prepare", "set_format", "unprepare", "joint_backward", "save_anchor", "load_anchor", "read_anchor",
+    "to_mlx",
     "mx_qlora_model", "set_base_format", "save_mx_adapter", "load_with_adapter", "peft_to_mlx",
     "register_hf_quantizer", "clip_rates", "quantize_search", "DEFAULT_SCALE_RULE", "sync_importance",
 ]

@@ -18,3 +18,53 @@ MXFP_FORMATS = [f for f in MX_FORMATS if f.startswith("mxfp")]
 @pytest.fixture(params=MX_FORMATS)
 def mx_format(request):
     return request.param
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or a server the test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Shared tiny models, built once per test module (module scope, as where they were pasted before). A module
+# that needs another model of the same name defines its own fixture, which pytest uses there instead.
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny byte tokenizer (mfqat.data.sources.tiny_tokenizer)."""
+    from mfqat.data.sources import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def anchor(tok, tmp_path_factory):
+    """A tiny tied Llama (seed 0) saved as an mxint8 anchor with the tokenizer."""
+    import mfqat
+    from mfqat.data.sources import tiny_llama
+
+    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), tmp_path_factory.mktemp("anchor") / "anchor",
+                             "mxint8", tok)
+
+
+@pytest.fixture(scope="module")
+def untied_anchor(tok, tmp_path_factory):
+    """A tiny Llama (seed 0) with an untied lm_head, saved as an mxint8 anchor with the tokenizer."""
+    import mfqat
+    from mfqat.data.sources import tiny_llama
+
+    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok)), tmp_path_factory.mktemp("untied") / "a", "mxint8", tok)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tok, tmp_path_factory):
+    """A tiny tied Llama (seed 0) and the tokenizer saved as a Hugging Face folder (safetensors)."""
+    from mfqat.data.sources import tiny_llama
+
+    d = tmp_path_factory.mktemp("tiny_hf")
+    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d, safe_serialization=True)
+    tok.save_pretrained(d)
+    return d

@@ -4,17 +4,8 @@ import json
 import pytest
 
 from mfqat.cli import main as cli
-from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_tokenizer
 from mfqat.cli.demo import run_demo
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    tok = tiny_tokenizer()
-    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 def test_demo_smoke(tiny_dir, tmp_path, capsys):

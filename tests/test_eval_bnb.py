@@ -8,15 +8,6 @@ from mfqat.data.sources import tiny_llama, tiny_tokenizer
 pytest.importorskip("bitsandbytes")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bnb_eval")
-    tok = tiny_tokenizer()
-    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d, safe_serialization=True)
-    tok.save_pretrained(d)
-    return d
-
-
 def test_rows_are_the_bnb_models_and_differ_from_fp(tiny_dir):
     from transformers import AutoModelForCausalLM
 

@@ -2,7 +2,6 @@
 state dict and equals the DDP anchor of the same seed; a sharded model without it gets a clear error."""
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,7 @@ import torch.multiprocessing as mp
 
 import mfqat
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .conftest import free_port
 
 
 def _worker(rank: int, port: int, out: str, tie: bool) -> None:

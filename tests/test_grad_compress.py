@@ -2,7 +2,6 @@
 import gc
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,7 @@ from mfqat.formats import get_format
 from mfqat.integrations.grad_compress import GradCompressState, decode, encode, payload_size, register
 from mfqat.quant.reference import fake_quantize_reference
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .conftest import free_port
 
 
 @given(n=st.integers(1, 200), fmt=st.sampled_from(["mxfp8", "mxint8", "mxint4", "mxfp6", "mxint6", "mxfp4"]),

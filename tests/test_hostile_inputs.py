@@ -54,13 +54,6 @@ BAD_NUMBERS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def anchor(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hostile")
-    tok = tiny_tokenizer()
-    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), d / "anchor", "mxint8", tok)
-
-
 @pytest.mark.parametrize("argv,expect", BAD_NUMBERS, ids=[" ".join(a[0]) for a in BAD_NUMBERS])
 def test_bad_numbers_are_one_line_exit_2_before_any_model_loads(anchor, tmp_path, capsys, monkeypatch, argv, expect):
     from mfqat.cli import app

@@ -20,7 +20,7 @@ from mfqat.data.sources import tiny_llama
 from mfqat.qat.joint import joint_backward
 from mfqat.qat.prepare import qat_modules
 
-from .test_fsdp import free_port
+from .conftest import free_port
 
 FORMATS = ["mxint8", "mxint6", "mxint4"]
 SEARCH = {"mxint6": "search", "mxint4": "search"}

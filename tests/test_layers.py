@@ -25,7 +25,17 @@ def test_imports_only_go_down():
 
 def test_top_level_holds_only_the_agreed_modules():
     loose = sorted(p.name for p in (ROOT / "mfqat").glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "formats.py", "progress.py"]
+    assert loose == ["__init__.py", "__main__.py", "_build.py", "formats.py", "progress.py"]
+
+
+def test_the_roots_lazy_names_are_its_imports_and_nothing_imports_the_root():
+    graph = layers.import_graph(ROOT / "mfqat")
+    assert {"mfqat.export.mlx_export", "mfqat.qlora.model", "mfqat.integrations.hf_quantizer"} <= graph["mfqat"]
+    assert [m for m, deps in graph.items() if "mfqat" in deps] == []
+
+
+def test_every_module_is_in_the_architecture_table():
+    assert layers.undocumented(ROOT / "mfqat", layers.DOC.read_text()) == []
 
 
 def test_architecture_picture_is_current():
@@ -64,3 +74,46 @@ def test_checker_refuses_peer_imports_and_unknown_modules(tmp_path):
     found = layers.violations(layers.import_graph(pkg))
     assert any("is a peer of mfqat.eval" in v for v in found)
     assert any(v.startswith("mfqat.stray: in no layer") for v in found)
+
+
+def test_checker_reads_the_roots_lazy_table_and_import_module_strings(tmp_path):
+    pkg = _package(tmp_path, {"__init__.py": "_PUBLIC = {'.export.x': ['y'], '.quant': ['q']}\n",
+                              "quant/__init__.py": "q = 1\n", "export/__init__.py": "", "export/x.py": "y = 1\n",
+                              "quant/api.py": "from importlib import import_module\n"
+                                              "def f():\n    return import_module('mfqat.export.x')\n"})
+    graph = layers.import_graph(pkg)
+    assert graph["mfqat"] == {"mfqat.export.x", "mfqat.quant"}
+    assert layers.violations(graph) == ["mfqat.quant.api imports mfqat.export.x: mfqat.export is above mfqat.quant "
+                                        "(docs/architecture.md, Layers)"]
+
+
+@pytest.mark.parametrize("line,upward", [("from mfqat import __version__", True), ("import mfqat", True),
+                                         ("from mfqat import _C", False),
+                                         ("from mfqat._build import EXTENSION", False)])
+def test_checker_sees_an_import_of_the_root_but_not_of_the_extension(tmp_path, line, upward):
+    pkg = _package(tmp_path, {"quant/__init__.py": "", "quant/api.py": f"{line}\n", "_build.py": "EXTENSION = 1\n"})
+    found = layers.violations(layers.import_graph(pkg))
+    assert found == (["mfqat.quant.api imports mfqat: mfqat is above mfqat.quant (docs/architecture.md, Layers)"]
+                     if upward else [])
+
+
+TABLE = """
+| folder | files | what it does |
+|---|---|---|
+| `mfqat/` | `__init__.py` | the root |
+| `quant/` | `api.py` | one |
+| | `kernels/` | the kernels: `cpp.py` |
+
+after the table: `stray.py`
+"""
+
+
+def test_checker_finds_a_module_missing_from_the_architecture_table(tmp_path):
+    pkg = _package(tmp_path, {"quant/__init__.py": "", "quant/api.py": "", "quant/kernels/__init__.py": "",
+                              "quant/kernels/cpp.py": ""})
+    assert layers.undocumented(pkg, TABLE) == []
+    for planted in ("quant/new.py", "quant/kernels/new.py", "stray.py"):
+        (pkg / planted).write_text("")
+        assert layers.undocumented(pkg, TABLE) == [f"mfqat/{planted}: not in the table of folders and files of "
+                                                  "docs/architecture.md"], planted
+        (pkg / planted).unlink()

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data.sources import tiny_tokenizer
 from mfqat.integrations.lora import DEFAULT_TARGETS, apply_lora
 from mfqat.integrations.train_args import LLAMA_LORA_TARGETS
 from mfqat.qlora.model import mx_qlora_model
@@ -18,11 +17,6 @@ EXPECTED = {  # module names every family's default must adapt (its attention an
     "qwen3_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},
     "qwen3_5": {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "gate_proj", "down_proj"},
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 def adapted(model) -> set:

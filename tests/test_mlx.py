@@ -2,7 +2,6 @@
 LoRA on an export, the anchor round trip PyTorch -> MLX -> PyTorch, and serving through mlx-lm."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import mfqat
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
 from mfqat.quant.reference import fake_quantize_reference
 
-from .conftest import MX_FORMATS
+from .conftest import MX_FORMATS, free_port
 from .test_kernels import adversarial, assert_bits_equal
 
 mx = pytest.importorskip("mlx.core")
@@ -267,14 +266,8 @@ def test_cli_mlx_train_affine_joint_recipe(tiny_dir, tmp_path):
     assert set(rows) == {"mxint8", "affine4", "affine3", "fp (master)"} and rows["affine4"]["bits/weight"] == 4.5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_answers_openai_completions(tiny_export):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.Popen([sys.executable, "-m", "mfqat.cli", "serve", str(tiny_export / "mlx4"), "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

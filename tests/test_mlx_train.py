@@ -9,19 +9,9 @@ mx = pytest.importorskip("mlx.core")
 from mlx.utils import tree_flatten  # noqa: E402
 
 import mfqat  # noqa: E402
-from mfqat.data.sources import tiny_llama, tiny_tokenizer  # noqa: E402
 from mfqat.mlx import runtime  # noqa: E402
 from mfqat.mlx.models import load_for_training  # noqa: E402
 from mfqat.mlx.train import main as mlx_train, train_steps  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_hf")
-    tok = tiny_tokenizer()
-    tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d, safe_serialization=True)
-    tok.save_pretrained(d)
-    return d
 
 
 def _run(tiny_dir, out, *extra):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.data.sources import load_model, tiny_tokenizer
+from mfqat.data.sources import load_model
 from mfqat.export import to_mlx
 from mfqat.qat.prepare import qat_modules
 
@@ -42,11 +42,6 @@ def build_release(kind: str, vocab: int):
     config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=VISION)
     torch.manual_seed(0)
     return getattr(transformers, f"{name}ForConditionalGeneration")(config)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

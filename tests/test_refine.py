@@ -10,17 +10,12 @@ import mlx.core as mx  # noqa: E402
 
 import mfqat  # noqa: E402
 from mfqat.anchor.checkpoint import read_anchor  # noqa: E402
-from mfqat.data.sources import calibration_blocks, tiny_llama, tiny_tokenizer  # noqa: E402
+from mfqat.data.sources import calibration_blocks, tiny_llama  # noqa: E402
 from mfqat.export import build_plan  # noqa: E402
 from mfqat.export.mlx_files import load_weights  # noqa: E402
 from mfqat.export.refine import RefineConfig, refine  # noqa: E402
 
 SMALL = dict(steps=6, lr=3e-3, batch=2, seq_len=32, n_blocks=8, n_valid=2)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

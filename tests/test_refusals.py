@@ -217,18 +217,13 @@ def test_packing_rows_that_do_not_fill_whole_bytes_or_the_wrong_length_is_refuse
 
 # --- derived group sizes: derive_affine, load_anchor ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def anchor(tmp_path_factory):
-    tok = tiny_tokenizer()
-    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok)), tmp_path_factory.mktemp("r") / "a", tokenizer=tok)
-
 
 @pytest.mark.parametrize("group", [0, -64, 16, 48, 256])
-def test_a_derived_group_size_outside_mlx_affine_sizes_is_refused(anchor, group):
+def test_a_derived_group_size_outside_mlx_affine_sizes_is_refused(untied_anchor, group):
     with pytest.raises(ValueError, match=f"block_size={group} is not allowed for format 'affine4'"):
         derive_affine(X, "affine4", group)
     with pytest.raises(ValueError, match=f"block_size={group} is not allowed for format 'affine4'"):
-        mfqat.load_anchor(anchor, "affine4", group_size=group)
+        mfqat.load_anchor(untied_anchor, "affine4", group_size=group)
 
 
 def test_save_anchor_refuses_a_non_integer_block_size(tmp_path):
@@ -355,8 +350,8 @@ def test_a_refined_width_in_an_older_format_version_or_outside_the_manifest_is_r
 # --- export: recipes, budgets, group sizes, scale dtypes ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def read(anchor):
-    return read_anchor(anchor)
+def read(untied_anchor):
+    return read_anchor(untied_anchor)
 
 
 @pytest.mark.parametrize("recipe,match", [

@@ -13,12 +13,6 @@ from mfqat.export import mlx_export  # noqa: E402
 from mfqat.export import to_mlx  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def anchor(tmp_path_factory):
-    tok = tiny_tokenizer()
-    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), tmp_path_factory.mktemp("a") / "a", tokenizer=tok)
-
-
 def test_export_refuses_its_input_and_foreign_folders(anchor, tmp_path):
     with pytest.raises((ValueError, FileExistsError), match="input|not an mfqat"):
         to_mlx(anchor, anchor, overwrite=True)

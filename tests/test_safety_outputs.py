@@ -32,13 +32,6 @@ def dead_pid() -> int:
     return p.pid
 
 
-@pytest.fixture(scope="module")
-def anchor(tmp_path_factory):
-    d = tmp_path_factory.mktemp("outputs")
-    tok = tiny_tokenizer()
-    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), d / "anchor", "mxint8", tok)
-
-
 # --- leftovers are ours before they are removed ----------------------------------------------------------------
 
 def test_a_user_folder_named_like_a_leftover_partial_is_kept(tmp_path, caplog):

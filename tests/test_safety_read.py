@@ -12,21 +12,15 @@ from safetensors.torch import load_file, save_file
 import mfqat
 from mfqat.anchor.checkpoint import AnchorError, read_anchor
 from mfqat.cli import main as cli_main
-from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama
 from mfqat.storage.manifest import canonical_digest, seal
 
 
-@pytest.fixture(scope="module")
-def anchor(tmp_path_factory):
-    tok = tiny_tokenizer()
-    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok)), tmp_path_factory.mktemp("a") / "a", tokenizer=tok)
-
-
 @pytest.fixture
-def copy(anchor, tmp_path):
+def copy(untied_anchor, tmp_path):
     import shutil
 
-    return shutil.copytree(anchor, tmp_path / "a")
+    return shutil.copytree(untied_anchor, tmp_path / "a")
 
 
 def meta_of(path):
@@ -138,10 +132,10 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(FIELDS), value=JSON, inner=st.booleans(), i=st.integers(0, 99), j=st.integers(0, 9))
-def test_fuzzed_metadata_only_raises_anchor_error(anchor, tmp_path_factory, field, value, inner, i, j):
+def test_fuzzed_metadata_only_raises_anchor_error(untied_anchor, tmp_path_factory, field, value, inner, i, j):
     import shutil
 
-    copy = shutil.copytree(anchor, tmp_path_factory.mktemp("fz") / "a")
+    copy = shutil.copytree(untied_anchor, tmp_path_factory.mktemp("fz") / "a")
     meta = meta_of(copy)
     if inner and isinstance(meta.get(field), dict) and meta[field]:
         key = sorted(meta[field])[i % len(meta[field])]
@@ -161,10 +155,10 @@ def test_fuzzed_metadata_only_raises_anchor_error(anchor, tmp_path_factory, fiel
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzzed_safetensors_header_only_raises_anchor_error(anchor, tmp_path_factory, data):
+def test_fuzzed_safetensors_header_only_raises_anchor_error(untied_anchor, tmp_path_factory, data):
     import shutil
 
-    path = shutil.copytree(anchor, tmp_path_factory.mktemp("fz") / "a")
+    path = shutil.copytree(untied_anchor, tmp_path_factory.mktemp("fz") / "a")
     raw = bytearray((path / "model.safetensors").read_bytes())
     n = struct.unpack("<Q", raw[:8])[0]
     for _ in range(data.draw(st.integers(1, 4))):

@@ -12,23 +12,13 @@ from safetensors.torch import load_file, save_file
 
 import mfqat
 from mfqat.anchor.checkpoint import AnchorError, read_anchor
-from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.data.sources import tiny_llama
 from mfqat.storage.manifest import canonical_digest, seal
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def anchor(tok, tmp_path_factory):
-    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok)), tmp_path_factory.mktemp("sem") / "a", "mxint8", tok)
-
-
 @pytest.fixture
-def copy(anchor, tmp_path):
-    return shutil.copytree(anchor, tmp_path / "a")
+def copy(untied_anchor, tmp_path):
+    return shutil.copytree(untied_anchor, tmp_path / "a")
 
 
 def reseal(path, meta):
@@ -116,7 +106,7 @@ def test_an_anchor_one_version_newer_is_refused_naming_it_and_older_ones_load(co
     assert e.value.code == 2
 
 
-def test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify(anchor, tmp_path, capsys):
+def test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify(untied_anchor, tmp_path, capsys):
     """mfqat_export.json carries its format version; `mfqat verify` refuses a newer one by name (exit 2)
     and reads version 1 and exports written before the field existed."""
     from mfqat.cli import main as cli_main
@@ -124,7 +114,7 @@ def test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify(
     from mfqat.export.verify import EXPORT_FORMAT_VERSION
 
     out = tmp_path / "mlx"
-    to_mlx(anchor, out, recipe="uniform:mxint4", verify=False)
+    to_mlx(untied_anchor, out, recipe="uniform:mxint4", verify=False)
     meta = json.loads((out / "mfqat_export.json").read_text())
     assert meta["format_version"] == EXPORT_FORMAT_VERSION
     newer = EXPORT_FORMAT_VERSION + 1
@@ -146,10 +136,10 @@ def test_an_export_one_version_newer_is_refused_naming_it_and_older_ones_verify(
 # 6. auto:BPW allocation against a brute force ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def sensitivities(anchor):
+def sensitivities(untied_anchor):
     from mfqat.export.sensitivity import calibration_blocks, ladder, measure
 
-    a = read_anchor(anchor)
+    a = read_anchor(untied_anchor)
     levels = ladder(a.format)
     return levels, measure(a, list(a.quantized), "mxint3", calibration_blocks(a, None, 2, 64), levels)
 
@@ -204,7 +194,7 @@ def fp_anchor(tok, tmp_path_factory):
 
 @pytest.mark.parametrize("which,recipe,group", [("int", "seed", 64), ("int", "uniform:affine3", 64),
                                                 ("fp", "seed", 64)])
-def test_export_report_group_size_and_bits_are_those_on_disk(anchor, fp_anchor, tmp_path, which, recipe, group):
+def test_export_report_group_size_and_bits_are_those_on_disk(untied_anchor, fp_anchor, tmp_path, which, recipe, group):
     """For every tensor of mfqat_export.json: its MLX mode, bits and group size are those of the
     module's quantization entry in config.json and of the stored arrays' shapes (bits from the
     packed words per row, group size from the scales per row), and its bits_per_weight is that
@@ -213,7 +203,7 @@ def test_export_report_group_size_and_bits_are_those_on_disk(anchor, fp_anchor, 
     from mfqat.export import to_mlx
     from mfqat.export.mlx_files import load_weights
 
-    src = anchor if which == "int" else fp_anchor
+    src = untied_anchor if which == "int" else fp_anchor
     out = tmp_path / "m"
     to_mlx(src, out, recipe=recipe, verify=False, group_size=group)
     rep = json.loads((out / "mfqat_export.json").read_text())
@@ -243,7 +233,7 @@ def test_export_report_group_size_and_bits_are_those_on_disk(anchor, fp_anchor, 
 
 # 8. the export check is exact: one flipped code or a scale one ulp off is reported -------------------
 
-def test_export_check_reports_one_flipped_code_or_a_scale_one_ulp_off(anchor, tmp_path):
+def test_export_check_reports_one_flipped_code_or_a_scale_one_ulp_off(untied_anchor, tmp_path):
     mx = pytest.importorskip("mlx.core")
     from mfqat.cli import main as cli_main
     from mfqat.export import to_mlx
@@ -252,8 +242,8 @@ def test_export_check_reports_one_flipped_code_or_a_scale_one_ulp_off(anchor, tm
     from mfqat.export.verify import verify_export
 
     out = tmp_path / "m"
-    rep = to_mlx(anchor, out, recipe="uniform:mxint4", verify=False)
-    plan, a = plan_from_report(rep), read_anchor(anchor)
+    rep = to_mlx(untied_anchor, out, recipe="uniform:mxint4", verify=False)
+    plan, a = plan_from_report(rep), read_anchor(untied_anchor)
     name, module = "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj"
     files = sorted(out.glob("model*.safetensors"))
     assert len(files) == 1

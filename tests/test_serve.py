@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ import urllib.request
 import pytest
 
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
+
+from .conftest import free_port
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -28,12 +29,6 @@ def model_dirs(tmp_path_factory):
     tok.save_pretrained(d / "served")
     shutil.copytree(d / "served", d / "other")
     return d / "served", d / "other"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(port: int, method: str, path: str, body=None, headers=None):
@@ -77,7 +72,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_serve_refuses_other_models_and_cors_by_default(model_dirs):
     served, other = model_dirs
-    port = _free_port()
+    port = free_port()
     proc = _start(served, port)
     try:
         ask = {"prompt": "def f", "max_tokens": 2}
@@ -98,7 +93,7 @@ def test_serve_refuses_other_models_and_cors_by_default(model_dirs):
 
 
 def test_serve_allow_origin_echoes_only_that_origin(model_dirs):
-    port = _free_port()
+    port = free_port()
     proc = _start(model_dirs[0], port, "--allow-origin", "http://app.example")
     try:
         pre = {"Access-Control-Request-Method": "POST"}
@@ -113,14 +108,14 @@ def test_serve_allow_origin_echoes_only_that_origin(model_dirs):
 def test_serve_missing_directory_fails_at_once(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     done = subprocess.run([sys.executable, "-m", "mfqat.cli", "serve", str(tmp_path / "does/not/exist"),
-                           "--port", str(_free_port())], env=env, capture_output=True, text=True, timeout=600)
+                           "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr
     assert "does not exist" in done.stderr
 
 
 def test_serve_passes_mlx_lm_server_flags(model_dirs):
     """Flags mfqat does not define go to mlx_lm.server: --max-tokens sets the default completion length."""
-    port = _free_port()
+    port = free_port()
     proc = _start(model_dirs[0], port, "--max-tokens", "3")
     try:
         status, _, body = _request(port, "POST", "/v1/completions", {"prompt": "def f"})

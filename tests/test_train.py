@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +15,9 @@ from mfqat.integrations.hf import MFQATCallback
 from mfqat.integrations.train_loop import main as train_main
 from mfqat.qat import QATConfig
 
+from .conftest import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_single_process_training_saves_anchor(tmp_path):

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Union
 import torch
 from torch import nn
 
-from mfqat import __version__
+from mfqat._build import __version__
 from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, SEARCH_FORMAT_VERSION,  # noqa: F401
                           TENSOR_DTYPES,
                           check_importance, check_quantized, check_version, validate_meta, weight_files)

@@ -18,7 +18,7 @@ def quantization_config(fmt: str, block_size: int, scale_rule: str,
                         scale_rules: Optional[Dict[str, str]] = None) -> dict:
     """The ``quantization_config`` entry of an anchor's config.json (``scale_rules``: the rule each
     lower format is sliced with, mfqat.quant.scale_rules)."""
-    from mfqat import __version__
+    from mfqat._build import __version__
 
     out = {"quant_method": QUANT_METHOD, "format": fmt, "block_size": block_size, "scale_rule": scale_rule,
            "mfqat_version": __version__}

@@ -5,7 +5,7 @@ import hashlib
 from pathlib import Path
 from typing import Dict, Optional
 
-from mfqat import __version__
+from mfqat._build import __version__
 from mfqat.anchor.checkpoint import META_FILE, read_anchor
 from mfqat.anchor.refined import REFINED_VERSION, encode_refined
 from mfqat.formats import canonical_name

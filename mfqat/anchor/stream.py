@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from mfqat import __version__
+from mfqat._build import __version__
 from mfqat.anchor.config import write_anchor_config
 from mfqat.anchor.meta import BASE_FORMAT_VERSION
 from mfqat.anchor.tensors import default_targets, full_precision

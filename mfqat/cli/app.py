@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import List, NoReturn, Optional
 
-from mfqat import __version__
+from mfqat._build import __version__
 from mfqat.cli.checks import UsageError, check
 
 OUT_FLAGS = ("--out", "--output-dir", "--save-path")

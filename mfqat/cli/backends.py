@@ -7,6 +7,8 @@ import os
 from importlib import metadata, util
 from typing import List, Optional
 
+from mfqat._build import EXTENSION
+
 
 def _version(dist: str) -> Optional[str]:
     try:
@@ -41,7 +43,7 @@ def cuda_op_built(so: Optional[str]) -> bool:
 
 def backend_lines() -> List[str]:
     """One line per backend: present or not, and what runs instead."""
-    so = _spec_origin("mfqat._C")
+    so = _spec_origin(EXTENSION)
     cpp = (f"C++ CPU kernels: built ({so}); used on CPU tensors (MFQAT_BACKEND=reference turns them off)" if so else
            "C++ CPU kernels: NOT built (mfqat/_C*.so missing): CPU runs the pure-PyTorch reference, slower; "
            "rebuild with CPU torch installed: pip install --no-build-isolation . (or python setup.py build_ext "

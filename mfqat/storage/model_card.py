@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
-from mfqat import __version__
+from mfqat._build import __version__
 
 USAGE = {
     "anchor": "```bash\nmfqat eval {name} --formats {formats}\nmfqat export-mlx {name} --out {name}-mlx "

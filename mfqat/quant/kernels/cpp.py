@@ -25,7 +25,9 @@ SEARCH_AVAILABLE = False
 SEARCH_THROUGH_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
-    from mfqat import _C  # noqa: F401  (loading it registers the ops)
+    from mfqat._build import load_extension
+
+    load_extension()  # registers the ops
 
     AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx")
     THROUGH_AVAILABLE = hasattr(torch.ops.mfqat, "fake_quant_mx_through")  # False for an older build
