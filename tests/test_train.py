@@ -13,7 +13,7 @@ import torch
 import mfqat
 from mfqat.data.sources import tiny_llama
 from mfqat.integrations.hf import MFQATCallback
-from mfqat.integrations.train_loop import main as train_main
+from mfqat.train.loop import main as train_main
 from mfqat.qat import QATConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def test_hf_callback_eval_losses_are_the_formats_losses(tmp_path):
 
 def test_distillation_loss_and_training(tmp_path):
     from mfqat.data.sources import tiny_llama
-    from mfqat.integrations.train_loop import distillation_loss
+    from mfqat.train.loop import distillation_loss
 
     model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
     ctl = model.mfqat_controller
@@ -177,7 +177,7 @@ def test_distillation_loss_and_training(tmp_path):
 def test_distillation_loss_is_kl_teacher_to_student():
     """--distill: alpha * KL(p_fp || p_q) + (1 - alpha) * CE, checked against the explicit formula
     (the reverse direction KL(p_q || p_fp) differs by far more than the tolerance)."""
-    from mfqat.integrations.train_loop import distillation_loss
+    from mfqat.train.loop import distillation_loss
 
     model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint2"], schedule="fixed"))
     with torch.no_grad():

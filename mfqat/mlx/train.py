@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mfqat.data.sources import token_blocks
 from mfqat.data.jsonl import training_texts
-from mfqat.integrations.train_args import check_finite, local_inputs
+from mfqat.train.args import check_finite, local_inputs
 from mfqat.eval.report import format_table, plot_curve
 from mfqat.quant.derive import is_derived
 from mfqat.formats import canonical_name, get_format

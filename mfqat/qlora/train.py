@@ -22,9 +22,9 @@ from mfqat.data.sources import load_text, split_text, token_blocks
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.formats import canonical_name, get_format
-from mfqat.integrations.lora import DEFAULT_TARGETS
-from mfqat.integrations.train_args import at_least, check_finite, local_inputs
-from mfqat.integrations.train_setup import check_model_fits, check_token_ids, peak_memory_mib
+from mfqat.train.lora import DEFAULT_TARGETS
+from mfqat.train.args import at_least, check_finite, local_inputs
+from mfqat.train.setup import check_model_fits, check_token_ids, peak_memory_mib
 from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
 from mfqat.qlora.mlx_adapter import peft_to_mlx
 from mfqat.progress import progress

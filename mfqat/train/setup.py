@@ -12,7 +12,7 @@ import torch
 from mfqat.data.sources import token_blocks
 from mfqat.data.jsonl import training_texts
 from mfqat.formats import canonical_name, get_format
-from mfqat.integrations.train_args import FAMILIES, parse_pairs
+from mfqat.train.args import FAMILIES, parse_pairs
 from mfqat.quant.derive import check_reachable
 from mfqat.storage.io import atomic_directory
 from mfqat.qat.config import QATConfig

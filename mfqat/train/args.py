@@ -1,4 +1,4 @@
-"""Command-line arguments of `mfqat train` / scripts/train.py (see mfqat.integrations.train_loop)."""
+"""Command-line arguments of `mfqat train` / scripts/train.py (see mfqat.train.loop)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 LORA_TARGETS = "all-linear"  # peft's rule: every nn.Linear except the output layer, in any model family
 LLAMA_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # what all-linear gives on Llama
-BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.integrations.lora reads these
+BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.train.lora reads these
 
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).
 
@@ -79,7 +79,7 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamw8bit", "paged_adamw8bit"])
     p.add_argument("--grad-compress", default="none", metavar="FMT",
                    help="DDP: all-reduce gradients as MX codes + E8M0 scales (mxfp8, mxint8, mxint4, ...: "
-                        "mfqat.integrations.grad_compress) with error feedback; none = fp32 all-reduce")
+                        "mfqat.train.grad_compress) with error feedback; none = fp32 all-reduce")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="--grad-compress without carrying the quantization residual to the next step")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])

@@ -136,7 +136,7 @@ def mx_compress_hook(state: GradCompressState, bucket: dist.GradBucket) -> torch
             name = state.names.get(id(p))
             if name is None:
                 raise RuntimeError("mx_compress_hook: a bucket parameter is unknown to the hook's state; "
-                                   "register the hook with mfqat.integrations.grad_compress.register(ddp_model, ...)")
+                                   "register the hook with mfqat.train.grad_compress.register(ddp_model, ...)")
             state.residuals[name] = res[offset: offset + p.numel()].reshape(p.shape).clone()
             offset += p.numel()
     mine = torch.cat([codes, scales.to(torch.uint8)])

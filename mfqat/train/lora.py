@@ -23,7 +23,7 @@ from torch import nn
 from mfqat.formats import get_format
 from mfqat.storage.io import atomic_directory
 
-from mfqat.integrations.train_args import BASES, LORA_TARGETS as DEFAULT_TARGETS  # noqa: E402,F401 (the flags live with the parser)
+from mfqat.train.args import BASES, LORA_TARGETS as DEFAULT_TARGETS  # noqa: E402,F401 (the flags live with the parser)
 
 
 def check_lora_args(args, qat: bool) -> None:

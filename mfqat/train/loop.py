@@ -28,16 +28,16 @@ from mfqat.eval.report import format_table, plot_curve
 from mfqat.formats import get_format
 from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
 from mfqat.qat.observers import mean_clip_rate
-from mfqat.integrations.lora import (base_bits_per_weight, maybe_lora, merged_copy, resume_kwargs, save_adapter,
-                                     trainable_summary)
-from mfqat.integrations.optim import make_optimizer
+from mfqat.train.lora import (base_bits_per_weight, maybe_lora, merged_copy, resume_kwargs, save_adapter,
+                              trainable_summary)
+from mfqat.train.optim import make_optimizer
 from mfqat.qat.learned_scales import param_groups
-from mfqat.integrations.train_args import (build_parser, check_resume, check_train_args, check_train_output,
-                                           run_identity)
-from mfqat.integrations.train_setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data,
-                          load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
-                          peak_memory_mib, save_master)
-from mfqat.integrations import fsdp, grad_compress
+from mfqat.train.args import (build_parser, check_resume, check_train_args, check_train_output,
+                              run_identity)
+from mfqat.train.setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data,
+                               load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
+                               peak_memory_mib, save_master)
+from mfqat.train import fsdp, grad_compress
 from mfqat.storage.io import RunFolder
 from mfqat.storage.sharded import full_state_dict, is_sharded
 from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
