@@ -887,6 +887,13 @@ MUTATIONS: List[Mutation] = [
     Mutation("save-anchor-block-size-zero-unchecked", "mfqat/anchor/checkpoint.py",
              "    f.check_block_size(block_size)  # 0,", "    pass  # 0,",
              ("tests/test_refusals.py::test_save_anchor_refuses_block_size_zero_naming_it",)),
+    # issue 46: mfqat/train; the old import paths under mfqat.integrations alias the moved modules
+    Mutation("old-import-path-is-a-second-module", "mfqat/integrations/_moved.py",
+             "    sys.modules[old] = new", "    pass",
+             ("tests/test_train_package.py",)),
+    Mutation("old-import-path-warns-no-deprecation", "mfqat/integrations/_moved.py",
+             '"next release)", DeprecationWarning, stacklevel=3)', '"next release)", UserWarning, stacklevel=3)',
+             ("tests/test_train_package.py",)),
 ]
 
 
