@@ -894,6 +894,16 @@ MUTATIONS: List[Mutation] = [
     Mutation("old-import-path-warns-no-deprecation", "mfqat/integrations/_moved.py",
              '"next release)", DeprecationWarning, stacklevel=3)', '"next release)", UserWarning, stacklevel=3)',
              ("tests/test_train_package.py",)),
+    Mutation("summary-seconds-per-step-over-all-steps", "mfqat/train/summary.py",
+             '"seconds_per_step": train_seconds / max(1, len(losses)),', '"seconds_per_step": train_seconds / max(1, steps),',
+             ("tests/test_train_package.py::test_seconds_per_step_counts_the_steps_this_invocation_ran",)),
+    Mutation("mx-qlora-drops-the-old-s-per-step-key", "mfqat/qlora/train.py",
+             'old_keys=("s_per_step",), ', "",
+             ("tests/test_mxqlora.py::test_cli_trains_and_reports",)),
+    Mutation("train-summary-final-loss-is-the-first", "mfqat/train/summary.py",
+             '"final_loss": losses[-1] if losses else None', '"final_loss": losses[0] if losses else None',
+             ("tests/test_train_package.py::test_seconds_per_step_counts_the_steps_this_invocation_ran",
+              "tests/test_train.py::test_single_process_training_saves_anchor")),
 ]
 
 

@@ -31,6 +31,8 @@ def test_single_process_training_saves_anchor(tmp_path):
                           "--eval-formats", "mxint8,mxint4", "--lr", "1e-3", "--qat-config", "mxint_2468"])
     assert summary["formats"] == ["mxint2"] * 2 + ["mxint4"] * 2 + ["mxint6"] * 2 + ["mxint8"] * 2
     assert summary["losses"][-1] < summary["losses"][0]
+    assert summary["seconds_per_step"] == summary["train_seconds"] / 8 and summary["final_loss"] == summary["losses"][-1]
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
     meta = json.loads((out / "anchor" / "mfqat.json").read_text())
     assert meta["anchor_format"] == "mxint8" and meta["step"] == 8
     assert (out / "loss.png").stat().st_size > 1000

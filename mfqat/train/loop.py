@@ -24,7 +24,7 @@ from mfqat.anchor.checkpoint import save_anchor
 from mfqat.data.sources import byte_tokenizer, load_model, tiny_llama
 from mfqat.eval.elastic import evaluate_formats, ptq_state
 from mfqat.eval.perplexity import perplexity
-from mfqat.eval.report import format_table, plot_curve
+from mfqat.eval.report import plot_curve
 from mfqat.formats import get_format
 from mfqat.qat.joint import joint_backward, token_kl, weighted_loss
 from mfqat.qat.observers import mean_clip_rate
@@ -38,6 +38,7 @@ from mfqat.train.setup import (_forever, check_model_fits, check_run_values, che
                                load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
                                peak_memory_mib, save_master)
 from mfqat.train import fsdp, grad_compress
+from mfqat.train.summary import run_summary, write_summary
 from mfqat.storage.io import RunFolder
 from mfqat.storage.sharded import full_state_dict, is_sharded
 from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
@@ -227,9 +228,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     bar.close()
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
-    summary = {"steps": args.steps, "train_seconds": train_s, "final_loss": losses[-1] if losses else None,
-               "losses": losses, "formats": fmts, "peak_memory_mib": peak_memory_mib(),
-               "optimizer": type(getattr(opt, "optimizer", opt)).__name__}  # the class behind accelerate's wrapper
+    summary = run_summary(args.steps, train_s, losses, formats=fmts, peak_memory_mib=peak_memory_mib(),
+                          optimizer=type(getattr(opt, "optimizer", opt)).__name__)  # the class behind accelerate's wrapper
     if cfg is not None and cfg.activation_observer:  # mean over layers of the clipped fraction of inputs
         summary["activation_clip_rate"] = mean_clip_rate(base)
     if gc:
@@ -280,10 +280,7 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
             acc.log({f"eval/{r['format'].split()[0]}_ppl": r["perplexity"] for r in rows}, step=step)
         if losses:
             run.write("loss.png", lambda p: plot_curve(losses, p, "training loss", labels=fmts))
-        run.write_text("summary.json", json.dumps(summary, indent=2))
-        print(format_table(rows, ["format", "bits/weight", "perplexity"]))
-        print(f"steps={args.steps} time={train_s:.1f}s ({train_s / max(len(losses), 1):.2f} s/step) "
-              f"final loss={summary['final_loss']} peak memory={summary['peak_memory_mib']:.0f} MiB out={out}")
+        write_summary(run, summary, f"out={out}")
     if wanted:
         acc.end_training()
     return summary
