@@ -48,7 +48,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mfqat.data.sources import pydoc_text, split_text, tiny_llama
-    from mfqat.integrations.grad_compress import register
+    from mfqat.train.grad_compress import register
 
     train_text, held_text = split_text(pydoc_text())
     train, held = byte_blocks(train_text, args.seq_len), byte_blocks(held_text, args.seq_len)[:32]

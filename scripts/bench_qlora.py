@@ -46,7 +46,7 @@ def main() -> None:
 
     def row(name, s, ppl, fmt):
         rows.append({"run": name, "eval format": fmt, "perplexity": ppl, "peak MiB": s["peak_memory_mib"],
-                     "s/step": s.get("s_per_step", s["train_seconds"] / max(s["steps"], 1))})
+                     "s/step": s["seconds_per_step"]})
 
     for base in ("fp", "nf4"):
         s = run(["train", "--no-qat", "--base", base, *common], out / f"lora_{base}")

@@ -27,7 +27,7 @@ from mfqat.formats import canonical_name
 from mfqat.data.sources import load_model, load_text, split_text, token_blocks
 from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
-from mfqat.integrations.train_loop import main as train_main
+from mfqat.train.loop import main as train_main
 
 MXINT = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 MXFP = ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"]

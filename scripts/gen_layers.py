@@ -38,6 +38,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("mfqat.anchor",),
     ("mfqat.data",),
     ("mfqat.eval", "mfqat.export"),
+    ("mfqat.train",),
     ("mfqat.integrations",),
     ("mfqat.qlora",),
     ("mfqat.mlx",),

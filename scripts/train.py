@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """MF-QAT training for `accelerate launch` (see `python scripts/train.py --help`)."""
-from mfqat.integrations.train_loop import main
+from mfqat.train.loop import main
 
 if __name__ == "__main__":
     main()

@@ -103,7 +103,7 @@ def test_runtime_user_error_is_one_line_and_debug_shows_traceback(anchors, tmp_p
 
 
 def test_hf_and_mlx_lm_aliases():
-    from mfqat.integrations.train_args import build_parser
+    from mfqat.train.args import build_parser
 
     a = build_parser().parse_args(["--output-dir", "o", "--max-steps", "7", "--learning-rate", "0.1"])
     b = build_parser().parse_args(["--save-path", "o", "--iters", "7", "--lr", "0.1"])
@@ -171,7 +171,7 @@ def test_jsonl_datasets(tmp_path):
 def test_train_on_a_jsonl_dataset_logs_to_accelerate_trackers(tmp_path):
     from accelerate.tracking import GeneralTracker
 
-    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.train.loop import main as train_main
 
     class Tracker(GeneralTracker):  # accelerate's API for custom trackers (what --report-to names build)
         name, requires_logging_directory, main_process_only = "record", False, True

@@ -13,7 +13,7 @@ def test_rows_are_the_bnb_models_and_differ_from_fp(tiny_dir):
 
     from mfqat.eval.bnb import bnb_rows, load_quantized
     from mfqat.eval.perplexity import perplexity
-    from mfqat.integrations.lora import bnb_config
+    from mfqat.train.lora import bnb_config
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     blocks = torch.randint(0, 250, (2, 24), generator=torch.Generator().manual_seed(0))

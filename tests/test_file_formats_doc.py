@@ -47,7 +47,7 @@ def test_every_mfqat_convert_json_field_is_in_the_doc(anchor, tmp_path):
 
 
 def test_every_training_checkpoint_file_and_step_field_is_in_the_doc(tmp_path):
-    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.train.loop import main as train_main
 
     out = tmp_path / "run"
     train_main(["--model", "tiny", "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1",

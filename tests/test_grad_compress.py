@@ -1,4 +1,4 @@
-"""MX-compressed DDP gradient all-reduce with error feedback (mfqat.integrations.grad_compress)."""
+"""MX-compressed DDP gradient all-reduce with error feedback (mfqat.train.grad_compress)."""
 import gc
 import json
 import os
@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, strategies as st
 
 from mfqat.formats import get_format
-from mfqat.integrations.grad_compress import GradCompressState, decode, encode, payload_size, register
+from mfqat.train.grad_compress import GradCompressState, decode, encode, payload_size, register
 from mfqat.quant.reference import fake_quantize_reference
 
 from .conftest import free_port
@@ -145,7 +145,7 @@ def test_train_two_ranks_with_compressed_gradients(tmp_path):
 
 
 def test_single_process_says_compression_has_no_effect(tmp_path, capsys):
-    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.train.loop import main as train_main
 
     s = train_main(["--model", "tiny", "--steps", "1", "--seq-len", "32", "--eval-blocks", "1", "--no-qat",
                     "--out", str(tmp_path / "r"), "--grad-compress", "mxfp8"])

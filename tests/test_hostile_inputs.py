@@ -14,7 +14,7 @@ import torch
 import mfqat
 from mfqat.cli import main
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
-from mfqat.integrations.train_loop import main as train_main
+from mfqat.train.loop import main as train_main
 from mfqat.qat import QATConfig
 from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
 
@@ -251,7 +251,7 @@ def test_a_recipe_mixing_families_per_layer_is_refused(tmp_path, capsys, monkeyp
     QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic", layer_formats={"mlp": ["mxint8", "mxint6"]})  # one family
     yaml = tmp_path / "mixed.yaml"
     yaml.write_text("formats: [mxint4]\nschedule: fixed\nlayer_formats:\n  mlp: [mxfp4_e2m1]\n")
-    from mfqat.integrations import train_loop
+    from mfqat.train import loop as train_loop
 
     monkeypatch.setattr(train_loop, "tiny_llama", lambda **k: pytest.fail("the model loaded first"))
     _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(yaml), "--out", str(tmp_path / "o")],

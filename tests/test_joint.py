@@ -112,7 +112,7 @@ def test_trainer_joint_step_is_the_joint_gradient(tmp_path):
 
 
 def test_train_cli_joint_with_accumulation_and_cosine(tmp_path):
-    from mfqat.integrations.train_loop import main
+    from mfqat.train.loop import main
 
     s = main(["--model", "tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--grad-accum", "2",
               "--schedule", "joint", "--formats", "mxint4,mxint8", "--lr-schedule", "cosine",
@@ -127,7 +127,7 @@ def test_train_cli_joint_with_accumulation_and_cosine(tmp_path):
 def test_lr_lambda_warmup_cosine_and_family_multiplier():
     from types import SimpleNamespace
 
-    from mfqat.integrations.train_loop import make_lr_lambda
+    from mfqat.train.loop import make_lr_lambda
 
     ctl = SimpleNamespace(step_formats=lambda step, total: ["mxfp8_e4m3"] if step % 2 else ["mxint8"])
     args = SimpleNamespace(lr_mult="mxint=2", warmup_steps=2, lr_schedule="cosine", steps=10)

@@ -113,8 +113,8 @@ def test_config_checks_the_flag():
 
 
 def test_train_flag_reaches_the_config():
-    from mfqat.integrations.train_args import build_parser
-    from mfqat.integrations.train_setup import load_qat_config
+    from mfqat.train.args import build_parser
+    from mfqat.train.setup import load_qat_config
 
     on = load_qat_config(build_parser().parse_args(["--keep-quantized-weights"]))
     off = load_qat_config(build_parser().parse_args([]))

@@ -97,7 +97,7 @@ def test_an_export_ships_the_scales_training_learned(tmp_path):
 
 
 def test_the_master_folder_and_the_state_dict_stay_drop_in(tmp_path):
-    from mfqat.integrations.train_setup import save_master
+    from mfqat.train.setup import save_master
     model, tok, ids = _trained(steps=1)
     save_master(model, tok, tmp_path / "master")
     from safetensors.torch import load_file

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import mfqat
-from mfqat.integrations.lora import DEFAULT_TARGETS, apply_lora
-from mfqat.integrations.train_args import LLAMA_LORA_TARGETS
+from mfqat.train.lora import DEFAULT_TARGETS, apply_lora
+from mfqat.train.args import LLAMA_LORA_TARGETS
 from mfqat.qlora.model import mx_qlora_model
 
 from tests.tiny_models import SUPPORTED, build  # the tiny family models

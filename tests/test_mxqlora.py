@@ -80,6 +80,8 @@ def test_cli_trains_and_reports(anchor, tmp_path):
           "--mlx-adapter-path", str(tmp_path / "mlx")])
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert [r["format"] for r in s["eval"]] == ["mxint8", "mxint4"] and s["peak_memory_mib"] > 0
+    assert s["seconds_per_step"] == s["train_seconds"] / 2 and s["final_loss"] == s["losses"][-1]
+    assert s["s_per_step"] == s["seconds_per_step"]  # the key's name up to 0.1.0, kept one release
     assert (tmp_path / "o" / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "mlx" / "adapters.safetensors").is_file() and s["mlx_adapter"] == str(tmp_path / "mlx")
 

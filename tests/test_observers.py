@@ -104,7 +104,7 @@ def test_joint_step_fills_the_window_once_per_format_and_trains():
 
 
 def test_train_loop_reports_the_clip_rate_and_saves_a_plain_anchor(tmp_path):
-    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.train.loop import main as train_main
     cfg = tmp_path / "obs.yaml"
     cfg.write_text("qat:\n  formats: [mxint8, mxint4]\n  schedule: joint\n  activation_observer: window_minmax\n"
                    "  observer_window: 4\n")

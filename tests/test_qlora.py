@@ -7,7 +7,7 @@ import torch
 
 import mfqat
 from mfqat.data.sources import tiny_llama
-from mfqat.integrations.train_loop import main as train_main
+from mfqat.train.loop import main as train_main
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
@@ -23,7 +23,7 @@ def test_bnb_optimizers_train_and_are_recorded(tmp_path, optim, cls):
 
 
 def test_missing_bitsandbytes_is_an_error_not_a_fallback(monkeypatch):
-    from mfqat.integrations.optim import make_optimizer
+    from mfqat.train.optim import make_optimizer
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     with pytest.raises(RuntimeError, match="adamw8bit needs bitsandbytes.*--optim adamw"):
@@ -139,7 +139,7 @@ def test_prepare_names_a_bitsandbytes_model_as_already_quantized(tmp_path, base,
     """issue 33 item 13: it said the targets matched no nn.Linear, as if the model had no layers to train."""
     from transformers import AutoModelForCausalLM
 
-    from mfqat.integrations.lora import bnb_config
+    from mfqat.train.lora import bnb_config
 
     tiny_llama().save_pretrained(tmp_path)
     q = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=bnb_config(base), device_map="cpu")

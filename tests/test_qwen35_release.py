@@ -444,8 +444,8 @@ def np_array(a):
 
 
 def test_train_vision_flag_reaches_the_config():
-    from mfqat.integrations.train_args import build_parser
-    from mfqat.integrations.train_setup import load_qat_config
+    from mfqat.train.args import build_parser
+    from mfqat.train.setup import load_qat_config
 
     assert load_qat_config(build_parser().parse_args(["--train-vision"])).train_vision
     assert not load_qat_config(build_parser().parse_args([])).train_vision

@@ -83,7 +83,7 @@ def test_train_never_writes_over_the_anchor_it_trains_from(anchor, tmp_path, cap
 
 
 def test_train_out_over_an_earlier_run_needs_overwrite_and_never_replaces_user_files(tmp_path, capsys):
-    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.train.loop import main as train_main
 
     out = tmp_path / "r2"
     train_main([*TINY, "--out", str(out)])
@@ -262,7 +262,7 @@ def test_refine_and_eval_plot_refuse_a_folder_they_cannot_write_before_the_work(
 
 
 def test_run_values_only_the_qat_config_answers_fail_before_the_model_loads(tmp_path, monkeypatch):
-    from mfqat.integrations import train_loop
+    from mfqat.train import loop as train_loop
 
     def loaded(*a, **k):
         raise AssertionError("the model loaded before the value was checked")
@@ -286,8 +286,8 @@ def test_run_values_only_the_qat_config_answers_fail_before_the_model_loads(tmp_
 
 
 def test_seq_len_beyond_the_models_positions_and_foreign_token_ids_fail_before_the_first_step(anchor, tmp_path):
-    from mfqat.integrations.train_loop import main as train_main
-    from mfqat.integrations.train_setup import check_token_ids
+    from mfqat.train.loop import main as train_main
+    from mfqat.train.setup import check_token_ids
 
     one = ["--steps", "1", "--batch-size", "1", "--eval-blocks", "1"]  # cheap even if the check were missing
     with pytest.raises(ValueError, match="--seq-len 257 is beyond the model's 256 positions"):
@@ -349,7 +349,7 @@ def test_a_crafted_qat_config_is_one_line_and_never_runs(tmp_path, capsys, conte
 
 @pytest.fixture(scope="module")
 def search_checkpoint(tmp_path_factory):
-    from mfqat.integrations.train_loop import main as train_main
+    from mfqat.train.loop import main as train_main
 
     out = tmp_path_factory.mktemp("search") / "run"
     train_main(["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1", "--steps", "1",

@@ -11,7 +11,7 @@ import torch
 
 import mfqat
 from mfqat.data.sources import tiny_llama
-from mfqat.integrations.train_loop import main as train_main
+from mfqat.train.loop import main as train_main
 from mfqat.qat import QATConfig
 
 
@@ -64,7 +64,7 @@ def accelerator():
 def test_k_micro_batches_accumulate_the_gradient_of_one_k_times_larger_batch(accelerator, cfg):
     """micro_step (the loop's forward + backward) over K=2 micro-batches of B=2 leaves the gradient
     of one batch of 4 (the loss divided by K exactly once), for one format and for a joint step."""
-    from mfqat.integrations.train_loop import micro_step
+    from mfqat.train.loop import micro_step
 
     model = mfqat.prepare(tiny_llama(), QATConfig(**cfg))
     qcfg, ctl = model.mfqat_controller.config, model.mfqat_controller
@@ -221,7 +221,7 @@ def test_bnb_nf4_base_is_double_quantized_at_4_127_bits(tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
     from safetensors.torch import load_file
 
-    from mfqat.integrations.lora import base_bits_per_weight, load_bnb_base
+    from mfqat.train.lora import base_bits_per_weight, load_bnb_base
 
     model = load_bnb_base(tiny_llama(hidden=256, intermediate=512, layers=1, heads=4), "nf4")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}

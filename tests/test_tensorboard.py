@@ -11,7 +11,7 @@ pytest.importorskip("tensorboard")
 
 import mfqat  # noqa: E402
 from mfqat.data.sources import tiny_llama, tiny_tokenizer  # noqa: E402
-from mfqat.integrations.train_loop import main as train_main  # noqa: E402
+from mfqat.train.loop import main as train_main  # noqa: E402
 from mfqat.qat import QATConfig  # noqa: E402
 
 

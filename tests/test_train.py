@@ -12,7 +12,7 @@ import torch
 import mfqat
 from mfqat.data.sources import tiny_llama
 from mfqat.integrations.hf import MFQATCallback
-from mfqat.integrations.train_loop import main as train_main
+from mfqat.train.loop import main as train_main
 from mfqat.qat import QATConfig
 
 from .conftest import free_port
@@ -26,6 +26,8 @@ def test_single_process_training_saves_anchor(tmp_path):
                           "--eval-formats", "mxint8,mxint4", "--lr", "1e-3", "--qat-config", "mxint_2468"])
     assert summary["formats"] == ["mxint2"] * 2 + ["mxint4"] * 2 + ["mxint6"] * 2 + ["mxint8"] * 2
     assert summary["losses"][-1] < summary["losses"][0]
+    assert summary["seconds_per_step"] == summary["train_seconds"] / 8 and summary["final_loss"] == summary["losses"][-1]
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
     meta = json.loads((out / "anchor" / "mfqat.json").read_text())
     assert meta["anchor_format"] == "mxint8" and meta["step"] == 8
     assert (out / "loss.png").stat().st_size > 1000
@@ -153,7 +155,7 @@ def test_hf_callback_eval_losses_are_the_formats_losses(tmp_path):
 
 def test_distillation_loss_and_training(tmp_path):
     from mfqat.data.sources import tiny_llama
-    from mfqat.integrations.train_loop import distillation_loss
+    from mfqat.train.loop import distillation_loss
 
     model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint4"], schedule="fixed"))
     ctl = model.mfqat_controller
@@ -172,7 +174,7 @@ def test_distillation_loss_and_training(tmp_path):
 def test_distillation_loss_is_kl_teacher_to_student():
     """--distill: alpha * KL(p_fp || p_q) + (1 - alpha) * CE, checked against the explicit formula
     (the reverse direction KL(p_q || p_fp) differs by far more than the tolerance)."""
-    from mfqat.integrations.train_loop import distillation_loss
+    from mfqat.train.loop import distillation_loss
 
     model = mfqat.prepare(tiny_llama(), mfqat.QATConfig(formats=["mxint2"], schedule="fixed"))
     with torch.no_grad():

@@ -203,7 +203,7 @@ def _run(cmd: str, args: argparse.Namespace, rest: List[str]) -> None:
 
     quiet_dependency_logs()  # transformers imports torchao, whose CUDA-only kernels complain on CPU
     if cmd == "train":
-        from mfqat.integrations.train_loop import main as train_main
+        from mfqat.train.loop import main as train_main
         train_main(rest)
     elif cmd == "mx-qlora":
         from mfqat.qlora.train import main as mx_qlora_main
@@ -232,7 +232,7 @@ def _run(cmd: str, args: argparse.Namespace, rest: List[str]) -> None:
 def _own_parser(cmd: str) -> argparse.ArgumentParser:
     """The parser of a subcommand that parses its own flags (train, mlx-train)."""
     if cmd == "train":
-        from mfqat.integrations.train_args import build_parser
+        from mfqat.train.args import build_parser
         return build_parser(prog="mfqat train")
     if cmd == "mx-qlora":
         from mfqat.qlora.train import build_parser as qlora_parser

@@ -165,7 +165,7 @@ def positional_or_model(a: argparse.Namespace, dest: str, cmd: str) -> None:
 
 def at_least(a: argparse.Namespace, minimums: dict) -> None:
     """Numeric flags below their minimum ({dest: minimum}) fail here, before any model loads."""
-    from mfqat.integrations.train_args import at_least as check_minimums
+    from mfqat.train.args import at_least as check_minimums
 
     try:
         check_minimums(a, minimums)
@@ -285,7 +285,7 @@ def need_writable_anchor(anchor: str) -> None:
 def check(cmd: str, a: argparse.Namespace) -> None:
     """The up-front checks of one subcommand's parsed arguments."""
     if cmd == "train":
-        from mfqat.integrations.train_args import check_train_args
+        from mfqat.train.args import check_train_args
 
         check_train_args(a)
         need_model(a.model, "--model")
@@ -293,7 +293,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError("give --text (plain text) or --dataset, not both")
         need_path(a.text, "--text")
         need_path(a.dataset, "--dataset")
-        from mfqat.integrations.train_args import check_resume, check_train_output  # argparse only: nothing heavy
+        from mfqat.train.args import check_resume, check_train_output  # argparse only: nothing heavy
         try:
             check_resume(a)
             check_train_output(a)

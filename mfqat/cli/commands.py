@@ -81,7 +81,7 @@ def evaluate(a: argparse.Namespace) -> None:
     from mfqat.eval.elastic import evaluate_anchor_formats, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
-    from mfqat.integrations.train_setup import check_model_fits, check_token_ids
+    from mfqat.train.setup import check_model_fits, check_token_ids
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
@@ -122,7 +122,7 @@ def evaluate(a: argparse.Namespace) -> None:
         series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]
     if a.bnb:
         from mfqat.eval.bnb import bnb_rows
-        from mfqat.integrations.lora import bnb_config
+        from mfqat.train.lora import bnb_config
         fp = load_model(a.fp_model)[0] if is_anchor else model
         bnb = bnb_rows(fp, {b: bnb_config(b) for b in a.bnb.split(",") if b}, blocks)
         for r in bnb:

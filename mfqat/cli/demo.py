@@ -60,7 +60,7 @@ def run_demo(out: str = "out/demo", steps: int = 40, eval_blocks: int = 24, seq_
         model, {f: ptq_state(model, f) for f in ELASTIC}, held)})
 
     def train():
-        from mfqat.integrations.train_loop import main as train_main
+        from mfqat.train.loop import main as train_main
         argv = ["--steps", str(steps), "--seq-len", str(seq_len), "--out", str(out_dir / "train"),
                 "--eval-blocks", str(eval_blocks), "--lr", "2e-5", "--save-master",
                 "--overwrite"]  # a stage killed earlier left its own run there (never a user's file: the guard)

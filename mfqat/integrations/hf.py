@@ -17,9 +17,9 @@ from mfqat.qat import importance_state
 from mfqat.qat.joint import normalized_weights, token_kl
 from mfqat.qat.learned_scales import learned_parameters
 from mfqat.qat.prepare import MFQATController, set_format
-from mfqat.integrations.lora import merged_copy
-from mfqat.integrations.train_args import local_inputs
-from mfqat.integrations.train_setup import load_importance
+from mfqat.train.lora import merged_copy
+from mfqat.train.args import local_inputs
+from mfqat.train.setup import load_importance
 from mfqat.storage.guard import check_inputs
 from mfqat.integrations.hf_quantizer import register_hf_quantizer  # noqa: F401  (from_pretrained(anchor) works for Trainer users)
 

@@ -23,8 +23,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mfqat.data.sources import token_blocks
 from mfqat.data.jsonl import training_texts
-from mfqat.integrations.train_args import check_finite, local_inputs
-from mfqat.eval.report import format_table, plot_curve
+from mfqat.eval.report import plot_curve
 from mfqat.quant.derive import is_derived
 from mfqat.formats import canonical_name, get_format
 from mfqat.progress import progress, quiet_dependency_logs
@@ -35,6 +34,8 @@ from mfqat.mlx.observers import clip_rates
 from mfqat.mlx.qat import prepare, set_format
 from mfqat.storage.guard import check_run_folder
 from mfqat.storage.io import RunFolder, atomic_directory
+from mfqat.train.args import check_finite, local_inputs
+from mfqat.train.summary import run_summary, write_summary
 
 
 MLX_MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": 2, "save_every": 0, "lora_rank": 0, "eval_blocks": 1,
@@ -301,9 +302,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                          start=start, on_step=on_step)
     train_s = time.perf_counter() - t
     mem_line, mem = runtime.summary_memory(limits)
-    summary = {"source": str(src), "steps": a.steps, "start_step": start, "train_seconds": train_s,
-               "seconds_per_step": train_s / max(1, a.steps - start), "final_loss": losses[-1] if losses else None,
-               "losses": losses, "grad_checkpoint_blocks": checkpointed, **mem}
+    summary = run_summary(a.steps, train_s, losses, source=str(src), start_step=start,
+                          grad_checkpoint_blocks=checkpointed, **mem)
     if cfg is not None and cfg.activation_observer:  # mean over layers of the clipped fraction of inputs
         rates = clip_rates(model)
         summary["activation_clip_rate"] = sum(rates.values()) / max(1, len(rates))
@@ -329,10 +329,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     summary["eval"] = rows
     if losses:
         run.write("loss.png", lambda p: plot_curve(losses, p, "training loss (MLX)"))
-    run.write_text("summary.json", json.dumps(summary, indent=2))
-    print(format_table(rows, ["format", "bits/weight", "perplexity"]))
-    print(f"steps={a.steps} time={train_s:.1f}s ({summary['seconds_per_step']:.2f} s/step) "
-          f"final loss={summary['final_loss']} {mem_line} out={out}")
+    write_summary(run, summary, f"out={out}", mem_line)
     return summary
 
 

@@ -11,7 +11,6 @@ held-out perplexity per format and OUT/summary.json (s/step, peak memory).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -20,11 +19,11 @@ import torch
 
 from mfqat.data.sources import load_text, split_text, token_blocks
 from mfqat.eval.perplexity import perplexity
-from mfqat.eval.report import format_table
 from mfqat.formats import canonical_name, get_format
-from mfqat.integrations.lora import DEFAULT_TARGETS
-from mfqat.integrations.train_args import at_least, check_finite, local_inputs
-from mfqat.integrations.train_setup import check_model_fits, check_token_ids, peak_memory_mib
+from mfqat.train.lora import DEFAULT_TARGETS
+from mfqat.train.args import at_least, check_finite, local_inputs
+from mfqat.train.setup import check_model_fits, check_token_ids, peak_memory_mib
+from mfqat.train.summary import run_summary, write_summary
 from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
 from mfqat.qlora.mlx_adapter import peft_to_mlx
 from mfqat.progress import progress
@@ -152,15 +151,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
         set_base_format(model, f)
         rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32),
                      "perplexity": perplexity(model, held, desc=f"eval {f}")})
-    summary = {"steps": a.steps, "schedule": a.schedule, "formats": formats, "train_seconds": train_s,
-               "s_per_step": train_s / max(a.steps, 1), "losses": losses,
-               "gradient_checkpointing": a.gradient_checkpointing, "peak_memory_mib": peak_memory_mib(),
-               "adapter": str(adapter), "mlx_adapter": mlx_adapter and str(mlx_adapter), "eval": rows,
-               **model.mx_qlora}
-    run.write_text("summary.json", json.dumps(summary, indent=2))
-    print(format_table(rows, ["format", "bits/weight", "perplexity"]))
-    print(f"steps={a.steps} ({summary['s_per_step']:.2f} s/step) peak memory={summary['peak_memory_mib']:.0f} MiB "
-          f"adapter={adapter}")
+    summary = run_summary(a.steps, train_s, losses, old_keys=("s_per_step",), schedule=a.schedule, formats=formats,
+                          gradient_checkpointing=a.gradient_checkpointing, peak_memory_mib=peak_memory_mib(),
+                          adapter=str(adapter), mlx_adapter=mlx_adapter and str(mlx_adapter), eval=rows,
+                          **model.mx_qlora)
+    write_summary(run, summary, f"adapter={adapter}")
     return summary
 
 
