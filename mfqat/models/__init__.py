@@ -9,7 +9,7 @@ May import: nothing of mfqat (a leaf: plain data and name rules).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mfqat.models import deepseek_v3, gemma2, gemma3, glm4_moe, gpt_neox, llama, mixtral, olmo2, phi3, qwen3_5, qwen3_moe, qwen3_next
 from mfqat.models.family import ExpertParam, Family, PlainRule
@@ -17,7 +17,17 @@ from mfqat.models.family import ExpertParam, Family, PlainRule
 FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
                           mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY,
                           qwen3_5.VL_FAMILY, qwen3_5.VL_MOE_FAMILY, qwen3_next.FAMILY]
-DENSE = Family(name="dense (no family file)", model_types=())
+
+
+def _every(role: str, *extra: str) -> Tuple[str, ...]:
+    return tuple(dict.fromkeys([n for f in FAMILIES for n in getattr(f, role)] + list(extra)))
+
+
+# A type with no file may use any family's projection names: its roles are all of them (and ``w2``, the MLP
+# output of checkpoints with Mixtral's original per-expert names).
+DENSE = Family(name="dense (no family file)", model_types=(), attention_inputs=_every("attention_inputs"),
+               attention_outputs=_every("attention_outputs"), mlp_inputs=_every("mlp_inputs"),
+               mlp_outputs=_every("mlp_outputs", "w2"))
 _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 
