@@ -1,7 +1,8 @@
 """Model families: which parameters are quantized, which stay high precision, and the names mlx-lm uses.
 
-One file per family holds its rules (:class:`~mfqat.models.family.Family`); every other layer asks
-here instead of matching Llama's names itself. A model type with no file gets the dense rules
+One file per family holds its rules (:class:`~mfqat.models.family.Family`: what is quantized, kept high,
+renamed, and the roles of its projections); ``layout`` says where the decoder blocks and the output head
+are. Every other layer asks here instead of matching Llama's names itself. A model type with no file gets the dense rules
 (:data:`DENSE`): its decoder-block Linears are quantized, and ``prepare`` / ``save_anchor`` warn by name
 about any other large weight (for example fused 3-D experts) that they leave in full precision.
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from mfqat.models import deepseek_v3, gemma2, gemma3, glm4_moe, gpt_neox, llama, mixtral, olmo2, phi3, qwen3_5, qwen3_moe, qwen3_next
-from mfqat.models.family import ExpertParam, Family, PlainRule
+from mfqat.models.family import ROLES, ExpertParam, Family, PlainRule
+from mfqat.models.layout import (DECODER_BLOCK, block_module, decoder_layers, in_decoder_block, is_output_head,
+                                 layer_index, tied_away)
 
 FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
                           mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY,
@@ -45,4 +48,5 @@ def family_of(model) -> Family:
     return family_for(getattr(config, "model_type", None))
 
 
-__all__ = ["ExpertParam", "Family", "PlainRule", "FAMILIES", "DENSE", "family_for", "family_of"]
+__all__ = ["ExpertParam", "Family", "PlainRule", "ROLES", "FAMILIES", "DENSE", "family_for", "family_of", "DECODER_BLOCK",
+           "block_module", "decoder_layers", "in_decoder_block", "is_output_head", "layer_index", "tied_away"]
