@@ -20,7 +20,7 @@ from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.lazy import tensor_info
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
 from mfqat.formats import canonical_name, get_format
-from mfqat.models import DENSE, Family, family_for
+from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.anchor.refined import pick
 from mfqat.export.sensitivity import auto_plan_formats, in_format, in_format_chunks, ladder
@@ -224,9 +224,9 @@ def seed_bits(name: str, base: int, tied: bool, family: Family = DENSE) -> Optio
     no family file, knows every family's names): embeddings +2 (lm_head +3; tied: the shared table counts
     as lm_head), attention inputs +2 (q/k/v, fused qkv, MLA projections, Gated DeltaNet's qkv/z), the MLP's
     output projection +1 (experts' included), the MLP's inputs base, attention outputs kept at 8 bits."""
-    if "embed" in name:
+    if is_embedding(name):
         return base + (3 if tied else 2)
-    if "lm_head" in name:
+    if is_output_head(name):
         return base + 3
     if family.has_role(name, "attention_inputs"):
         return base + 2
@@ -245,7 +245,7 @@ def dynamic2_bits(name: str, base: int, family: Family = DENSE) -> Optional[int]
     ``base`` bits. Routers and gates stay high precision by their family's rule."""
     if family.has_role(name, "attention_outputs"):
         return None
-    if "embed" in name or "lm_head" in name:
+    if is_embedding(name) or is_output_head(name):
         return 8
     return base
 

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Tuple
 
 from mfqat.models import deepseek_v3, gemma2, gemma3, glm4_moe, gpt_neox, llama, mixtral, olmo2, phi3, qwen3_5, qwen3_moe, qwen3_next
 from mfqat.models.family import ROLES, ExpertParam, Family, PlainRule
-from mfqat.models.layout import (DECODER_BLOCK, block_module, decoder_layers, in_decoder_block, is_output_head,
-                                 layer_index, tied_away)
+from mfqat.models.layout import (DECODER_BLOCK, block_module, decoder_layers, in_decoder_block, is_embedding,
+                                 is_output_head, layer_index, tied_away)
 
 FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
                           mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY,
@@ -49,4 +49,4 @@ def family_of(model) -> Family:
 
 
 __all__ = ["ExpertParam", "Family", "PlainRule", "ROLES", "FAMILIES", "DENSE", "family_for", "family_of", "DECODER_BLOCK",
-           "block_module", "decoder_layers", "in_decoder_block", "is_output_head", "layer_index", "tied_away"]
+           "block_module", "decoder_layers", "in_decoder_block", "is_embedding", "is_output_head", "layer_index", "tied_away"]

@@ -61,6 +61,12 @@ def is_output_head(name: str) -> bool:
     return _OUTPUT_HEAD.search(name) is not None
 
 
+def is_embedding(name: str) -> bool:
+    """Whether the tensor ``name`` is an embedding table by its name (``embed_tokens``; GPT-NeoX's
+    ``embed_in``, and its output head as written on disk, ``embed_out``)."""
+    return "embed" in name
+
+
 def tied_away(name: str, tied: bool) -> bool:
     """Whether a checkpoint leaves the tensor ``name`` out because the output head is the input embedding
     (``tie_word_embeddings``: ``lm_head.weight`` is not stored, transformers ties it on load)."""
