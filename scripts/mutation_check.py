@@ -528,7 +528,7 @@ MUTATIONS: List[Mutation] = [
              "    kept = after < before\n", "    kept = True\n",
              ("tests/test_refine.py::test_a_refine_that_raises_the_kl_is_not_kept",)),
     Mutation("lora-default-targets-llama-only", "mfqat/integrations/train_args.py",
-             'LORA_TARGETS = "all-linear"', 'LORA_TARGETS = LLAMA_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"',
+             'LORA_TARGETS = "all-linear"', 'LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"',
              ("tests/test_lora_families.py::test_default_lora_targets_adapt_every_familys_linears[phi3]",)),
     Mutation("mx-qlora-all-linear-ignored", "mfqat/qlora/model.py",
              'targets == ["all-linear"] or ', "",
