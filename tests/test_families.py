@@ -16,7 +16,7 @@ from mfqat.models import family_for
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from tests.tiny_models import BASE, DEEPSEEK, DROP, LINEAR_ATTN, MOE, SUPPORTED, UNSUPPORTED, build  # noqa: E402,F401
+from mfqat.models.catalog import BASE, DEEPSEEK, DROP, LINEAR_ATTN, MOE, SUPPORTED, UNSUPPORTED, build  # noqa: E402,F401
 
 
 def train_two_joint_steps(model, ids):

@@ -9,7 +9,7 @@ from mfqat.integrations.lora import DEFAULT_TARGETS, apply_lora
 from mfqat.models import family_for
 from mfqat.qlora.model import mx_qlora_model
 
-from tests.tiny_models import SUPPORTED, build  # the tiny family models
+from mfqat.models.catalog import SUPPORTED, build  # the tiny family models
 
 EXPECTED = {  # module names every family's default must adapt (its attention and MLP Linears)
     **{name: set(family_for(name).lora_targets) for name in ("llama", "phi3", "gpt_neox")},
