@@ -1,14 +1,10 @@
 """AWQ pre-scaling for the post-training path (docs/architecture.md), with mfqat's own importance matrix.
 
 For each producer -> consumers group of a decoder block, as the model's family lists them
-(mfqat.models: ``Family.awq_groups``; for Llama
-
-* ``input_layernorm`` -> ``q_proj, k_proj, v_proj``
-* ``post_attention_layernorm`` -> ``gate_proj, up_proj``
-* ``up_proj`` -> ``down_proj``
-* ``v_proj`` -> ``o_proj`` (only when their widths match, i.e. no grouped-query attention)
-
-and a family without groups is refused), the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
+(mfqat.models: ``Family.awq_groups``; for Llama the input norm -> the attention's
+query/key/value projections, the post-attention norm -> the MLP's gate and up projections, up ->
+down, and value -> output when their widths match (no grouped-query attention); a family without
+groups is refused), the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
 producer's output channels divided by ``s``, so the full-precision model computes the same function
 (up to float rounding; tested) while the salient input channels get more of the quantization grid.
 ``importance`` is the mean squared activation per input channel on calibration text (the
