@@ -9,7 +9,6 @@ directly when the plan names a format for them (origin "ptq"), else kept in bflo
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Dict, List, Optional, Set, Tuple
@@ -162,7 +161,7 @@ def _seed_high(anchor: Anchor, family: Family) -> List[str]:
     bs = anchor.meta.get("block_size", 32)
     infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
     return [k for k, v in infos.items() if len(v.shape) == 2 and v.dtype.is_floating_point and v.shape[-1] % bs == 0
-            and any(re.search(p, k) for p in family.seed_high)]
+            and family.seed_quantizes(k)]
 
 
 def drop_towers(anchor: Anchor) -> Optional[List[dict]]:

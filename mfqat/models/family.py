@@ -155,6 +155,11 @@ class Family:
         encoder: frozen, full precision, dropped on an mlx-lm export), or None."""
         return next((why for pat, why in self.towers if re.search(pat, name)), None)
 
+    def seed_quantizes(self, name: str) -> bool:
+        """Whether the family's ``seed`` table quantizes the weight ``name`` although it is kept high elsewhere
+        (``seed_high``: Qwen3.5's routers and shared-expert gates at 8 bits, as mlx-lm's quant_predicate)."""
+        return any(re.search(p, name) for p in self.seed_high)
+
     def expert_param(self, name: str) -> Optional[ExpertParam]:
         """The expert rule matching the parameter ``name``, or None."""
         return next((e for e in self.experts if re.search(e.pattern, name)), None)
