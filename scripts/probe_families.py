@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Every supported model family through the `mfqat` command, as a new user runs it.
 
-For each family, a tiny random model built from its transformers config (tests/test_families.py's
+For each family, a tiny random model built from its transformers config (mfqat/models/catalog.py's
 settings) and the tiny test tokenizer are saved as an HF folder; then, each as its own process:
 
     mfqat train  --model DIR --steps 2 --qat-config mxint_joint   -> OUT/anchor
@@ -34,7 +34,7 @@ from mfqat.eval.report import format_table  # noqa: E402
 
 def save_family(name: str, dest: Path) -> None:
     from mfqat.data.sources import tiny_tokenizer
-    from tests.test_families import SUPPORTED, build
+    from mfqat.models.catalog import SUPPORTED, build
 
     tok = tiny_tokenizer()
     model_type, extra = SUPPORTED[name]
@@ -79,10 +79,10 @@ def probe(name: str, work: Path, log: list) -> dict:
 
 
 def main() -> None:
-    from tests.test_families import SUPPORTED
+    from mfqat.models.catalog import SUPPORTED
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help="comma list of families (default: all of tests/test_families.py)")
+    p.add_argument("--only", default="", help="comma list of families (default: all of mfqat.models.catalog)")
     a = p.parse_args()
     names = [n for n in a.only.split(",") if n] or list(SUPPORTED)
     unknown = sorted(set(names) - set(SUPPORTED))

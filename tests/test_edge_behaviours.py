@@ -207,7 +207,7 @@ def test_unprepare_of_moe_experts_with_learned_scales_is_a_drop_in_model_again()
     state_dict keys are the model's own again, and no learned scale stays behind."""
     from mfqat.qat.experts import MFQATExperts
     from mfqat.qat.learned_scales import learned_parameters
-    from tests.tiny_models import MOE, build
+    from mfqat.models.catalog import MOE, build
 
     model = build("qwen3_moe", dict(head_dim=16, **MOE), 320)
     keys = list(model.state_dict())
@@ -228,7 +228,7 @@ def test_unprepare_of_moe_experts_with_learned_scales_is_a_drop_in_model_again()
 def test_qwen3_5_keeps_in_proj_a_and_in_proj_b_high_and_quantizes_qkv_and_z(name, tmp_path):
     from mfqat.models import family_for
     from mfqat.qat.modules import MFQATLinear
-    from tests.tiny_models import SUPPORTED, build
+    from mfqat.models.catalog import SUPPORTED, build
 
     model_type, extra = SUPPORTED[name]
     family = family_for(model_type)

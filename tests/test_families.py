@@ -16,7 +16,7 @@ from mfqat.models import family_for
 
 mlx_lm = pytest.importorskip("mlx_lm")
 
-from tests.tiny_models import BASE, DEEPSEEK, DROP, LINEAR_ATTN, MOE, SUPPORTED, UNSUPPORTED, build  # noqa: E402,F401
+from mfqat.models.catalog import BASE, DEEPSEEK, DROP, LINEAR_ATTN, MOE, SUPPORTED, UNSUPPORTED, build  # noqa: E402,F401
 
 
 def train_two_joint_steps(model, ids):
@@ -162,7 +162,8 @@ def test_awq_refuses_families_without_groups(name, tok):
 @pytest.mark.parametrize("name", ["phi3", "gpt_neox", "deepseek_v3", "qwen3_5", "qwen3_next"])
 def test_seed_recipe_knows_every_familys_attention_projections(name, tok):
     """The seed table's +2 for attention inputs and 8 bits for attention outputs reach fused (qkv_proj,
-    query_key_value), MLA and Gated DeltaNet projections, not only Llama's q/k/v/o."""
+    query_key_value), MLA and Gated DeltaNet projections, not only Llama's q/k/v/o: each family names its
+    own roles (mfqat.models)."""
     from mfqat.export.recipes import seed_bits
 
     model_type, extra = SUPPORTED[name]
@@ -170,8 +171,10 @@ def test_seed_recipe_knows_every_familys_attention_projections(name, tok):
     inputs = [n for n in names if any(k in n for k in ("qkv", "query_key_value", "q_a_proj", "kv_a_proj", "q_proj"))]
     outputs = [n for n in names if any(k in n for k in ("o_proj", "out_proj", "attention.dense"))]
     assert inputs and outputs
-    assert all(seed_bits(n, 4, False) == 6 for n in inputs), [n for n in inputs if seed_bits(n, 4, False) != 6]
-    assert all(seed_bits(n, 4, False) == 8 for n in outputs)
+    family = family_for(model_type)  # the family's own roles, not the table of every family's names
+    assert all(seed_bits(n, 4, False, family) == 6 for n in inputs), [n for n in inputs
+                                                                      if seed_bits(n, 4, False, family) != 6]
+    assert all(seed_bits(n, 4, False, family) == 8 for n in outputs)
 
 
 def _mlx_export(name, tok, tmp_path):

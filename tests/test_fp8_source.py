@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 import mfqat
 from mfqat.data.sources import dequantizing_kwargs, load_model, tiny_tokenizer
 
-from tests.tiny_models import SUPPORTED, build  # the tiny family models
+from mfqat.models.catalog import SUPPORTED, build  # the tiny family models
 
 BLOCK = 32
 

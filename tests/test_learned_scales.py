@@ -152,7 +152,7 @@ def test_mfqat_train_learns_scales_and_refuses_them_with_lora(tmp_path, capsys):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts_tied_embeddings_and_bf16_masters_store_what_they_trained(tmp_path, dtype):
-    from tests.tiny_models import MOE, build  # the tiny random models of every family
+    from mfqat.models.catalog import MOE, build  # the tiny random models of every family
     model = build("qwen3_moe", dict(head_dim=16, **MOE, tie_word_embeddings=True), 320).to(dtype)
     mfqat.prepare(model, mfqat.QATConfig(formats=FORMATS, affine_group_size=32, learn_scales=True,
                                          quantize_embeddings=True))

@@ -5,15 +5,13 @@ import torch
 
 import mfqat
 from mfqat.train.lora import DEFAULT_TARGETS, apply_lora
-from mfqat.train.args import LLAMA_LORA_TARGETS
+from mfqat.models import family_for
 from mfqat.qlora.model import mx_qlora_model
 
-from tests.tiny_models import SUPPORTED, build  # the tiny family models
+from mfqat.models.catalog import SUPPORTED, build  # the tiny family models
 
 EXPECTED = {  # module names every family's default must adapt (its attention and MLP Linears)
-    "llama": set(LLAMA_LORA_TARGETS.split(",")),
-    "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
-    "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+    **{name: set(family_for(name).lora_targets) for name in ("llama", "phi3", "gpt_neox")},
     "qwen3_moe": {"q_proj", "k_proj", "v_proj", "o_proj"},
     "qwen3_5": {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "o_proj", "gate_proj", "down_proj"},
 }

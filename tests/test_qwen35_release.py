@@ -417,7 +417,7 @@ def test_trained_norms_are_written_as_one_plus_w(kind, releases, tok, tmp_path):
     if kind == "qwen3_5":
         model, _ = load_model(str(releases["qwen3_5"]))
     else:
-        from tests.test_families import SUPPORTED, build
+        from mfqat.models.catalog import SUPPORTED, build
         model = build(*SUPPORTED["qwen3_5"], len(tok))
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -373,7 +373,7 @@ def test_every_familys_export_passes_the_cut_check(name, tmp_path, monkeypatch):
     families with other special tokens (phi3), embedding scaling and softcaps (gemma3), untied heads
     (gpt_neox), dense-then-MoE layers (deepseek_v3) and hybrid linear attention (qwen3_5_moe)."""
     from mfqat.export import verify
-    from tests.tiny_models import SUPPORTED, build
+    from mfqat.models.catalog import SUPPORTED, build
 
     monkeypatch.setattr(verify.VocabCut, "FIRST", 8)
     tok = tiny_tokenizer()

@@ -6,15 +6,13 @@ importance training recorded (:func:`recorded_importance`).
 """
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Dict, List
 
 import torch
 from torch import nn
 
-from mfqat.models import family_of
-from mfqat.qat.config import DEFAULT_TARGETS
+from mfqat.models import family_of, in_decoder_block
 from mfqat.qat.prepare import qat_modules
 from mfqat.quant.api import quantize
 from mfqat.quant.scale_rules import SEARCH_RULE
@@ -24,23 +22,21 @@ def default_targets(model: nn.Module, block_size: int) -> List[str]:
     """PTQ targets for a plain model: decoder-block Linear weights whose rows divide into blocks (not
     those the model's family keeps in high precision, nor a vision tower's), and the fused 3-D expert
     parameters its family quantizes (mfqat.models)."""
-    pat = re.compile(DEFAULT_TARGETS)
     family = family_of(model)
     linears = [f"{n}.weight" for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size == 0
+               if isinstance(m, nn.Linear) and in_decoder_block(n) and m.in_features % block_size == 0
                and not family.kept_high(f"{n}.weight") and not family.tower(n)]
-    experts = [n for n, p in model.named_parameters() if p.dim() == 3 and pat.search(n)
-               and family.expert_param(n) is not None and p.shape[-1] % block_size == 0 and not family.tower(n)]
-    return linears + experts
+    fused = [n for n, p in model.named_parameters() if p.dim() == 3 and in_decoder_block(n)
+             and family.expert_param(n) is not None and p.shape[-1] % block_size == 0 and not family.tower(n)]
+    return linears + fused
 
 
 def unblockable(model: nn.Module, block_size: int) -> Dict[str, str]:
     """{weight: reason} for decoder-block Linear weights whose in_features is not a whole number of blocks."""
-    pat = re.compile(DEFAULT_TARGETS)
     family = family_of(model)
     return {f"{n}.weight": f"in_features {m.in_features} not a multiple of {block_size}"
             for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and pat.search(n) and m.in_features % block_size and not family.tower(n)}
+            if isinstance(m, nn.Linear) and in_decoder_block(n) and m.in_features % block_size and not family.tower(n)}
 
 
 def quantize_targets(sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int, scale_rule: str

@@ -19,6 +19,7 @@ from torch import nn
 
 from mfqat.formats import get_format
 from mfqat.eval.perplexity import perplexity
+from mfqat.models import is_output_head
 
 BNB_BASES = ("nf4", "int8")
 
@@ -45,7 +46,7 @@ def bits_per_weight(model: nn.Module, base: str) -> float:
         return get_format("nf4_dq").bits_per_weight(64)
     if base == "int8":
         sizes = [(m.in_features, m.out_features) for n, m in model.named_modules()
-                 if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+                 if isinstance(m, nn.Linear) and not is_output_head(n)]
         if not sizes:
             raise ValueError("bnb_int8: the model has no Linear layer to quantize")
         return sum(i * o * (8 + 32 / i) for i, o in sizes) / sum(i * o for i, o in sizes)

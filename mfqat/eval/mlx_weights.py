@@ -16,6 +16,7 @@ from typing import Dict
 import torch
 
 from mfqat.eval.perplexity import perplexity
+from mfqat.models import is_output_head
 
 
 def stored_bits(folder: Path, n_params: int) -> float:
@@ -53,7 +54,7 @@ def mlx_folder_perplexity(folder: Path, model, texts: Dict[str, torch.Tensor]) -
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         missing, unexpected = model.load_state_dict(mlx_weights_as_torch(folder), strict=False)
-        if unexpected or not all("lm_head" in k for k in missing):
+        if unexpected or not all(is_output_head(k) for k in missing):
             raise ValueError(f"{folder}: weights do not fit the model (missing {missing[:3]}, unexpected "
                              f"{unexpected[:3]}); evaluate it with the model it was exported from")
         model.tie_weights()

@@ -1,14 +1,10 @@
 """AWQ pre-scaling for the post-training path (docs/architecture.md), with mfqat's own importance matrix.
 
 For each producer -> consumers group of a decoder block, as the model's family lists them
-(mfqat.models: ``Family.awq_groups``; for Llama
-
-* ``input_layernorm`` -> ``q_proj, k_proj, v_proj``
-* ``post_attention_layernorm`` -> ``gate_proj, up_proj``
-* ``up_proj`` -> ``down_proj``
-* ``v_proj`` -> ``o_proj`` (only when their widths match, i.e. no grouped-query attention)
-
-and a family without groups is refused), the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
+(mfqat.models: ``Family.awq_groups``; for Llama the input norm -> the attention's
+query/key/value projections, the post-attention norm -> the MLP's gate and up projections, up ->
+down, and value -> output when their widths match (no grouped-query attention); a family without
+groups is refused), the consumers' input channels are multiplied by ``s = importance^0.5 / sqrt(max * min)`` and the
 producer's output channels divided by ``s``, so the full-precision model computes the same function
 (up to float rounding; tested) while the salient input channels get more of the quantization grid.
 ``importance`` is the mean squared activation per input channel on calibration text (the
@@ -22,18 +18,8 @@ import torch
 from torch import nn
 
 from mfqat.anchor.importance import activation_sums, importance_matrix  # noqa: F401 (re-exported)
-from mfqat.models import Family, family_of
+from mfqat.models import Family, decoder_layers, family_of
 
-
-
-def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    """The decoder blocks of a Llama-style causal LM (a vision-language release's language model's)."""
-    inner = getattr(model, "model", model)
-    inner = getattr(inner, "language_model", inner)  # Qwen3.5's model.language_model.layers
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"AWQ: {type(model).__name__} has no .model.layers (a Llama-style decoder is expected)")
-    return list(layers)
 
 
 def awq_scales(importance: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
@@ -67,7 +53,10 @@ def awq_pairs(model: nn.Module) -> List[Tuple[str, List[str]]]:
     groups = awq_family(model).awq_groups
     names = {id(m): n for n, m in model.named_modules()}
     pairs = []
-    for layer in decoder_layers(model):
+    _, layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"AWQ: {type(model).__name__} has no decoder layers (a ModuleList named layers)")
+    for layer in layers:
         present = {n for n, _ in layer.named_modules()}
         for producer_name, consumer_names in groups:
             if producer_name not in present or any(c not in present for c in consumer_names):

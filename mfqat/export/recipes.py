@@ -9,8 +9,8 @@ directly when the plan names a format for them (origin "ptq"), else kept in bflo
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -19,7 +19,7 @@ from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.lazy import tensor_info
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
 from mfqat.formats import canonical_name, get_format
-from mfqat.models import DENSE, Family, family_for
+from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.anchor.refined import pick
 from mfqat.export.sensitivity import auto_plan_formats, in_format, in_format_chunks, ladder
@@ -162,7 +162,7 @@ def _seed_high(anchor: Anchor, family: Family) -> List[str]:
     bs = anchor.meta.get("block_size", 32)
     infos = {k: tensor_info(anchor.plain, k) for k in anchor.plain}
     return [k for k, v in infos.items() if len(v.shape) == 2 and v.dtype.is_floating_point and v.shape[-1] % bs == 0
-            and any(re.search(p, k) for p in family.seed_high)]
+            and family.seed_quantizes(k)]
 
 
 def drop_towers(anchor: Anchor) -> Optional[List[dict]]:
@@ -219,41 +219,33 @@ def _fmt_for_bits(family: str, bits: int, anchor_bits: int) -> str:
     return table[bits]
 
 
-# The seed table's roles by module name, over the families in mfqat/models (fused and MLA projections
-# included): attention inputs +2, the MLP's output projection +1, attention outputs 8 bits.
-ATTENTION_INPUTS = (r"\.(q_proj|k_proj|v_proj|qkv_proj|query_key_value|q_a_proj|q_b_proj|kv_a_proj_with_mqa|"
-                    r"kv_b_proj|in_proj_qkv|in_proj_z|in_proj_qkvz)(\.|$)")
-MLP_OUTPUTS = r"\.(down_proj|dense_4h_to_h|w2)(\.|$)"
-ATTENTION_OUTPUTS = r"\.(o_proj|out_proj|attention\.dense)(\.|$)"
-
-
-def seed_bits(name: str, base: int, tied: bool) -> Optional[int]:
-    """The seed table: embeddings +2 (lm_head +3; tied: the shared table counts as lm_head),
-    attention inputs +2 (q/k/v, fused qkv, MLA projections, Gated DeltaNet's qkv/z), the MLP's output
-    projection +1 (experts' down_proj included), gate/up base, attention outputs (o_proj, out_proj,
-    GPT-NeoX's attention.dense) kept at 8 bits."""
-    if "embed" in name:
+def seed_bits(name: str, base: int, tied: bool, family: Family = DENSE) -> Optional[int]:
+    """The seed table, by the roles ``family`` gives its projections (mfqat.models; the default, a type with
+    no family file, knows every family's names): embeddings +2 (lm_head +3; tied: the shared table counts
+    as lm_head), attention inputs +2 (q/k/v, fused qkv, MLA projections, Gated DeltaNet's qkv/z), the MLP's
+    output projection +1 (experts' included), the MLP's inputs base, attention outputs kept at 8 bits."""
+    if is_embedding(name):
         return base + (3 if tied else 2)
-    if "lm_head" in name:
+    if is_output_head(name):
         return base + 3
-    if re.search(ATTENTION_INPUTS, name):
+    if family.has_role(name, "attention_inputs"):
         return base + 2
-    if re.search(MLP_OUTPUTS, name):
+    if family.has_role(name, "mlp_outputs"):
         return base + 1
-    if re.search(ATTENTION_OUTPUTS, name):
+    if family.has_role(name, "attention_outputs"):
         return 8
     return base
 
 
-def dynamic2_bits(name: str, base: int) -> Optional[int]:
+def dynamic2_bits(name: str, base: int, family: Family = DENSE) -> Optional[int]:
     """The ``dynamic2`` recipe (the per-tensor rules of Unsloth's Dynamic 2.0 quants as ported to MLX for
-    Qwen3.5, over every family's names): attention outputs (``o_proj``, ``linear_attn.out_proj``,
-    GPT-NeoX's ``attention.dense``) stay in bfloat16 (None: no norm precedes them, so AWQ cannot protect
-    their inputs); embeddings and lm_head 8 bits; everything else (q/k/v, Gated DeltaNet projections, MLPs,
-    experts) ``base`` bits. Routers and gates stay high precision by their family's rule."""
-    if re.search(ATTENTION_OUTPUTS, name):
+    Qwen3.5, over every family's roles): the attention outputs ``family`` names (Llama's output projection,
+    Gated DeltaNet's, GPT-NeoX's) stay in bfloat16 (None: no norm precedes them, so AWQ cannot protect
+    their inputs); embeddings and lm_head 8 bits; everything else (attention inputs, MLPs, experts)
+    ``base`` bits. Routers and gates stay high precision by their family's rule."""
+    if family.has_role(name, "attention_outputs"):
         return None
-    if "embed" in name or "lm_head" in name:
+    if is_embedding(name) or is_output_head(name):
         return 8
     return base
 
@@ -331,7 +323,7 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
             plan.formats[name], plan.origin[name] = fmt, "ptq"
         top = get_format(fmt)
     elif kind == "seed":
-        table = plan.family.seed_table or seed_bits  # a family's own table (Qwen3.5: the design's), else the generic one
+        table = plan.family.seed_table or partial(seed_bits, family=plan.family)  # Qwen3.5: the design's table
         for name in list(anchor.quantized) + _matrix_weights(anchor) + _seed_high(anchor, plan.family):
             bits = table(name, base_bits, tied)
             if bits is None:
@@ -342,7 +334,7 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
         top = get_format(_fmt_for_bits(family, base_bits, 8))
     elif kind == "dynamic2":
         for name in list(anchor.quantized) + _matrix_weights(anchor):
-            bits = dynamic2_bits(name, base_bits)
+            bits = dynamic2_bits(name, base_bits, plan.family)
             if bits is None:
                 plan.kept16.add(name)
                 continue

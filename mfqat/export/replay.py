@@ -7,8 +7,8 @@ reference pass. :class:`LayerReplay` records those outputs once and, for a probe
 embeddings, masks and positions, and runs layers ``l..`` and the head on exactly the inputs the full
 forward would give them (same kernels, same inputs: the same logits, bit for bit on one machine).
 
-Which layer a tensor starts in: the decoder layers are the model's shallowest ``nn.ModuleList``
-named ``layers`` (Llama, Qwen, Gemma, DeepSeek, GPT-NeoX...); a tensor under ``<that>.<i>.`` starts
+Which layer a tensor starts in: the decoder layers are where mfqat.models.decoder_layers finds them
+(every family mfqat supports); a tensor under ``<that>.<i>.`` starts
 in layer ``i``; the output embedding (``lm_head``) after the last layer; anything else (or a model
 without such a list) replays nothing: a full forward. A tensor held by several modules (tied
 embeddings: the input embedding and ``lm_head``) starts at the earliest of them.
@@ -16,21 +16,12 @@ embeddings: the input embedding and ``lm_head``) starts at the earliest of them.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List
 
 import torch
 from torch import nn
 
-
-def decoder_layers(model: nn.Module) -> Tuple[str, Optional[nn.ModuleList]]:
-    """(qualified name, list) of the model's decoder layers: its shallowest ModuleList named
-    ``layers``; ("", None) when it has none."""
-    found = [(name.count("."), name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and len(m)]
-    if not found:
-        return "", None
-    _, name, layers = min(found, key=lambda t: t[:2])
-    return name, layers
+from mfqat.models import decoder_layers
 
 
 def start_layers(model: nn.Module, names: List[str]) -> Dict[str, int]:

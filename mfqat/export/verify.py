@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -11,6 +10,7 @@ import torch
 
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.export.recipes import Plan, mlx_storage
+from mfqat.models import layer_index
 from mfqat.progress import progress
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
 from mfqat.storage.tensor_files import ShardWriter, TensorFile
@@ -30,8 +30,6 @@ CHECK_TOKENS = 64
 # The whole-model logits check runs when it needs at most this much memory (full_check_bytes; a user's
 # max_memory overrides it); past it the check runs on the model cut to its first layers (compare_truncated).
 CHECK_MEMORY = 2 * 1024 ** 3
-# A decoder layer's index in a tensor name (transformers and mlx-lm both write ``...layers.N....``).
-LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # mfqat_export.json's layout; an export declaring a newer one is refused (written since mfqat 0.1.0: 1;
 # exports without the field are version 1).
 EXPORT_FORMAT_VERSION = 1
@@ -119,7 +117,7 @@ class VocabCut:
 
     def index(self, name: str, shape) -> Optional[torch.Tensor]:
         """The rows to keep of tensor ``name`` (None: all of it, not indexed by token id)."""
-        if _layer(name) is None and len(shape) >= 1 and shape[0] == self.vocab_size:
+        if layer_index(name) is None and len(shape) >= 1 and shape[0] == self.vocab_size:
             return self.ids
         return None
 
@@ -319,11 +317,6 @@ def check_layers(config: dict) -> int:
     return min(k, n) if n else k
 
 
-def _layer(name: str) -> Optional[int]:
-    m = LAYER_INDEX.search(name)
-    return int(m.group(1)) if m else None
-
-
 def cut_config(config: dict, k: int) -> dict:
     """``config`` with only its first ``k`` decoder layers (per-layer lists cut to match; in ``text_config``
     for a vision-language release)."""
@@ -347,7 +340,7 @@ def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dic
 
     config = anchor.config
     k = check_layers(config)
-    keep = lambda name: (_layer(name) is None or _layer(name) < k)  # noqa: E731
+    keep = lambda name: (layer_index(name) is None or layer_index(name) < k)  # noqa: E731
     ids = check_ids(load_tokenizer(out), prompt)
     size = (layer_config(config) or config).get("vocab_size")
     vocab = VocabCut(size, ids, config) if isinstance(size, int) and not isinstance(size, bool) else None

@@ -19,7 +19,7 @@ import torch
 from mlx.utils import tree_flatten
 
 from mfqat.anchor.checkpoint import save_anchor as torch_save_anchor
-from mfqat.models import family_for
+from mfqat.models import family_for, tied_away
 from mfqat.mlx.models import hf_tokenizer
 from mfqat.mlx.qat import qat_layers
 
@@ -47,7 +47,7 @@ def to_torch_model(model: nn.Module, source_dir: Union[str, Path]):
                          "`mlx_lm.fuse --model BASE --adapter-path ADAPTERS --dequantize --save-path FUSED`, then "
                          "MF-QAT-train or anchor the fused model")
     missing, unexpected = tmodel.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [k for k in missing if not tied_away(k, config.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"MLX weights do not match {config.model_type}: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")

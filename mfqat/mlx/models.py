@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mfqat.export.mlx_export import mlx_model_config
+from mfqat.models import tied_away
 from mfqat.storage.io import atomic_directory, write_json
 
 
@@ -36,7 +37,7 @@ def smollm2_mlx_dir(cache: Optional[str] = None) -> Path:
     # the GGUF loader marks the model quantized (its weights are plain fp32): drop that entry
     config = mlx_model_config(model.config.to_dict())
     state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and config.get("tie_word_embeddings"))}
+             if not tied_away(k, config.get("tie_word_embeddings"))}
     with atomic_directory(path) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)

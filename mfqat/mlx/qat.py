@@ -104,8 +104,8 @@ class MFQATSwitchLinear(MFQATLinear):
     def to_linear(self) -> nn.Module:
         from mlx_lm.models.switch_layers import SwitchLinear
 
-        experts, out_dims, in_dims = self.weight.shape
-        lin = SwitchLinear(in_dims, out_dims, experts, bias="bias" in self)
+        count, out_dims, in_dims = self.weight.shape
+        lin = SwitchLinear(in_dims, out_dims, count, bias="bias" in self)
         lin.weight = self.weight
         if "bias" in self:
             lin.bias = self["bias"]

@@ -1,7 +1,8 @@
 """Model families: which parameters are quantized, which stay high precision, and the names mlx-lm uses.
 
-One file per family holds its rules (:class:`~mfqat.models.family.Family`); every other layer asks
-here instead of matching Llama's names itself. A model type with no file gets the dense rules
+One file per family holds its rules (:class:`~mfqat.models.family.Family`: what is quantized, kept high,
+renamed, and the roles of its projections); ``layout`` says where the decoder blocks and the output head
+are. Every other layer asks here instead of matching Llama's names itself. A model type with no file gets the dense rules
 (:data:`DENSE`): its decoder-block Linears are quantized, and ``prepare`` / ``save_anchor`` warn by name
 about any other large weight (for example fused 3-D experts) that they leave in full precision.
 
@@ -9,15 +10,27 @@ May import: nothing of mfqat (a leaf: plain data and name rules).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mfqat.models import deepseek_v3, gemma2, gemma3, glm4_moe, gpt_neox, llama, mixtral, olmo2, phi3, qwen3_5, qwen3_moe, qwen3_next
-from mfqat.models.family import ExpertParam, Family, PlainRule
+from mfqat.models.family import ROLES, ExpertParam, Family, PlainRule
+from mfqat.models.layout import (DECODER_BLOCK, block_module, decoder_layers, in_decoder_block, is_embedding,
+                                 is_output_head, layer_index, tied_away)
 
 FAMILIES: List[Family] = [llama.FAMILY, olmo2.FAMILY, phi3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, qwen3_moe.FAMILY,
                           mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, qwen3_5.FAMILY, qwen3_5.MOE_FAMILY,
                           qwen3_5.VL_FAMILY, qwen3_5.VL_MOE_FAMILY, qwen3_next.FAMILY]
-DENSE = Family(name="dense (no family file)", model_types=())
+
+
+def _every(role: str, *extra: str) -> Tuple[str, ...]:
+    return tuple(dict.fromkeys([n for f in FAMILIES for n in getattr(f, role)] + list(extra)))
+
+
+# A type with no file may use any family's projection names: its roles are all of them (and ``w2``, the MLP
+# output of checkpoints with Mixtral's original per-expert names).
+DENSE = Family(name="dense (no family file)", model_types=(), attention_inputs=_every("attention_inputs"),
+               attention_outputs=_every("attention_outputs"), mlp_inputs=_every("mlp_inputs"),
+               mlp_outputs=_every("mlp_outputs", "w2"))
 _BY_TYPE: Dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 
 
@@ -35,4 +48,5 @@ def family_of(model) -> Family:
     return family_for(getattr(config, "model_type", None))
 
 
-__all__ = ["ExpertParam", "Family", "PlainRule", "FAMILIES", "DENSE", "family_for", "family_of"]
+__all__ = ["ExpertParam", "Family", "PlainRule", "ROLES", "FAMILIES", "DENSE", "family_for", "family_of", "DECODER_BLOCK",
+           "block_module", "decoder_layers", "in_decoder_block", "is_embedding", "is_output_head", "layer_index", "tied_away"]

@@ -13,8 +13,11 @@ from mfqat.models.family import FUSED_EXPERTS, ROUTER, Family
 KV_B = (r"\.self_attn\.kv_b_proj\.weight$",
         "MLA kv_b_proj: mlx-lm splits it per head and re-quantizes it with its own rule; kept in bfloat16")
 
+# q_proj when q_lora_rank is None, else q_a_proj -> q_b_proj; kv_b_proj stays high but keeps its role.
+MLA_INPUTS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
 FAMILY = Family(name="deepseek_v3", model_types=("deepseek_v3",), experts=FUSED_EXPERTS, keep_high=(ROUTER, KV_B),
-                keep_float32=(r"e_score_correction_bias$",), tested=True,
+                keep_float32=(r"e_score_correction_bias$",), tested=True, attention_inputs=MLA_INPUTS,
                 mlx_anchor_refusal="mlx-lm splits kv_b_proj into per-head embed_q / unembed_out matrices",
                 awq_groups=(("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
                             ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",))))

@@ -59,6 +59,14 @@ class PlainRule:
     why: str
 
 
+ROLES = ("attention_inputs", "attention_outputs", "mlp_inputs", "mlp_outputs")
+
+
+def _endings(names: Tuple[str, ...]) -> str:
+    """A regex matching a name holding one of the module-name endings ``names`` (``.q_proj.weight``)."""
+    return r"\.(" + "|".join(re.escape(n) for n in names) + r")(\.|$)"
+
+
 def _copy_rope(cfg: dict) -> dict:
     """transformers 5 keeps rope settings in ``rope_parameters``; mlx-lm reads top-level keys."""
     rope = cfg.get("rope_parameters") or {}
@@ -117,13 +125,40 @@ class Family:
     gguf_arch: str = ""  # gguf-py's architecture name when it is not the model_type (imatrix GGUF names)
     gguf_renames: Tuple[Tuple[str, str], ...] = ()  # module names as gguf-py's tensor-name map knows them
     hf_auto_class: str = "AutoModelForCausalLM"  # transformers Auto class that builds the whole checkpoint
+    # Roles of a decoder block's projections, by the endings of their module names (Llama's unless a family
+    # says otherwise): what the export recipes give more or fewer bits, and what LoRA adapts by default.
+    attention_inputs: Tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    attention_outputs: Tuple[str, ...] = ("o_proj",)
+    mlp_inputs: Tuple[str, ...] = ("gate_proj", "up_proj")
+    mlp_outputs: Tuple[str, ...] = ("down_proj",)
     tested: bool = False
     notes: str = ""
+
+    def has_role(self, name: str, role: str) -> bool:
+        """Whether the tensor or module ``name`` is one of the family's ``role`` projections (:data:`ROLES`:
+        ``attention_inputs``, ``attention_outputs``, ``mlp_inputs``, ``mlp_outputs``): a module name ending,
+        followed by ``.`` (``.weight``) or the end (a fused expert parameter)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown projection role {role!r}; choose one of {', '.join(ROLES)}")
+        names = getattr(self, role)
+        return bool(names) and bool(re.search(_endings(names), name))
+
+    @property
+    def lora_targets(self) -> Tuple[str, ...]:
+        """The module names LoRA adapts in a decoder block of this family: its attention and MLP projections
+        (what peft's ``all-linear`` finds there; Llama: q/k/v/o/gate/up/down)."""
+        names = self.attention_inputs + self.attention_outputs + self.mlp_inputs + self.mlp_outputs
+        return tuple(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
 
     def tower(self, name: str) -> Optional[str]:
         """Why the tensor or module ``name`` belongs to a tower that is not the language model (the vision
         encoder: frozen, full precision, dropped on an mlx-lm export), or None."""
         return next((why for pat, why in self.towers if re.search(pat, name)), None)
+
+    def seed_quantizes(self, name: str) -> bool:
+        """Whether the family's ``seed`` table quantizes the weight ``name`` although it is kept high elsewhere
+        (``seed_high``: Qwen3.5's routers and shared-expert gates at 8 bits, as mlx-lm's quant_predicate)."""
+        return any(re.search(p, name) for p in self.seed_high)
 
     def expert_param(self, name: str) -> Optional[ExpertParam]:
         """The expert rule matching the parameter ``name``, or None."""

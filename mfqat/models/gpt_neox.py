@@ -22,5 +22,6 @@ def _neox_config(cfg: dict) -> dict:
 FAMILY = Family(name="gpt_neox", model_types=("gpt_neox",), mlx_renames=((r"^lm_head\.", "embed_out."),),
                 hf_renames=((r"^(model\.)?embed_out\.", "lm_head."), (r"^model\.h\.", "gpt_neox.layers."),
                             (r"^model\.", "gpt_neox.")),  # mlx-lm's sanitized names back to transformers'
-                config_fixes=(_neox_config,), tested=True,
+                config_fixes=(_neox_config,), tested=True, attention_inputs=("query_key_value",),
+                attention_outputs=("attention.dense",), mlp_inputs=("dense_h_to_4h",), mlp_outputs=("dense_4h_to_h",),
                 awq_refusal="its parallel residual and GELU MLP have no exact norm -> linear fold in mfqat yet")

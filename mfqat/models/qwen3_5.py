@@ -89,7 +89,9 @@ COMMON = dict(mlx_renames=((r"^model\.", "language_model.model."), (r"^lm_head\.
               keep_float32=(r"\.A_log$",), config_fixes=(_qwen3_5_config,), norm_offset=1.0, awq_groups=AWQ,
               plain_rules=(NORMS, CONV_AXES),
               mlx_anchor_refusal="the MLX model holds 1 + w in its norms and conv1d as C x K x 1",
-              seed_table=seed_table, seed_high=ROUTERS, tested=True)
+              seed_table=seed_table, seed_high=ROUTERS, tested=True,
+              attention_inputs=("q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z"),
+              attention_outputs=("o_proj", "out_proj"))
 
 FAMILY = Family(name="qwen3_5", model_types=("qwen3_5_text",), keep_high=(LINEAR_ATTN_GATES, CONV), gguf_arch="qwen35",
                 **COMMON)

@@ -33,4 +33,5 @@ AWQ = (("input_layernorm", ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"
 FAMILY = Family(name="qwen3_next", model_types=("qwen3_next",), experts=FUSED_EXPERTS,
                 keep_high=(IN_PROJ_BA, CONV, ROUTER, SHARED_EXPERT_GATE), plain_rules=(NORMS, CONV_AXES),
                 keep_float32=(r"\.A_log$",), config_fixes=(full_attention_interval,), norm_offset=1.0, awq_groups=AWQ,
-                mlx_anchor_refusal="the MLX model holds 1 + w in its norms and conv1d as C x K x 1", tested=True)
+                mlx_anchor_refusal="the MLX model holds 1 + w in its norms and conv1d as C x K x 1", tested=True,
+                attention_inputs=("q_proj", "k_proj", "v_proj", "in_proj_qkvz"), attention_outputs=("o_proj", "out_proj"))

@@ -13,13 +13,14 @@ import math
 
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable
 from mfqat.formats import AFFINE_GROUP_SIZES, MX_BLOCK_SIZES, canonical_name, get_format
+from mfqat.models.layout import DECODER_BLOCK
 from mfqat.quant.reference import SCALE_RULES
 from mfqat.quant.scale_rules import SEARCH_ANCHORS, SEARCH_RULE, check_scale_rules
 from mfqat.qat.config_checks import (AFFINE_NAMES, _check_mx_format, _check_mx_formats, _check_observer, _check_qat_formats,
                             _check_regexes, _check_type, _fail, _matches, _patterns)
 from mfqat.qat.schedules import SCHEDULES, JointSchedule, Schedule, make_schedule
 
-DEFAULT_TARGETS = r"(^|\.)(layers|h|blocks)\.\d+(\.|$)"
+DEFAULT_TARGETS = DECODER_BLOCK  # every Linear inside a decoder block (mfqat.models.layout)
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"  # the YAML recipes shipped in the package
 
 

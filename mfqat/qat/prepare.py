@@ -123,10 +123,10 @@ def prepare(model: nn.Module, config: Optional[QATConfig] = None) -> nn.Module:
     for name, m in list(model.named_modules()):
         if family.tower(name) and not config.train_vision:
             continue
-        experts = _expert_params(family, name, m)
-        if experts:
+        fused = _expert_params(family, name, m)
+        if fused:
             if config.selects(name) and not config.excludes(name):
-                _prepare_experts(m, name, experts, config, skipped, schedules)
+                _prepare_experts(m, name, fused, config, skipped, schedules)
             continue
         is_linear = type(m) is nn.Linear
         is_emb = type(m) is nn.Embedding and config.quantize_embeddings

@@ -25,12 +25,13 @@ from typing import Dict
 import torch
 from safetensors.torch import load_file, save_file
 
+from mfqat.models import block_module
 from mfqat.storage.io import PathLike, atomic_directory
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 MLX_WEIGHTS = "adapters.safetensors"
-_KEY = re.compile(r"^base_model\.model\.(model\.layers\.\d+\.(.+))\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")  # the module: a decoder block's (block_module)
 # PEFT options mlx-lm's plain LoRA layer cannot express, with the value that is safe
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "rank_pattern": {},
                 "alpha_pattern": {}, "modules_to_save": None, "bias": "none", "lora_bias": False,
@@ -57,11 +58,11 @@ def mlx_adapter_tensors(peft: Dict[str, torch.Tensor], where: str = "adapter") -
     out: Dict[str, torch.Tensor] = {}
     for name, t in peft.items():
         m = _KEY.match(name)
-        if m is None:
+        if m is None or block_module(m.group(1)) is None:
             raise ValueError(f"{where}: tensor {name} is not a LoRA matrix of a Linear inside a decoder block "
                              "(base_model.model.model.layers.N.<module>.lora_A/B.weight); mlx-lm adapters "
                              "convert only those: train with --lora-targets inside the blocks")
-        out[f"{m.group(1)}.lora_{m.group(3).lower()}"] = t.detach().t().contiguous()
+        out[f"{m.group(1)}.lora_{m.group(2).lower()}"] = t.detach().t().contiguous()
     for k in out:
         twin = k[:-1] + ("b" if k.endswith("a") else "a")
         if twin not in out:
@@ -75,7 +76,7 @@ def peft_to_mlx(src: PathLike, dest: PathLike, overwrite: bool = True) -> Path:
     cfg = _read_config(src)
     tensors = mlx_adapter_tensors(load_file(str(src / PEFT_WEIGHTS)), str(src / PEFT_WEIGHTS))
     rank = int(cfg["r"])
-    keys = sorted({re.sub(r"^model\.layers\.\d+\.", "", k.rsplit(".", 1)[0]) for k in tensors})
+    keys = sorted({block_module(k.rsplit(".", 1)[0])[1] for k in tensors})
     config = {"fine_tune_type": "lora",
               "num_layers": -1,  # mlx-lm: every block (one the file lacks adds exactly 0: lora_b = 0)
               "lora_parameters": {"rank": rank, "scale": float(cfg["lora_alpha"]) / rank,

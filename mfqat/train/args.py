@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 LORA_TARGETS = "all-linear"  # peft's rule: every nn.Linear except the output layer, in any model family
-LLAMA_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # what all-linear gives on Llama
 BASES = ("fp", "nf4", "int8")  # LoRA flags (at the end); mfqat.train.lora reads these
 
 TRAIN_DOC = """MF-QAT fine-tuning of a causal LM with accelerate (single process, DDP or FSDP).

@@ -1,7 +1,11 @@
-"""The tiny random model of every family mfqat supports (and of one it refuses), built from its
-transformers config: shared by the family, LoRA, fp8-source and learned-scale tests, importable
-without MLX (tests/test_families.py itself needs mlx_lm)."""
-import torch
+"""The catalog of supported families as tiny random models: each family's transformers config settings
+(:data:`SUPPORTED`, and :data:`UNSUPPORTED`: one family mfqat refuses by name) and :func:`build`, which
+makes the model from them. The tests run every family from here, ``scripts/probe_families.py`` runs
+them through the ``mfqat`` command; the README's support table lists what they run (``Family.tested``).
+
+Importable without MLX; torch and transformers are imported only by :func:`build`.
+"""
+from __future__ import annotations
 
 DROP = object()  # a BASE key the family's config does not take
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -41,6 +45,9 @@ UNSUPPORTED = {  # fused experts mfqat has no rules for yet: the weights left ou
 
 
 def build(model_type: str, extra: dict, vocab: int):
+    """A tiny random model of ``model_type`` (seed 0): :data:`BASE` updated by ``extra`` (:data:`DROP` removes a
+    key), with ``vocab`` tokens."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw = {**BASE, **extra, "vocab_size": vocab}
