@@ -381,3 +381,32 @@ def test_every_familys_export_passes_the_cut_check(name, tmp_path, monkeypatch):
     anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxint8", tokenizer=tok)
     rep = mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
     assert re.fullmatch(r"first \d+ of \d+ layers, \d+ of 257 token ids", rep["verify"]["logits_checked"])
+
+
+REPEAT_EXPORT = r"""
+import sys, mfqat.export
+mfqat.export.to_mlx(sys.argv[1], sys.argv[2], recipe="seed", verify=False)
+"""
+
+
+def test_an_export_is_the_same_bytes_whatever_the_hash_seed(tmp_path):
+    """Two exports of one anchor in processes with different hash seeds write identical files (config.json's
+    per-module entries for bfloat16-kept tensors came from a set, in hash order)."""
+    from mfqat.models.catalog import SUPPORTED, build
+
+    tok = tiny_tokenizer()
+    model_type, extra = SUPPORTED["qwen3_5"]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxint8", tokenizer=tok)
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MFQAT_PROGRESS": "0", "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", REPEAT_EXPORT, str(anchor), str(tmp_path / seed)], env=env, check=True,
+                       capture_output=True)
+        outs.append(tmp_path / seed)
+    cfg = json.loads((outs[0] / "config.json").read_text())
+    assert sum(v is False for v in cfg["quantization"].values()) >= 2  # several bfloat16-kept modules
+    stamped = ("mfqat_export.json", "README.md")  # they name the output folder
+    names = sorted(p.name for p in outs[0].iterdir() if p.is_file() and p.name not in stamped)
+    assert names == sorted(p.name for p in outs[1].iterdir() if p.is_file() and p.name not in stamped)
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name

@@ -117,7 +117,7 @@ class Plan:
             else:
                 continue
             entries.update(dict.fromkeys(self.mlx_modules(name, _shape(anchor, name)), entry))
-        for name in self.kept16:
+        for name in sorted(self.kept16):  # sorted: the same config.json bytes whatever the hash seed
             entries.update(dict.fromkeys(self.mlx_modules(name, _shape(anchor, name)), False))
         return entries
 
