@@ -282,7 +282,7 @@ def test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten(anchor, tm
     (out / "adapters" / "adapter_config.json").write_text("{}")
     RunFolder(out, "mlx-train").start().folder("adapters", "peft-adapter")  # as an earlier run leaves it
     with pytest.raises(FileExistsError, match="pass --overwrite"):
-        mlx_train(["--out", str(out), "--lora-rank", "4"])
+        mlx_train(["--out", str(out), "--lora-rank", "4", "--steps", "1", "--seq-len", "16", "--batch-size", "1"])
     assert (out / "adapters" / "adapters.safetensors").read_bytes() == b"earlier adapters"
     main(["mlx-train", "--out", str(out), "--overwrite", "--lora-rank", "4"])
     assert ran == ["eval", "mlx-train"]
