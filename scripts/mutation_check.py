@@ -659,7 +659,7 @@ MUTATIONS: List[Mutation] = [
              '        need_output(a.out, a.overwrite, "convert" if cmd == "convert" else "mlx-export", [a.anchor])\n', "",
              ("tests/test_hostile_inputs.py::test_convert_and_export_check_their_output_before_the_work",)),
     Mutation("output-under-a-file-not-checked", "mfqat/cli/checks.py",
-             "    if not parent.is_dir():\n        raise UsageError(f\"--out {out}", "    if False:\n        raise UsageError(f\"--out {out}",
+             "    if not parent.is_dir():\n        raise UsageError(f\"{flag} {path}", "    if False:\n        raise UsageError(f\"{flag} {path}",
              ("tests/test_hostile_inputs.py::test_convert_and_export_check_their_output_before_the_work",)),
     Mutation("missing-embedded-model-is-a-traceback", "mfqat/data/sources.py",
              "class EmbeddedModelMissing(FileNotFoundError):", "class EmbeddedModelMissing(RuntimeError):",

@@ -49,14 +49,7 @@ def need_output(out: str, overwrite: bool, kind: str, protect: Iterable[str] = (
         check_output(dest, overwrite, kind, [Path(p) for p in protect if p])
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
-    parent = dest.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--out {out}: {parent} is a file, not a folder; choose another --out")
-    if not can_write_in(parent):
-        raise UsageError(f"--out {out}: cannot write in {parent} (no write permission, or a read-only file "
-                         "system); choose another --out")
+    need_writable_file(out, "--out")  # its nearest existing folder is one this process can write in
 
 
 def need_searched_format(fmt: Optional[str]) -> None:
