@@ -8,6 +8,7 @@ pointing at the copy. A mutation is *caught* when those tests fail; it *survives
 
     python scripts/mutation_check.py             # all mutations (a few minutes on 2 cores)
     python scripts/mutation_check.py -k nf4      # those whose name contains "nf4"
+    python scripts/mutation_check.py -j 2       # two at a time, each in its own copy
     python scripts/mutation_check.py --list
 
 Prints caught/planted and exits 1 when a mutation survives (or a spec no longer applies).
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Tuple
@@ -965,12 +969,38 @@ def run_tests(copy: Path, tests: Tuple[str, ...], timeout: int) -> Tuple[int, st
     return r.returncode, (lines[-1] if lines else "") + (f"  | {why[:110]}" if why else "")
 
 
+def plant_and_test(copy: Path, m: Mutation, timeout: int) -> Tuple[bool, str, str]:
+    """Plant ``m`` in ``copy``, run its tests, restore the file: (caught, report line, problem or "")."""
+    path = copy / m.file
+    original = path.read_text()
+    if original.count(m.old) != 1:
+        return False, f"[spec ] {m.name}: snippet not found exactly once in {m.file}", \
+            f"{m.name}: the snippet occurs {original.count(m.old)} times in {m.file} (update the spec)"
+    path.write_text(original.replace(m.old, m.new))
+    try:
+        t = time.perf_counter()
+        rc, tail = run_tests(copy, m.tests, timeout)
+    finally:
+        path.write_text(original)
+    problem = ""
+    if rc == 1:  # pytest: tests failed
+        verdict = "caught  "
+    elif rc == 0:
+        verdict = "SURVIVED"
+        problem = f"{m.name}: survived {' '.join(m.tests)}"
+    else:  # usage error, no tests collected, interrupted, timeout: not evidence of a catch
+        verdict = f"ERROR {rc}"
+        problem = f"{m.name}: pytest exit {rc} ({tail})"
+    return rc == 1, f"[{verdict}] {m.name:40s} {time.perf_counter() - t:5.1f}s  {tail}", problem
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-k", default="", help="only mutations whose name contains this (a comma list: any of them)")
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
     p.add_argument("--no-baseline", action="store_true", help="skip the run on the unmodified copy")
     p.add_argument("--timeout", type=int, default=300, help="seconds per pytest run")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="mutations tested at once, each in its own copy")
     args = p.parse_args(argv)
     muts = [m for m in MUTATIONS if any(k in m.name for k in args.k.split(","))]
     if args.list:
@@ -980,38 +1010,33 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     problems: List[str] = []
     with tempfile.TemporaryDirectory(prefix="mfqat-mutants-") as tmp:
-        copy = copy_repo(Path(tmp) / "repo")
+        copies = [copy_repo(Path(tmp) / f"repo{i}") for i in range(max(1, args.jobs))]
         if not args.no_baseline:
             tests = tuple(dict.fromkeys(t for m in muts for t in m.tests))
-            rc, tail = run_tests(copy, tests, args.timeout * 2)
+            rc, tail = run_tests(copies[0], tests, args.timeout * 2)
             print(f"baseline (unmodified copy, {len(tests)} test ids): {'pass' if rc == 0 else 'FAIL'}  {tail}")
             if rc != 0:
                 print("the targeted tests must pass before mutating; fix them first")
                 return 1
-        caught = 0
-        for m in muts:
-            path = copy / m.file
-            original = path.read_text()
-            if original.count(m.old) != 1:
-                problems.append(f"{m.name}: the snippet occurs {original.count(m.old)} times in {m.file} (update the spec)")
-                print(f"[spec ] {m.name}: snippet not found exactly once in {m.file}")
-                continue
-            path.write_text(original.replace(m.old, m.new))
+        free: "queue.Queue[Path]" = queue.Queue()
+        for c in copies:
+            free.put(c)
+        lock = threading.Lock()
+
+        def one(m: Mutation) -> bool:
+            copy = free.get()  # each worker plants its bug in its own copy of the repository
             try:
-                t = time.perf_counter()
-                rc, tail = run_tests(copy, m.tests, args.timeout)
+                caught, line, problem = plant_and_test(copy, m, args.timeout)
             finally:
-                path.write_text(original)
-            if rc == 1:  # pytest: tests failed
-                caught += 1
-                verdict = "caught  "
-            elif rc == 0:
-                verdict = "SURVIVED"
-                problems.append(f"{m.name}: survived {' '.join(m.tests)}")
-            else:  # usage error, no tests collected, interrupted, timeout: not evidence of a catch
-                verdict = f"ERROR {rc}"
-                problems.append(f"{m.name}: pytest exit {rc} ({tail})")
-            print(f"[{verdict}] {m.name:40s} {time.perf_counter() - t:5.1f}s  {tail}")
+                free.put(copy)
+            with lock:
+                print(line, flush=True)
+                if problem:
+                    problems.append(problem)
+            return caught
+
+        with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+            caught = sum(pool.map(one, muts))
     print(f"\nmutation check: {caught}/{len(muts)} caught ({time.perf_counter() - t0:.0f}s)")
     for line in problems:
         print("  - " + line)
