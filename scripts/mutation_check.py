@@ -44,6 +44,14 @@ class Mutation:
 
 
 MUTATIONS: List[Mutation] = [
+    # issue 44: the C++ affine quantizer (csrc/affine_cpu.cpp) behind mfqat.quantize's affine formats
+    Mutation("affine-op-scales-not-rounded-to-the-dtype", "mfqat/quant/kernels/__init__.py",
+             "        return codes, scales.to(x.dtype).float(), biases.to(x.dtype).float()",
+             "        return codes, scales, biases.to(x.dtype).float()",
+             ("tests/test_affine_kernel.py::test_public_quantize_takes_the_op_and_leaves_non_finite_tensors_to_the_reference",)),
+    Mutation("affine-op-given-non-finite-tensors", "mfqat/quant/kernels/__init__.py",
+             "            and bool(torch.isfinite(x).all())):", "            ):",
+             ("tests/test_affine_kernel.py::test_public_quantize_takes_the_op_and_leaves_non_finite_tensors_to_the_reference",)),
     # issue 44: streaming (storage/tensor_files.py, anchor/lazy.py, anchor/stream.py, export/verify.py)
     Mutation("shard-data-in-another-order-than-its-header", "mfqat/storage/tensor_files.py",
              "            for size in sorted(self.spills, reverse=True):\n                f = self.spills[size]",

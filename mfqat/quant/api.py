@@ -63,6 +63,11 @@ def quantize(x: torch.Tensor, fmt: FormatLike, block_size: Optional[int] = None,
         return MXTensor(codes, scales, f, bs, x.dtype, None, scale_rule)
     if f.family == "nvfp4":
         return quantize_nvfp4(x)
+    if f.family == "affine":
+        from mfqat.quant.kernels import affine_quantize_dispatch
+
+        codes, scales, biases = affine_quantize_dispatch(x.detach(), f, bs)
+        return MXTensor(codes, scales, f, bs, x.dtype, biases, scale_rule)
     codes, scales, biases = quantize_blocks(to_blocks(x.detach(), bs), f, scale_rule, x.dtype)
     return MXTensor(codes.reshape(x.shape), scales, f, bs, x.dtype, biases, scale_rule)
 

@@ -13,7 +13,9 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 
 ``auto`` (the default) picks per device: CUDA -> triton (the CUDA op where Triton is missing), CPU ->
 cpp, else reference. The environment variable ``MFQAT_BACKEND=reference|triton|cpp|cuda`` forces one (an error says so when the
-forced backend cannot run on the tensor's device). NF4, affine and nvfp4 formats always use the
+forced backend cannot run on the tensor's device). Affine quantization to codes (MLX's rule: the
+exporter's derived formats) has a C++ op too (:func:`affine_quantize_dispatch`: CPU tensors without
+NaN or Inf, under ``auto`` or ``cpp``); affine fake quantization, NF4 and nvfp4 always use the
 reference (nvfp4's: mfqat.quant.nvfp4; there is no nvfp4 kernel, ``MFQAT_BACKEND`` does not change that).
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from mfqat.formats import ElementFormat
 from mfqat.quant.nvfp4 import nvfp4_fake_quantize_blocks
-from mfqat.quant.reference import fake_quantize_reference, quantize_reference, to_blocks
+from mfqat.quant.reference import affine_quantize_blocks, fake_quantize_reference, quantize_reference, to_blocks
 from mfqat.quant.kernels import cpp, triton_mx, triton_search, triton_slice
 
 BACKENDS = ("reference", "cpp", "triton", "cuda")
@@ -136,6 +138,20 @@ def mx_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int, s
     if backend == "triton":
         return triton_mx.quantize_triton(x, fmt, block_size, scale_rule)
     return quantize_reference(x, fmt, block_size, scale_rule)  # also under the CUDA op (no codes kernel)
+
+
+def affine_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: int
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLX's affine quantization of ``x`` in blocks along its last axis -> (uint8 codes of x's shape, scales
+    and biases (..., K // block_size) as float32 holding x's dtype's values), as
+    :func:`mfqat.quant.reference.affine_quantize_blocks`. The C++ op on CPU tensors whose values are all
+    finite (under ``MFQAT_BACKEND`` auto or cpp, when the build has it); the reference otherwise."""
+    if (requested_backend() in ("auto", "cpp") and x.device.type == "cpu" and cpp.AFFINE_AVAILABLE
+            and bool(torch.isfinite(x).all())):
+        codes, scales, biases = cpp.quantize_affine_cpp(x, fmt, block_size)
+        return codes, scales.to(x.dtype).float(), biases.to(x.dtype).float()
+    codes, scales, biases = affine_quantize_blocks(to_blocks(x, block_size), fmt, x.dtype)
+    return codes.reshape(x.shape), scales, biases
 
 
 def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat,

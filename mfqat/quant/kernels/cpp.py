@@ -4,7 +4,7 @@ when it was built against a CUDA torch; :data:`CUDA_AVAILABLE`).
 
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
-``slice_mx`` (mx_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
+``slice_mx`` (mx_cpu.cpp), ``quantize_affine`` (MLX's affine rule, affine_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
 ``search_mx_through`` / ``decode_mx_exponents_through`` (the MX scale search, mx_search.cpp and
 mx_decode.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
@@ -23,6 +23,7 @@ CUDA_AVAILABLE = False
 THROUGH_AVAILABLE = False
 SEARCH_AVAILABLE = False
 SEARCH_THROUGH_AVAILABLE = False
+AFFINE_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
     from mfqat._build import load_extension
@@ -36,6 +37,7 @@ try:  # the extension is optional: a missing compiler at install time leaves the
     SEARCH_AVAILABLE = hasattr(torch.ops.mfqat, "search_mx") and \
         "mbits" in str(torch.ops.mfqat.search_mx.default._schema)
     SEARCH_THROUGH_AVAILABLE = SEARCH_AVAILABLE and hasattr(torch.ops.mfqat, "search_mx_through")
+    AFFINE_AVAILABLE = hasattr(torch.ops.mfqat, "quantize_affine")  # affine_cpu.cpp; False for an older build
     # the CUDA op (csrc/cuda/): CUDA kernels of fake_quant_mx and fake_quant_mx_through, built by setup.py
     # only when torch had CUDA and nvcc was found
     CUDA_AVAILABLE = AVAILABLE and THROUGH_AVAILABLE and all(
@@ -65,6 +67,13 @@ if AVAILABLE:
         codes = x.new_empty(x.shape, dtype=torch.int8 if is_int else torch.uint8)
         scales = x.new_empty((*x.shape[:-1], x.shape[-1] // block_size), dtype=torch.uint8)
         return codes, scales
+
+    if AFFINE_AVAILABLE:
+        @torch.library.register_fake("mfqat::quantize_affine")
+        def _quantize_affine_meta(x, block_size, bits):
+            small = (*x.shape[:-1], x.shape[-1] // block_size)
+            return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(small, dtype=torch.float32), \
+                x.new_empty(small, dtype=torch.float32)
 
     @torch.library.register_fake("mfqat::slice_mx")
     def _slice_mx_meta(codes, scales, block_size, is_int, *rest):
@@ -121,6 +130,13 @@ def quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rul
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
     """MX codes (int8 MXINT / uint8 MXFP bit patterns, x's shape) and E8M0 scale bytes."""
     return torch.ops.mfqat.quantize_mx(x, block_size, *_format_args(fmt, scale_rule), fmt.bias, fmt.ebits)
+
+
+def quantize_affine_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLX's affine rule on CPU (affine_cpu.cpp): uint8 codes (x's shape) and the float32 scales and biases
+    before their rounding to x's dtype; finite inputs only (the caller checks)."""
+    return torch.ops.mfqat.quantize_affine(x, block_size, fmt.bits)
 
 
 def slice_cpp(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat, block_size: int
