@@ -50,7 +50,7 @@ MUTATIONS: List[Mutation] = [
              "        return codes, scales, biases.to(x.dtype).float()",
              ("tests/test_affine_kernel.py::test_public_quantize_takes_the_op_and_leaves_non_finite_tensors_to_the_reference",)),
     Mutation("affine-op-given-non-finite-tensors", "mfqat/quant/kernels/__init__.py",
-             "            and bool(torch.isfinite(x).all())):", "            ):",
+             "        if finite:\n", "        if True:\n",
              ("tests/test_affine_kernel.py::test_public_quantize_takes_the_op_and_leaves_non_finite_tensors_to_the_reference",)),
     # issue 44: streaming (storage/tensor_files.py, anchor/lazy.py, anchor/stream.py, export/verify.py)
     Mutation("shard-data-in-another-order-than-its-header", "mfqat/storage/tensor_files.py",

@@ -146,10 +146,10 @@ def affine_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: in
     and biases (..., K // block_size) as float32 holding x's dtype's values), as
     :func:`mfqat.quant.reference.affine_quantize_blocks`. The C++ op on CPU tensors whose values are all
     finite (under ``MFQAT_BACKEND`` auto or cpp, when the build has it); the reference otherwise."""
-    if (requested_backend() in ("auto", "cpp") and x.device.type == "cpu" and cpp.AFFINE_AVAILABLE
-            and bool(torch.isfinite(x).all())):
-        codes, scales, biases = cpp.quantize_affine_cpp(x, fmt, block_size)
-        return codes, scales.to(x.dtype).float(), biases.to(x.dtype).float()
+    if requested_backend() in ("auto", "cpp") and x.device.type == "cpu" and cpp.AFFINE_AVAILABLE:
+        codes, scales, biases, finite = cpp.quantize_affine_cpp(x, fmt, block_size)
+        if finite:
+            return codes, scales.to(x.dtype).float(), biases.to(x.dtype).float()
     codes, scales, biases = affine_quantize_blocks(to_blocks(x, block_size), fmt, x.dtype)
     return codes.reshape(x.shape), scales, biases
 

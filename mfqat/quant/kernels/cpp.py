@@ -73,7 +73,7 @@ if AVAILABLE:
         def _quantize_affine_meta(x, block_size, bits):
             small = (*x.shape[:-1], x.shape[-1] // block_size)
             return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(small, dtype=torch.float32), \
-                x.new_empty(small, dtype=torch.float32)
+                x.new_empty(small, dtype=torch.float32), True
 
     @torch.library.register_fake("mfqat::slice_mx")
     def _slice_mx_meta(codes, scales, block_size, is_int, *rest):
@@ -133,9 +133,10 @@ def quantize_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int, scale_rul
 
 
 def quantize_affine_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MLX's affine rule on CPU (affine_cpu.cpp): uint8 codes (x's shape) and the float32 scales and biases
-    before their rounding to x's dtype; finite inputs only (the caller checks)."""
+                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """MLX's affine rule on CPU (affine_cpu.cpp): uint8 codes (x's shape), the float32 scales and biases
+    before their rounding to x's dtype, and whether x was all finite (when not, the rest is incomplete:
+    the reference's NaN rules apply, the caller's job)."""
     return torch.ops.mfqat.quantize_affine(x, block_size, fmt.bits)
 
 
