@@ -277,7 +277,7 @@ def test_mlx_train_adamw_matches_torch_adamw_step_for_step():
 
 
 def test_mfqat_bench_finds_the_benchmark_scripts_of_the_checkout():
-    """`mfqat bench` runs scripts/bench_quant.py of the source checkout (found from mfqat/cli/)."""
+    """`mfqat bench` runs scripts/bench/bench_quant.py of the source checkout (found from mfqat/cli/)."""
     import subprocess
     import sys
 

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(Q4_1 GGUF, dequantized)")
     from mfqat.cli.demo_args import build_parser as demo_parser
     demo_parser(d)
-    sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)
+    sub.add_parser("bench", help="run scripts/bench/bench_quant.py", add_help=False)
     sub.add_parser("mlx-train", help="MF-QAT or LoRA fine-tune on MLX (mfqat mlx-train --help)", add_help=False)
     sub.add_parser("mx-qlora", help="one LoRA adapter on a frozen MX anchor, for all its formats "
                    "(mfqat mx-qlora --help)", add_help=False)
@@ -190,10 +190,10 @@ def _mlx(cmd: str = "") -> None:
 
 
 def _bench(rest: List[str]) -> NoReturn:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_quant.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_quant.py"
     if not script.is_file():
         sys.exit(f"mfqat bench: {script} is missing: the benchmark scripts live in the source repository, "
-                 "not in the installed package; clone the repository and run `python scripts/bench_quant.py`")
+                 "not in the installed package; clone the repository and run `python scripts/bench/bench_quant.py`")
     sys.exit(subprocess.call([sys.executable, str(script), *rest]))
 
 

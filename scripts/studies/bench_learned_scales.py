@@ -2,9 +2,9 @@
 """Affine scales learned with the weights (``--learn-scales``) against learned after training (``mfqat refine``),
 on two runs of the same protocol that differ only in ``--learn-scales``: PyTorch perplexity of each affine width
 on the pydoc held-out split and numpy's licence text (8 x 128 tokens each, the blocks of
-scripts/bench_refine_anchor.py), in one run.
+scripts/studies/bench_refine_anchor.py), in one run.
 
-    python scripts/bench_learned_scales.py --plain out/joint-affine/anchor --learned out/joint-affine-lsq/anchor
+    python scripts/studies/bench_learned_scales.py --plain out/joint-affine/anchor --learned out/joint-affine-lsq/anchor
 
 Rows per width: the plain run's derived widths; the plain run + ``mfqat refine`` (KL to its anchor on the
 pydoc training split, ``--refine-steps``); the learned run's derived widths (its weights alone); the learned

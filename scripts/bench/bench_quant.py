@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run.
 
-    python scripts/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
+    python scripts/bench/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
                                   [--device cuda --backends triton,cuda,reference]
                                   [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
 

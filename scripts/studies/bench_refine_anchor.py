@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Learned affine widths stored in the anchor (``mfqat refine``) against the derived ones, on one anchor:
 PyTorch perplexity of ``load_anchor(anchor, fmt)`` on the pydoc held-out split and numpy's licence text
-(8 x 128 tokens each, the texts and blocks of scripts/bench_pareto.py), before and after, in one run.
+(8 x 128 tokens each, the texts and blocks of scripts/bench/bench_pareto.py), before and after, in one run.
 
-    nice python scripts/bench_refine_anchor.py --anchor out/joint-affine/anchor --formats affine4,affine3 --steps 32
+    nice python scripts/studies/bench_refine_anchor.py --anchor out/joint-affine/anchor --formats affine4,affine3 --steps 32
 
 The anchor is copied to --work first (refine changes the anchor it is given); calibration: the pydoc
 training split (refine's default), which neither scored text overlaps.

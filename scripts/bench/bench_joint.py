@@ -10,7 +10,7 @@ Slice-and-Scale (what is deployed). Two comparisons: equal optimizer steps, and 
 as one dedicated run). Perplexity on two held-out texts: the pydoc split no run trains on, and
 numpy's licence file (a different domain, so in-domain fine-tuning cannot hide a gap).
 
-    python scripts/bench_joint.py [--steps 60] [--family mxint|mxfp] [--lr 2e-5] [--out out/joint]
+    python scripts/bench/bench_joint.py [--steps 60] [--family mxint|mxfp] [--lr 2e-5] [--out out/joint]
                                   [--seed 0] [--dedicated mxint6] [--diagnose]
 
 ``--dedicated`` trains dedicated models for some evaluated formats only; ``--diagnose`` also scores each

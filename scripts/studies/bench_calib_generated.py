@@ -2,7 +2,7 @@
 """Calibration text for ``auto:`` plans and ``--refine``: the training text against text the model samples
 itself (issue 32).
 
-    python scripts/bench_calib_generated.py [--anchor out/joint-affine/anchor] [--recipe auto:4.7:affine]
+    python scripts/studies/bench_calib_generated.py [--anchor out/joint-affine/anchor] [--recipe auto:4.7:affine]
                                             [--calib "default;pydoc:1,generated:1"] [--blocks 16]
                                             [--refine-steps 0]
 

@@ -11,7 +11,7 @@ them to the family's anchor (mxint8 / mxfp8_e4m3, floor) and lowers the anchor w
 calibration uses: the pydoc held-out split and numpy's licence. Writes a JSON cache (resumable), a
 Markdown table and a PNG.
 
-    flock /tmp/heavy.lock nice python scripts/bench_scale_rule.py   # ~6 min on 2 cores
+    flock /tmp/heavy.lock nice python scripts/bench/bench_scale_rule.py   # ~6 min on 2 cores
 """
 from __future__ import annotations
 
