@@ -34,7 +34,7 @@ from typing import Dict, List
 import mlx.core as mx
 import torch
 
-from mfqat.data.sources import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import heldout_blocks, load_model
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.export import to_mlx
 from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert as convert_with_mlx_lm, stored_bits as stored_bpw
@@ -195,8 +195,7 @@ def main() -> None:
     measure_each_probe_once()
     model, tok = load_model(None)
     n_params = sum(t.numel() for t in model.parameters())
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
-            "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.blocks)}
+    held = heldout_blocks(tok, a.seq_len, max_blocks=a.blocks)
     cache_path = out / "pareto.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     save = lambda: cache_path.write_text(json.dumps(cache, indent=2))  # noqa: E731
