@@ -943,6 +943,12 @@ MUTATIONS: List[Mutation] = [
              '"final_loss": losses[-1] if losses else None', '"final_loss": losses[0] if losses else None',
              ("tests/test_train_package.py::test_seconds_per_step_counts_the_steps_this_invocation_ran",
               "tests/test_train.py::test_single_process_training_saves_anchor")),
+    # issue 46: `mfqat bench` runs code that ships in the package, not a script of the checkout
+    Mutation("bench-runs-the-checkouts-script", "mfqat/cli/app.py",
+             '    bench_main(rest, prog="mfqat bench")\n',
+             '    sys.exit(__import__("subprocess").call([sys.executable, str(__import__("pathlib").Path(__file__)'
+             '.resolve().parents[2] / "scripts" / "bench" / "bench_quant.py"), *rest]))\n',
+             ("tests/test_packaging.py::test_bench_runs_from_the_package_alone",)),
 ]
 
 

@@ -1,104 +1,14 @@
 #!/usr/bin/env python
-"""Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run.
+"""Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run: the code of
+`mfqat bench` (mfqat/quant/kernels/bench.py, which ships in the package), run from a source checkout.
 
     python scripts/bench/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
-                                  [--device cuda --backends triton,cuda,reference]
-                                  [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
+                                        [--device cuda --backends triton,cuda,reference]
+                                        [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
 
-Prints one row per (format, backend): median milliseconds, ratio to clone(), bandwidth as % of
-clone()'s (clone_ms / ms: fake-quant reads and writes the same bytes as a copy), ratio to torchao's
-to_mx + to_dtype (MXFP formats, where torchao is installed). Then, per ``--through`` pair
-anchor:format, train-through-anchor (what MF-QAT's forward computes for a format below the anchor)
-as one fused pass vs the two passes qdq_format(qdq_anchor(x)).
+`--help` gives the flags and the columns of its tables.
 """
-from __future__ import annotations
-
-import argparse
-import os
-import statistics
-import time
-import warnings
-
-import torch
-
-import mfqat
-from mfqat.quant.kernels import available_backends, fake_quantize_dispatch, fake_quantize_through_dispatch
-
-FORMATS = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2",
-           "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"]
-
-
-def best_ms(fn, repeats: int) -> float:
-    """Median wall time in ms after one warm-up call (the median resists allocator luck and noise)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
-def torchao_fn(x, name):
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torchao.prototype.mx_formats.config import ScaleCalculationMode
-            from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
-    except Exception:
-        return None
-    elem = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2, "mxfp6_e3m2": "fp6_e3m2",
-            "mxfp6_e2m3": "fp6_e2m3", "mxfp4_e2m1": torch.float4_e2m1fn_x2}.get(name)
-    if elem is None:
-        return None
-
-    def run():
-        s, d = to_mx(x, elem, 32, ScaleCalculationMode.FLOOR)
-        return to_dtype(d, s, elem, 32, x.dtype)
-    return run
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--backends", default=None, help="comma list (default: every available backend)")
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma list (empty: skip)")
-    p.add_argument("--through", default="mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1",
-                   help="anchor:format pairs timed fused vs two passes (empty: skip)")
-    a = p.parse_args()
-    torch.manual_seed(0)
-    x = torch.randn(a.size, a.size, device=a.device).to(getattr(torch, a.dtype))
-    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
-    backends = a.backends.split(",") if a.backends else available_backends(x.device)
-    clone_ms = best_ms(lambda: (x.clone(), sync()), a.repeats)
-    print(f"device={a.device} dtype={a.dtype} shape={tuple(x.shape)} threads={torch.get_num_threads()} "
-          f"clone={clone_ms:.2f} ms backends={backends}")
-    print(f"{'format':<12} {'backend':<10} {'ms':>9} {'x clone':>8} {'% clone':>8} {'torchao ms':>11} "
-          f"{'torchao/ours':>13}")
-    for name in filter(None, a.formats.split(",")):
-        f = mfqat.get_format(name)
-        ao = torchao_fn(x, name)
-        ao_ms = best_ms(lambda: (ao(), sync()), a.repeats) if ao else float("nan")
-        for be in backends:
-            os.environ["MFQAT_BACKEND"] = be
-            ms = best_ms(lambda: (fake_quantize_dispatch(x, f, 32, "floor"), sync()), a.repeats)
-            print(f"{name:<12} {be:<10} {ms:9.2f} {ms / clone_ms:8.2f} {100 * clone_ms / ms:7.0f}% {ao_ms:11.2f} "
-                  f"{ao_ms / ms:13.2f}")
-    pairs = [pair.split(":") for pair in a.through.split(",") if pair]
-    if pairs:
-        print(f"{'anchor:format':<24} {'backend':<10} {'fused ms':>9} {'two-pass ms':>12} {'speed-up':>9}")
-    for anchor, name in pairs:
-        fa, f = mfqat.get_format(anchor), mfqat.get_format(name)
-        for be in backends:
-            os.environ["MFQAT_BACKEND"] = be
-            fused = best_ms(lambda: (fake_quantize_through_dispatch(x, fa, f, 32), sync()), a.repeats)
-            two = best_ms(lambda: (fake_quantize_dispatch(fake_quantize_dispatch(x, fa, 32)[0], f, 32), sync()),
-                          a.repeats)
-            print(f"{anchor + ':' + name:<24} {be:<10} {fused:9.2f} {two:12.2f} {two / fused:8.2f}x")
-
+from mfqat.quant.kernels.bench import main
 
 if __name__ == "__main__":
     main()

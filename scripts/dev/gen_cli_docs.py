@@ -25,8 +25,8 @@ Notes that the help text cannot carry:
 
 - `--qat-config` (train, mlx-train) takes a YAML file or the bare name of a shipped recipe
   (`mxint_joint`, `mxint_468_cyclic`, ...); `docs/recipes.md` says which to choose.
-- `train` is `scripts/train.py` (run it under `accelerate launch` for DDP/FSDP), `bench` runs
-  `scripts/bench/bench_quant.py` from a source checkout (the scripts are not part of the installed package).
+- `train` is `scripts/train.py` (run it under `accelerate launch` for DDP/FSDP); `bench` ships in the
+  package (`mfqat/quant/kernels/bench.py`), and `scripts/bench/bench_quant.py` in a checkout runs the same code.
 - `mlx-train`, `generate` and `serve` need MLX: `pip install 'mfqat[mlx]'`.
 - User mistakes (missing paths, unknown formats, bad flag combinations, unreadable anchors) end in
   one line, `mfqat <command>: error: ...`, with exit status 2; `MFQAT_DEBUG=1` shows the traceback.
@@ -47,7 +47,7 @@ def helptext(*args: str) -> str:
 
 def fix_usage(text: str, prog: str) -> str:
     """Name the command as users type it in the usage block (parsers shared with scripts/ carry
-    their own prog: scripts/train.py, bench_quant.py)."""
+    their own prog, e.g. scripts/train.py)."""
     head, sep, rest = text.partition("\n\n")
     lines = head.split("\n")
     m = re.match(r"usage: (\S+(?: [a-z][a-z-]*)?) ", lines[0])
