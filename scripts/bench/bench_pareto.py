@@ -39,7 +39,7 @@ from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.export import to_mlx
 from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert as convert_with_mlx_lm, stored_bits as stored_bpw
 
-import mlx_lm_learned  # scripts/ (this script's folder) is on sys.path
+import mlx_lm_learned  # scripts/bench/ (this script's folder) is on sys.path
 
 MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
                   + [("mxfp4", dict(q_mode="mxfp4", q_bits=4, q_group_size=32)),
