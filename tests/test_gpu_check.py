@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STAGES = ["build", "cuda_tests", "quant_float32", "quant_bfloat16", "train", "qlora", "triton_aot", "kernels_static"]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "dev"))
 import gpu_summary  # noqa: E402
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gen_layers", ROOT / "scripts" / "gen_layers.py")
+_spec = importlib.util.spec_from_file_location("gen_layers", ROOT / "scripts" / "dev" / "gen_layers.py")
 layers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(layers)
 

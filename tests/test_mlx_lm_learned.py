@@ -1,4 +1,4 @@
-"""scripts/mlx_lm_learned.py: mlx-lm's GPTQ, AWQ, dynamic_quant and DWQ run offline on a tiny
+"""scripts/bench/mlx_lm_learned.py: mlx-lm's GPTQ, AWQ, dynamic_quant and DWQ run offline on a tiny
 Llama, through their own functions, with the pydoc training split as calibration text."""
 import json
 import sys
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import mlx_lm_learned  # noqa: E402
 
 from mfqat.data.sources import tiny_llama, tiny_tokenizer  # noqa: E402

@@ -1,5 +1,5 @@
-"""Packaging: the YAML recipes ship inside the wheel, bare recipe names resolve, `mfqat bench`
-explains itself when the scripts are not installed."""
+"""Packaging: the YAML recipes ship inside the wheel, bare recipe names resolve, `mfqat bench` runs
+from the package alone (no scripts/ folder)."""
 import os
 import shutil
 import subprocess
@@ -31,14 +31,25 @@ def test_unknown_recipe_lists_the_shipped_ones(tmp_path):
         QATConfig.read_yaml(tmp_path / "missing.yaml")
 
 
-def test_bench_without_scripts_says_why(monkeypatch):
-    from mfqat.cli import app as cli
-
-    real = Path.is_file
-    monkeypatch.setattr(Path, "is_file", lambda p: False if p.name == "bench_quant.py" else real(p))
-    with pytest.raises(SystemExit) as e:
-        cli.main(["bench"])
-    assert "source repository" in str(e.value.code) and "bench_quant.py" in str(e.value.code)
+def test_bench_runs_from_the_package_alone(tmp_path):
+    """`mfqat bench` in an installed package: only mfqat/ on the path, no scripts/ folder, no checkout."""
+    shutil.copytree(ROOT / "mfqat", tmp_path / "mfqat", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONNOUSERSITE": "1"}
+    env.pop("MFQAT_BACKEND", None)
+    where = subprocess.run([sys.executable, "-c", "import mfqat; print(mfqat.__file__)"], capture_output=True,
+                           text=True, cwd=tmp_path, env=env, timeout=300)
+    assert Path(where.stdout.strip()).parent == tmp_path / "mfqat", where.stdout + where.stderr
+    assert not (tmp_path / "scripts").exists()
+    run = subprocess.run([sys.executable, "-m", "mfqat", "bench", "--size", "64", "--repeats", "1", "--backends",
+                          "reference", "--formats", "mxint4", "--through", "mxint8:mxint4"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("device=cpu dtype=float32 shape=(64, 64) ") and "backends=['reference']" in lines[0]
+    assert lines[1].split() == ["format", "backend", "ms", "x", "clone", "%", "clone", "torchao", "ms", "torchao/ours"]
+    assert lines[2].split()[:2] == ["mxint4", "reference"] and lines[2].split()[-2:] == ["nan", "nan"]
+    assert lines[3].split()[:2] == ["anchor:format", "backend"] and lines[4].split()[:2] == ["mxint8:mxint4", "reference"]
+    assert len(lines) == 5, run.stdout
 
 
 def _source_copy(dst: Path) -> Path:
@@ -60,6 +71,7 @@ def test_wheel_ships_the_yaml_recipes(tmp_path):
     want |= {f"mfqat/configs/accelerate/{p.name}" for p in (CONFIGS_DIR / "accelerate").glob("*.yaml")}
     assert len(want) >= 11 and want <= names, sorted(want - names)
     assert "mfqat/cli/app.py" in names and not any(n.endswith(".so") for n in names)
+    assert "mfqat/quant/kernels/bench.py" in names  # what `mfqat bench` runs
 
 
 def test_version_names_the_active_backends(monkeypatch, capsys):

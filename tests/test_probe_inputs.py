@@ -1,7 +1,7 @@
-"""The hostile-input probe battery (scripts/probe_inputs.py) in its fast form: every bad input that the
+"""The hostile-input probe battery (scripts/dev/probe_inputs.py) in its fast form: every bad input that the
 command line refuses before any training ends in one line with a non-zero status, and no user file is
 changed or deleted (issue 47). The full battery (training checkpoints, one process per input) stays a
-script: `python scripts/probe_inputs.py`."""
+script: `python scripts/dev/probe_inputs.py`."""
 import importlib.util
 from pathlib import Path
 
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _probe_module():
-    spec = importlib.util.spec_from_file_location("probe_inputs", ROOT / "scripts" / "probe_inputs.py")
+    spec = importlib.util.spec_from_file_location("probe_inputs", ROOT / "scripts" / "dev" / "probe_inputs.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -5,7 +5,7 @@ format family and input dtype, and spills no registers. The suite runs under ``T
 which would accept what the compiler rejects: the compilation happens in a worker with the
 interpreter off (mfqat.quant.kernels.triton_aot), so a compile error fails here.
 
-The same launches and numbers: scripts/bench_kernels_static.py.
+The same launches and numbers: scripts/bench/bench_kernels_static.py.
 """
 import importlib
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no ahead-of-time Trito
 
 LAUNCHES = triton_aot.launches() if WHY is None else []
 # Pointers not 16-byte aligned (a view at an odd offset) compile to another variant: Triton cannot
-# vectorize the accesses and the registers run out. One kernel's worth here (scripts/bench_kernels_static.py
+# vectorize the accesses and the registers run out. One kernel's worth here (scripts/bench/bench_kernels_static.py
 # --unaligned has them all: the fake-quant, through, search and MXINT slice kernels spill somewhere).
 CASES = LAUNCHES + [triton_aot.unaligned(l) for l in LAUNCHES if l.kernel == "_fake_quant_kernel"
                     and l.config.startswith("mxint4 fp32")]

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import List, NoReturn, Optional
 
 from mfqat._build import __version__
@@ -155,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(Q4_1 GGUF, dequantized)")
     from mfqat.cli.demo_args import build_parser as demo_parser
     demo_parser(d)
-    sub.add_parser("bench", help="run scripts/bench_quant.py", add_help=False)
+    sub.add_parser("bench", help="fake-quant speed per format and backend, against clone() and torchao",
+                   add_help=False)
     sub.add_parser("mlx-train", help="MF-QAT or LoRA fine-tune on MLX (mfqat mlx-train --help)", add_help=False)
     sub.add_parser("mx-qlora", help="one LoRA adapter on a frozen MX anchor, for all its formats "
                    "(mfqat mx-qlora --help)", add_help=False)
@@ -190,11 +189,10 @@ def _mlx(cmd: str = "") -> None:
 
 
 def _bench(rest: List[str]) -> NoReturn:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_quant.py"
-    if not script.is_file():
-        sys.exit(f"mfqat bench: {script} is missing: the benchmark scripts live in the source repository, "
-                 "not in the installed package; clone the repository and run `python scripts/bench_quant.py`")
-    sys.exit(subprocess.call([sys.executable, str(script), *rest]))
+    """`mfqat bench`: the fake-quant speed tables, from the package (mfqat.quant.kernels.bench)."""
+    from mfqat.quant.kernels.bench import main as bench_main
+    bench_main(rest, prog="mfqat bench")
+    sys.exit(0)
 
 
 def _run(cmd: str, args: argparse.Namespace, rest: List[str]) -> None:

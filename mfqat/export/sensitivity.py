@@ -148,7 +148,7 @@ class _ProbeKL:
     ``replay=True`` (the default pass): each probe runs only the decoder layers from the first one
     its tensor feeds (mfqat.export.replay), the layers before it returning their reference outputs:
     the same logits as a full forward, bit for bit. ``replay=False``: a full forward per probe (the
-    plain pass, kept for comparison: scripts/bench_auto.py, tests/test_sensitivity.py)."""
+    plain pass, kept for comparison: scripts/bench/bench_auto.py, tests/test_sensitivity.py)."""
 
     def __init__(self, model, blocks: torch.Tensor, names: List[str], replay: bool = True):
         self.model, self.blocks = model, blocks

@@ -1,6 +1,6 @@
 """The catalog of supported families as tiny random models: each family's transformers config settings
 (:data:`SUPPORTED`, and :data:`UNSUPPORTED`: one family mfqat refuses by name) and :func:`build`, which
-makes the model from them. The tests run every family from here, ``scripts/probe_families.py`` runs
+makes the model from them. The tests run every family from here, ``scripts/dev/probe_families.py`` runs
 them through the ``mfqat`` command; the README's support table lists what they run (``Family.tested``).
 
 Importable without MLX; torch and transformers are imported only by :func:`build`.

@@ -3,7 +3,7 @@
 An MX block's shared exponent is chosen by a rule (mfqat.quant.reference.mx_shared_exponent):
 ``floor`` (OCP: floor(log2 amax) - emax, the block maximum may saturate) or ``ceil`` (the smallest
 exponent at which nothing saturates). Which is better depends on the format: post-training
-perplexity of SmolLM2-135M on two held-out texts (scripts/bench_scale_rule.py, BENCHMARKS.md
+perplexity of SmolLM2-135M on two held-out texts (scripts/bench/bench_scale_rule.py, BENCHMARKS.md
 "Scale rules") decides :data:`DEFAULT_SCALE_RULE`; a format absent from it uses floor.
 
 One resolved table ({format: rule} for every MX format) is what training (MFQATLinear, both
@@ -18,7 +18,7 @@ from typing import Dict, Mapping, Optional
 from mfqat.formats import FORMATS, canonical_name, get_format
 from mfqat.quant.reference import SCALE_RULES
 
-# Measured defaults (scripts/bench_scale_rule.py, BENCHMARKS.md "Scale rules"): a format is listed only
+# Measured defaults (scripts/bench/bench_scale_rule.py, BENCHMARKS.md "Scale rules"): a format is listed only
 # where its rule beat floor on BOTH held-out texts, direct and via Slice-and-Scale, by a clear margin.
 # mxfp4: ceil 26.5 / 33.6 vs floor 29.1 / 36.5 direct, 24.8 / 25.8 vs 28.5 / 28.9 sliced (pydoc / licence).
 # Floor kept: every MXINT format (ceil is worse: mxint4 33.6 vs 26.6, mxint3 2503 vs 488); mxfp8_e4m3 and

@@ -164,7 +164,7 @@ def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat
     if name == "auto":
         name = auto_backend(device)
         if name == "cpp" and dst.family == "mxint":
-            return None  # measured (scripts/bench_slice.py): torch's integer shift is faster here
+            return None  # measured (scripts/bench/bench_slice.py): torch's integer shift is faster here
     if name == "cpp" and cpp.AVAILABLE and device.type == "cpu":
         return cpp.slice_cpp(codes, scales, src, dst, block_size)
     if name == "triton" and triton_mx.usable_on(device):

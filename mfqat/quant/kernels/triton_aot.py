@@ -11,7 +11,7 @@ registers and spills from the ptxas log of that build. Under ``TRITON_INTERPRET=
 cannot be compiled, so one spawned worker process with the interpreter off compiles instead: the
 interpreter never accepts for the compiler.
 
-Used by tests/test_triton_aot.py (compiles, zero spills) and scripts/bench_kernels_static.py (table).
+Used by tests/test_triton_aot.py (compiles, zero spills) and scripts/bench/bench_kernels_static.py (table).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Hostile-input probe (issues 33, 47): run `mfqat` on each bad input and print input, exit status, first line.
 
-    python scripts/probe_inputs.py            # every probe, one process each (about five minutes on 2 cores)
-    python scripts/probe_inputs.py --fast     # the probes refused before any training, in this process (~1 min)
+    python scripts/dev/probe_inputs.py            # every probe, one process each (about five minutes on 2 cores)
+    python scripts/dev/probe_inputs.py --fast     # the probes refused before any training, in this process (~1 min)
 
 Every bad input must end with a non-zero exit status (2: a one-line ``mfqat <cmd>: error: ...``), no
 traceback, no pickle from a checkpoint and no python tag from a YAML file executed, and no user file
@@ -30,7 +30,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1", "MFQAT_PROGRESS": "0"}
 ENV.pop("MFQAT_DEBUG", None)

@@ -5,7 +5,7 @@
 2. loss curves: the same short MF-QAT run (progressive schedule) in PyTorch and in MLX from the
    same weights, same batches, same AdamW (bias-corrected, no weight decay) and grad clipping.
 
-    python scripts/bench_mlx.py [--steps 8] [--batch-size 2] [--seq-len 128] [--out out/bench_mlx]
+    python scripts/bench/bench_mlx.py [--steps 8] [--batch-size 2] [--seq-len 128] [--out out/bench_mlx]
 
 Prints both tables and writes OUT/loss_pytorch_vs_mlx.png.
 """

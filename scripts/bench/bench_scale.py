@@ -6,7 +6,7 @@ wall time, next to `mlx_lm.convert -q` on the same folder.
 Random-weight Llama checkpoints saved in bfloat16 (sharded safetensors with an index, SmolLM2's
 tokenizer, vocabulary 49152) are built tensor by tensor (never a whole model in memory):
 
-    python scripts/bench_scale.py [--sizes 0.1,0.5,1.2,3] [--out out/bench_scale] [--commands ...]
+    python scripts/bench/bench_scale.py [--sizes 0.1,0.5,1.2,3] [--out out/bench_scale] [--commands ...]
 
 Prints one table (peak GiB, x the bf16 bytes, seconds, ratio to mlx_lm.convert), fits each command's
 growth law peak = a + b x bf16 GiB over the sizes, and writes scale.json and scale_memory.png.
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # name: (hidden, layers, intermediate, heads, kv heads, tied)
 SHAPES = {
     "0.1": (576, 30, 1536, 9, 3, True),      # SmolLM2-135M's shape

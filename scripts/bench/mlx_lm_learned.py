@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""mlx-lm's learned quantizers (GPTQ, AWQ, DWQ, dynamic_quant) run offline, for scripts/bench_pareto.py.
+"""mlx-lm's learned quantizers (GPTQ, AWQ, DWQ, dynamic_quant) run offline, for scripts/bench/bench_pareto.py.
 
 mlx-lm 0.32's command lines fetch their calibration data from the internet: ``mlx_lm.gptq``,
 ``mlx_lm.awq`` and ``mlx_lm.dynamic_quant`` read ``mlx_lm.quant.utils.load_data`` (a text file
@@ -27,8 +27,8 @@ Debian's OpenBLAS (``apt-get install libopenblas0-pthread``) preloaded into the 
 quantizes, never in mfqat's runtime: ``blas_check()`` times one 1024x1024 float32 matmul in MLX
 with and without it and checks that a small matmul agrees within float tolerance.
 
-    python scripts/mlx_lm_learned.py probe                       # one process's BLAS speed (JSON)
-    python scripts/mlx_lm_learned.py quantize gptq MASTER DEST   # one method, default settings
+    python scripts/bench/mlx_lm_learned.py probe                       # one process's BLAS speed (JSON)
+    python scripts/bench/mlx_lm_learned.py quantize gptq MASTER DEST   # one method, default settings
 """
 from __future__ import annotations
 
@@ -345,7 +345,7 @@ def quantize_in_child(spec: str, master: Path, dest: Path, preload: Optional[str
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if preload:
         env["LD_PRELOAD"] = preload
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
     if log:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "quantize", name, str(master), str(dest), "--settings", json.dumps(settings)]

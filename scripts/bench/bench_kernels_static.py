@@ -7,10 +7,10 @@ touches, once, over the input's elements: e.g. fp32 in + fp32 out + int8 mask = 
 The launches are the wrappers' own (mfqat.quant.kernels.triton_aot records them), per format
 family and input dtype at block 32, the heaviest variant (ceil, saturation mask, weighted search).
 
-    python scripts/bench_kernels_static.py                   # the default set (what tests/test_triton_aot.py compiles)
-    python scripts/bench_kernels_static.py --full            # + every MX format, block size, lighter variant
-    python scripts/bench_kernels_static.py --unaligned       # + each launch with pointers not 16-byte aligned
-    python scripts/bench_kernels_static.py --json out.json   # also write the rows as JSON
+    python scripts/bench/bench_kernels_static.py                   # the default set (what tests/test_triton_aot.py compiles)
+    python scripts/bench/bench_kernels_static.py --full            # + every MX format, block size, lighter variant
+    python scripts/bench/bench_kernels_static.py --unaligned       # + each launch with pointers not 16-byte aligned
+    python scripts/bench/bench_kernels_static.py --json out.json   # also write the rows as JSON
 
 Prints a Markdown table, then how many compilations spill and the compile time per kernel.
 Exits 1 when a kernel fails to compile.

@@ -1,15 +1,18 @@
-#!/usr/bin/env python
-"""Fake-quant speed per format, as ratios to x.clone() and to torchao measured in the same run.
+"""`mfqat bench`: fake-quant speed per format, as ratios to x.clone() and to torchao measured in the
+same run.
 
-    python scripts/bench_quant.py [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
-                                  [--device cuda --backends triton,cuda,reference]
-                                  [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
+    mfqat bench [--size 4096] [--backends reference,cpp] [--repeats 7] [--dtype bfloat16]
+                [--device cuda --backends triton,cuda,reference]
+                [--through mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1] [--formats ""]
 
 Prints one row per (format, backend): median milliseconds, ratio to clone(), bandwidth as % of
 clone()'s (clone_ms / ms: fake-quant reads and writes the same bytes as a copy), ratio to torchao's
 to_mx + to_dtype (MXFP formats, where torchao is installed). Then, per ``--through`` pair
 anchor:format, train-through-anchor (what MF-QAT's forward computes for a format below the anchor)
 as one fused pass vs the two passes qdq_format(qdq_anchor(x)).
+
+Ships in the package (``mfqat bench`` runs it); ``scripts/bench/bench_quant.py`` in a source
+checkout is the same code, for BENCHMARKS.md's command lines and scripts/gpu_check.sh.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ import os
 import statistics
 import time
 import warnings
+from typing import List, Optional
 
 import torch
 
-import mfqat
+from mfqat.formats import get_format
 from mfqat.quant.kernels import available_backends, fake_quantize_dispatch, fake_quantize_through_dispatch
 
 FORMATS = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2",
@@ -39,7 +43,9 @@ def best_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def torchao_fn(x, name):
+def torchao_fn(x: torch.Tensor, name: str):
+    """torchao's to_mx + to_dtype of ``x`` in MXFP format ``name`` as a callable, or None (no torchao, or
+    not an MXFP format torchao has)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -58,8 +64,9 @@ def torchao_fn(x, name):
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    """The flags of `mfqat bench` (and of scripts/bench/bench_quant.py)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -68,7 +75,11 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(FORMATS), help="comma list (empty: skip)")
     p.add_argument("--through", default="mxint8:mxint4,mxfp8_e4m3:mxfp4_e2m1",
                    help="anchor:format pairs timed fused vs two passes (empty: skip)")
-    a = p.parse_args()
+    return p
+
+
+def run(a: argparse.Namespace) -> None:
+    """Time and print the tables for parsed flags ``a`` (sets ``MFQAT_BACKEND`` per row)."""
     torch.manual_seed(0)
     x = torch.randn(a.size, a.size, device=a.device).to(getattr(torch, a.dtype))
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
@@ -79,7 +90,7 @@ def main() -> None:
     print(f"{'format':<12} {'backend':<10} {'ms':>9} {'x clone':>8} {'% clone':>8} {'torchao ms':>11} "
           f"{'torchao/ours':>13}")
     for name in filter(None, a.formats.split(",")):
-        f = mfqat.get_format(name)
+        f = get_format(name)
         ao = torchao_fn(x, name)
         ao_ms = best_ms(lambda: (ao(), sync()), a.repeats) if ao else float("nan")
         for be in backends:
@@ -91,7 +102,7 @@ def main() -> None:
     if pairs:
         print(f"{'anchor:format':<24} {'backend':<10} {'fused ms':>9} {'two-pass ms':>12} {'speed-up':>9}")
     for anchor, name in pairs:
-        fa, f = mfqat.get_format(anchor), mfqat.get_format(name)
+        fa, f = get_format(anchor), get_format(name)
         for be in backends:
             os.environ["MFQAT_BACKEND"] = be
             fused = best_ms(lambda: (fake_quantize_through_dispatch(x, fa, f, 32), sync()), a.repeats)
@@ -100,5 +111,14 @@ def main() -> None:
             print(f"{anchor + ':' + name:<24} {be:<10} {fused:9.2f} {two:12.2f} {two / fused:8.2f}x")
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
+    """Parse ``argv`` (default: sys.argv[1:]) and run; ``MFQAT_BACKEND`` is restored afterwards."""
+    a = build_parser(prog).parse_args(argv)
+    before = os.environ.get("MFQAT_BACKEND")
+    try:
+        run(a)
+    finally:
+        if before is None:
+            os.environ.pop("MFQAT_BACKEND", None)
+        else:
+            os.environ["MFQAT_BACKEND"] = before

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Learned affine widths stored in the anchor (``mfqat refine``) against the derived ones, on one anchor:
 PyTorch perplexity of ``load_anchor(anchor, fmt)`` on the pydoc held-out split and numpy's licence text
-(8 x 128 tokens each, the texts and blocks of scripts/bench_pareto.py), before and after, in one run.
+(8 x 128 tokens each, the texts and blocks of scripts/bench/bench_pareto.py), before and after, in one run.
 
-    nice python scripts/bench_refine_anchor.py --anchor out/joint-affine/anchor --formats affine4,affine3 --steps 32
+    nice python scripts/studies/bench_refine_anchor.py --anchor out/joint-affine/anchor --formats affine4,affine3 --steps 32
 
 The anchor is copied to --work first (refine changes the anchor it is given); calibration: the pydoc
 training split (refine's default), which neither scored text overlaps.
@@ -29,7 +29,7 @@ def main() -> None:
     import mfqat
     from transformers import AutoTokenizer
 
-    from mfqat.data.sources import licence_text, load_text, split_text, token_blocks
+    from mfqat.data.sources import heldout_blocks
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table
     from mfqat.export.refine import RefineConfig, refine_anchor
@@ -39,8 +39,7 @@ def main() -> None:
         shutil.rmtree(work)
     shutil.copytree(a.anchor, work)
     tok = AutoTokenizer.from_pretrained(str(work))
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], 128, max_blocks=8),
-            "licence": token_blocks(tok, licence_text(), 128, max_blocks=8)}
+    held = heldout_blocks(tok, 128, max_blocks=8)
     fmts = [f for f in a.formats.split(",") if f]
 
     def ppl() -> dict:

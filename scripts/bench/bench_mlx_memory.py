@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """MLX MF-QAT step time and peak memory, with and without activation checkpointing (--grad-checkpoint).
 
-    python scripts/bench_mlx_memory.py [--steps 2] [--batch-size 2] [--seq-len 128] [--format mxint4]
-    python scripts/bench_mlx_memory.py --tiny --batch-size 8 --seq-len 256 --steps 3
+    python scripts/bench/bench_mlx_memory.py [--steps 2] [--batch-size 2] [--seq-len 128] [--format mxint4]
+    python scripts/bench/bench_mlx_memory.py --tiny --batch-size 8 --seq-len 256 --steps 3
 
 SmolLM2-135M (embedded), MF-QAT in one fixed format, AdamW, same batch every step. Each
 configuration runs in its own process so ``mx.get_peak_memory`` is its own; the first step

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The one summary table of scripts/gpu_check.sh, from its stage list and logs.
 
-    python scripts/gpu_summary.py LOG_DIR      # reads LOG_DIR/stages.tsv, writes LOG_DIR/summary.md
+    python scripts/dev/gpu_summary.py LOG_DIR      # reads LOG_DIR/stages.tsv, writes LOG_DIR/summary.md
 
 stages.tsv: one line a stage, tab-separated: name, status (ok / FAILED rc=N / TIMEOUT after N s /
 skipped: why), seconds, log file. Each row of the table gives the stage's headline numbers, pulled
@@ -24,7 +24,7 @@ WHAT = {
     "train": "(e) joint MF-QAT step vs plain bf16 step, SmolLM2",
     "qlora": "(f) MX-QLoRA vs bitsandbytes NF4 QLoRA",
     "triton_aot": "(c) tests/test_triton_aot.py, this machine's ptxas",
-    "kernels_static": "(c) scripts/bench_kernels_static.py, this machine's ptxas",
+    "kernels_static": "(c) scripts/bench/bench_kernels_static.py, this machine's ptxas",
 }
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """MX-compressed gradient all-reduce vs fp32, 2 gloo ranks: bytes sent per step and the loss curve.
 
-    python scripts/bench_grad_compress.py [--steps 150] [--hidden 128] [--layers 4]
+    python scripts/bench/bench_grad_compress.py [--steps 150] [--hidden 128] [--layers 4]
                                           [--modes fp32,fp16,mxfp8,mxint4-noef,...]
 
 Each mode trains the same tiny Llama (byte tokens of Python's pydoc text, a different shard per
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@
   --q-group-size 32` of the same full-precision weights;
 * our auto:BPW against mlx-lm's own `mixed_3_6` recipe at the same size.
 
-    python scripts/bench_export.py [--anchor DIR] [--out out/bench_export] [--blocks 8]
+    python scripts/bench/bench_export.py [--anchor DIR] [--out out/bench_export] [--blocks 8]
 
 Without --anchor, an MXINT8 anchor of the original model (post-training) is made first.
 """

@@ -11,7 +11,7 @@ them to the family's anchor (mxint8 / mxfp8_e4m3, floor) and lowers the anchor w
 calibration uses: the pydoc held-out split and numpy's licence. Writes a JSON cache (resumable), a
 Markdown table and a PNG.
 
-    flock /tmp/heavy.lock nice python scripts/bench_scale_rule.py   # ~6 min on 2 cores
+    flock /tmp/heavy.lock nice python scripts/bench/bench_scale_rule.py   # ~6 min on 2 cores
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import torch
 
-from mfqat.data.sources import calibration_blocks, licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import calibration_blocks, heldout_blocks, load_model
 from mfqat.formats import get_format
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
@@ -75,8 +75,7 @@ def main() -> None:
         return report(json.loads(cache_path.read_text()), a, out)
     torch.manual_seed(0)
     model, tok = load_model(a.model)
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
-            "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.blocks)}
+    held = heldout_blocks(tok, a.seq_len, max_blocks=a.blocks)
     names = targets(model)
     imp = importance_matrix(model, calibration_blocks(tok, n_blocks=a.calib_blocks, seq_len=a.seq_len))
     fp = {n: model.get_submodule(n).weight.detach().clone() for n in names}

@@ -10,7 +10,7 @@ same steps, lr, batch, seed and held-out blocks), in one run:
   full-precision master (`--distill 0.5`), and {4,6,8} cycled per step (`--schedule cyclic`);
 * MF-QAT over the MXFP family (mfqat/configs/mxfp_468.yaml), MXFP8 anchor, MXFP formats by Slice-and-Scale.
 
-    python scripts/bench_quality.py [--steps 60] [--out out/quality] [--single mxint4,mxfp4_e2m1]
+    python scripts/bench/bench_quality.py [--steps 60] [--out out/quality] [--single mxint4,mxfp4_e2m1]
 
 Each run lands in OUT/<name>/ and is reused when its summary.json exists (delete it to redo).
 Prints one table and writes OUT/quality.png and OUT/quality.json.
@@ -31,7 +31,7 @@ from mfqat.train.loop import main as train_main
 
 MXINT = ["mxint8", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2"]
 MXFP = ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(out: Path, name: str, argv: list) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Start-up time of the `mfqat` command: --version, --help, a subcommand's --help, a user mistake.
 
-    python scripts/bench_cli.py [--repeats 7] [--root DIR]   # DIR: another checkout, e.g. an older commit
+    python scripts/bench/bench_cli.py [--repeats 7] [--root DIR]   # DIR: another checkout, e.g. an older commit
 
 Each row: median wall seconds of a fresh `python -m mfqat.cli ARGS` process (interpreter start
 included), and whether that process imported torch.
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CASES = [["--version"], ["--help"], ["train", "--help"], ["export-mlx", "--help"],
          ["convert", "no/such/anchor", "--out", "x"]]
 PROBE = ("import runpy, sys\nsys.argv = ['mfqat'] + sys.argv[1:]\ntry:\n    runpy.run_module('mfqat.cli', "

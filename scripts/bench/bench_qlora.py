@@ -2,7 +2,7 @@
 """LoRA on a frozen base, SmolLM2-135M: fp LoRA, bitsandbytes QLoRA (NF4 + double quant) and
 MX-QLoRA on an MXINT8 anchor (one adapter cycled over mxint8/6/4 vs one trained on mxint4 alone).
 
-    nice python scripts/bench_qlora.py [--steps 20] [--seq-len 64] [--batch-size 4] [--out runs/bench_qlora]
+    nice python scripts/bench/bench_qlora.py [--steps 20] [--seq-len 64] [--batch-size 4] [--out runs/bench_qlora]
 
 Every configuration runs in its own process (`mfqat train` / `mfqat mx-qlora`) on the same text,
 steps, seed, rank 8 (alpha 16, q/k/v/o/gate/up/down), lr 2e-4, so its peak RSS is its own; the
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(args: list, out: Path) -> dict:

@@ -2,7 +2,7 @@
 """auto:BPW vs uniform formats at similar size, on one anchor, perplexity in PyTorch (fast; the MLX
 export of the same plan is bit-exact, see bench_export.py), after timing the sensitivity pass.
 
-    python scripts/bench_auto.py [--anchor DIR] [--budgets 4.5,5.0] [--blocks 8] [--family affine]
+    python scripts/bench/bench_auto.py [--anchor DIR] [--budgets 4.5,5.0] [--blocks 8] [--family affine]
                                  [--sensitivity-only] [--every K]
 
 The sensitivities are measured once (the probe of the lowest budget, as ``auto:BPW`` picks it, or

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Can the ``auto:`` sensitivity pass screen tensors on fewer tokens and keep its plans? (issue 34)
 
-    python scripts/bench_auto_screening.py [--anchor DIR] [--family affine] [--budgets 3.8,4.2,4.7]
+    python scripts/studies/bench_auto_screening.py [--anchor DIR] [--family affine] [--budgets 3.8,4.2,4.7]
                                            [--spreads 1.1,1.25,1.5,2] [--every 10]
 
 The pass ``export-mlx`` runs (mfqat.export.sensitivity.measure, replayed) scores every tensor by the KL of

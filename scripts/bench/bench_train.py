@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """MF-QAT training step time vs plain training of the same model, same batch, same run.
 
-    python scripts/bench_train.py [--rounds 6] [--batch-size 4] [--seq-len 128] [--format mxint4]
+    python scripts/bench/bench_train.py [--rounds 6] [--batch-size 4] [--seq-len 128] [--format mxint4]
                                   [--backends reference,auto] [--joint mxint8,mxint6,mxint4]
                                   [--two-pass] [--search] [--keep-quantized]
-    python scripts/bench_train.py --memory [--keep-quantized]  # peak RSS of plain / MF-QAT / joint steps
-    python scripts/bench_train.py --components # where the joint search step's quantizer time goes
-    python scripts/bench_train.py --device cuda --dtype bfloat16 --backends auto,cuda   # on a GPU
+    python scripts/bench/bench_train.py --memory [--keep-quantized]  # peak RSS of plain / MF-QAT / joint steps
+    python scripts/bench/bench_train.py --components # where the joint search step's quantizer time goes
+    python scripts/bench/bench_train.py --device cuda --dtype bfloat16 --backends auto,cuda   # on a GPU
 
 The joint MF-QAT step (K formats, one forward+backward each) is reported against K plain
 forward+backward passes plus one optimizer step ("per-format overhead") and against one plain step

@@ -2,9 +2,9 @@
 """Affine scales learned with the weights (``--learn-scales``) against learned after training (``mfqat refine``),
 on two runs of the same protocol that differ only in ``--learn-scales``: PyTorch perplexity of each affine width
 on the pydoc held-out split and numpy's licence text (8 x 128 tokens each, the blocks of
-scripts/bench_refine_anchor.py), in one run.
+scripts/studies/bench_refine_anchor.py), in one run.
 
-    python scripts/bench_learned_scales.py --plain out/joint-affine/anchor --learned out/joint-affine-lsq/anchor
+    python scripts/studies/bench_learned_scales.py --plain out/joint-affine/anchor --learned out/joint-affine-lsq/anchor
 
 Rows per width: the plain run's derived widths; the plain run + ``mfqat refine`` (KL to its anchor on the
 pydoc training split, ``--refine-steps``); the learned run's derived widths (its weights alone); the learned
@@ -34,7 +34,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from mfqat.anchor.checkpoint import anchor_model, read_anchor
-    from mfqat.data.sources import licence_text, load_text, split_text, token_blocks
+    from mfqat.data.sources import heldout_blocks
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table
     from mfqat.export.refine import RefineConfig, refine_anchor
@@ -47,8 +47,7 @@ def main() -> None:
             shutil.rmtree(copies[name])
         shutil.copytree(src, copies[name])
     tok = AutoTokenizer.from_pretrained(str(copies["plain"]))
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], 128, max_blocks=8),
-            "licence": token_blocks(tok, licence_text(), 128, max_blocks=8)}
+    held = heldout_blocks(tok, 128, max_blocks=8)
     fmts = [f for f in a.formats.split(",") if f]
 
     def ppl(path: Path, fmt: str, stored: bool) -> dict:

@@ -4,7 +4,7 @@ weights with (a) weight-only, (b) dynamic MX activations (mxfp8_e4m3), (c) the s
 ``window_minmax`` int8 observer after W calibration forwards in training mode (no backward),
 its held-out clip rate, and the eval time per block of each.
 
-    python scripts/bench_observers.py [--calib 16] [--blocks 8] [--window 64]
+    python scripts/bench/bench_observers.py [--calib 16] [--blocks 8] [--window 64]
 """
 import argparse
 import copy

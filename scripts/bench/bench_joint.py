@@ -10,7 +10,7 @@ Slice-and-Scale (what is deployed). Two comparisons: equal optimizer steps, and 
 as one dedicated run). Perplexity on two held-out texts: the pydoc split no run trains on, and
 numpy's licence file (a different domain, so in-domain fine-tuning cannot hide a gap).
 
-    python scripts/bench_joint.py [--steps 60] [--family mxint|mxfp] [--lr 2e-5] [--out out/joint]
+    python scripts/bench/bench_joint.py [--steps 60] [--family mxint|mxfp] [--lr 2e-5] [--out out/joint]
                                   [--seed 0] [--dedicated mxint6] [--diagnose]
 
 ``--dedicated`` trains dedicated models for some evaluated formats only; ``--diagnose`` also scores each
@@ -31,7 +31,7 @@ import torch
 
 import mfqat
 from mfqat.anchor.checkpoint import read_anchor
-from mfqat.data.sources import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import heldout_blocks, load_model
 from mfqat.eval.elastic import anchor_state, evaluate_formats, ptq_state
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE
@@ -123,8 +123,7 @@ def main() -> None:
         fam["eval"] = a.eval_formats.split(",")
     common = ["--seq-len", str(a.seq_len), "--eval-blocks", "2", "--lr", a.lr, "--seed", a.seed, "--save-master"]
     model, tok = load_model(None)
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.eval_blocks),
-            "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.eval_blocks)}
+    held = heldout_blocks(tok, a.seq_len, max_blocks=a.eval_blocks)
     cache_path = out / f"eval-{a.family}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
 

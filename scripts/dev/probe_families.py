@@ -12,8 +12,8 @@ settings) and the tiny test tokenizer are saved as an HF folder; then, each as i
 and prints one row per family: each command's exit status and seconds, the export's stored bits and
 max |logit diff|. Exits 1 when any command failed (the failing command's last lines are printed).
 
-    python scripts/probe_families.py                 # every family (~10 min on 2 cores)
-    python scripts/probe_families.py --only phi3,qwen3_moe
+    python scripts/dev/probe_families.py                 # every family (~10 min on 2 cores)
+    python scripts/dev/probe_families.py --only phi3,qwen3_moe
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mfqat.eval.report import format_table  # noqa: E402

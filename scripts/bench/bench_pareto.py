@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """mfqat's MLX exports against every mlx_lm option at equal stored bytes, on the same fine-tuned weights.
 
-Each --run is a `mfqat train --save-master` output (anchor/ + master/, e.g. from scripts/bench_joint.py).
+Each --run is a `mfqat train --save-master` output (anchor/ + master/, e.g. from scripts/bench/bench_joint.py).
 For every run: `mlx_lm.convert` of its full-precision master (bfloat16, as a Mac user converts) at
 q2/q3/q4/q5/q6/q8 x group 32/64, `--q-mode mxfp4` / `mxfp8`, and the mixed_3_4 / mixed_3_6 / mixed_4_6
 recipes; and mfqat's exports of its anchor (the recipes given per run). Perplexity in MLX on held-out
@@ -13,13 +13,13 @@ PyTorch (float32 activations) and tokens/s the quantized model with float32 scal
 point, the best mfqat point of the same run at equal or fewer bytes.
 
 --mlx-lm-methods adds mlx-lm's learned quantizers on the same master (gptq, awq, dwq, dynamic; each
-``NAME[:setting=value...]``, settings in scripts/mlx_lm_learned.py's METHODS and recorded in every
+``NAME[:setting=value...]``, settings in scripts/bench/mlx_lm_learned.py's METHODS and recorded in every
 row): run offline through their own functions on the pydoc *training* split, in a child process
 with Debian's OpenBLAS preloaded after a BLAS check (AWQ and DWQ refuse MLX's reference BLAS unless
 --allow-slow); their rows are the exact weights of the folder mlx-lm saved, scored like every other.
 
-    python scripts/bench_pareto.py --run out/joint/joint-affine:uniform:affine8,uniform:affine6,uniform:affine4,uniform:affine3
-    python scripts/bench_pareto.py --mlx-lm "q4 g64" --mlx-lm-methods gptq,dynamic --run out/joint-affine:uniform:affine4
+    python scripts/bench/bench_pareto.py --run out/joint/joint-affine:uniform:affine8,uniform:affine6,uniform:affine4,uniform:affine3
+    python scripts/bench/bench_pareto.py --mlx-lm "q4 g64" --mlx-lm-methods gptq,dynamic --run out/joint-affine:uniform:affine4
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ from typing import Dict, List
 import mlx.core as mx
 import torch
 
-from mfqat.data.sources import licence_text, load_model, load_text, split_text, token_blocks
+from mfqat.data.sources import heldout_blocks, load_model
 from mfqat.eval.report import format_table, plot_ppl_vs_bpw
 from mfqat.export import to_mlx
 from mfqat.eval.mlx_weights import mlx_folder_perplexity, mlx_lm_convert as convert_with_mlx_lm, stored_bits as stored_bpw
 
-import mlx_lm_learned  # scripts/ (this script's folder) is on sys.path
+import mlx_lm_learned  # scripts/bench/ (this script's folder) is on sys.path
 
 MLX_LM_OPTIONS = ([(f"q{b} g{g}", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64)]
                   + [("mxfp4", dict(q_mode="mxfp4", q_bits=4, q_group_size=32)),
@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--mlx-lm", default="", help="comma list of mlx_lm options to run (default: all), e.g. 'q4 g64,mxfp4'")
     p.add_argument("--mlx-lm-methods", default="",
                    help="comma list of mlx-lm learned quantizers to add: gptq, awq, dwq, dynamic, each "
-                        "NAME[:setting=value...] (scripts/mlx_lm_learned.py METHODS), e.g. 'gptq,dynamic:target_bpw=5.0'")
+                        "NAME[:setting=value...] (scripts/bench/mlx_lm_learned.py METHODS), e.g. 'gptq,dynamic:target_bpw=5.0'")
     p.add_argument("--allow-slow", action="store_true",
                    help="run awq/dwq on MLX's reference BLAS when OpenBLAS is missing (hours)")
     a = p.parse_args()
@@ -195,8 +195,7 @@ def main() -> None:
     measure_each_probe_once()
     model, tok = load_model(None)
     n_params = sum(t.numel() for t in model.parameters())
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], a.seq_len, max_blocks=a.blocks),
-            "licence": token_blocks(tok, licence_text(), a.seq_len, max_blocks=a.blocks)}
+    held = heldout_blocks(tok, a.seq_len, max_blocks=a.blocks)
     cache_path = out / "pareto.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     save = lambda: cache_path.write_text(json.dumps(cache, indent=2))  # noqa: E731

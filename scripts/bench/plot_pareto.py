@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Plot scripts/bench_pareto.py's results: perplexity vs stored bits/weight, one panel per text,
+"""Plot scripts/bench/bench_pareto.py's results: perplexity vs stored bits/weight, one panel per text,
 one line per method (mlx-lm's tools dashed, mfqat's solid), from its pareto.json.
 
-    python scripts/plot_pareto.py out/pareto_learned/pareto.json docs/img/pareto_learned.png
+    python scripts/bench/plot_pareto.py out/pareto_learned/pareto.json docs/img/pareto_learned.png
 """
 from __future__ import annotations
 

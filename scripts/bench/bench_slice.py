@@ -6,7 +6,7 @@
   (double rounding, docs/numerics.md, "Double rounding") and its effect on held-out perplexity;
 * anchor size vs bf16.
 
-    python scripts/bench_slice.py [--blocks 8]
+    python scripts/bench/bench_slice.py [--blocks 8]
 """
 import argparse
 import os

@@ -2,7 +2,7 @@
 """Calibration text for ``auto:`` plans and ``--refine``: the training text against text the model samples
 itself (issue 32).
 
-    python scripts/bench_calib_generated.py [--anchor out/joint-affine/anchor] [--recipe auto:4.7:affine]
+    python scripts/studies/bench_calib_generated.py [--anchor out/joint-affine/anchor] [--recipe auto:4.7:affine]
                                             [--calib "default;pydoc:1,generated:1"] [--blocks 16]
                                             [--refine-steps 0]
 
@@ -25,7 +25,7 @@ import torch
 import mfqat
 from mfqat.anchor.checkpoint import read_anchor
 from mfqat.data.mix import mixed_text
-from mfqat.data.sources import licence_text, load_text, split_text, token_blocks
+from mfqat.data.sources import heldout_blocks
 from mfqat.eval.perplexity import perplexity
 from mfqat.eval.report import format_table
 from mfqat.export.mlx_export import reference_state
@@ -45,8 +45,7 @@ def main() -> None:
 
     anchor = read_anchor(a.anchor)
     tok = AutoTokenizer.from_pretrained(a.anchor)
-    held = {"pydoc": token_blocks(tok, split_text(load_text(None))[1], 128, max_blocks=a.blocks),
-            "licence": token_blocks(tok, licence_text(), 128, max_blocks=a.blocks)}
+    held = heldout_blocks(tok, 128, max_blocks=a.blocks)
     model = mfqat.load_anchor(a.anchor)
     rows = []
     for spec in a.calib.split(";"):
