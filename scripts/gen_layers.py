@@ -40,8 +40,8 @@ LAYERS: List[Tuple[str, ...]] = [
     ("mfqat.eval", "mfqat.export"),
     ("mfqat.train",),
     ("mfqat.integrations",),
-    ("mfqat.qlora",),
-    ("mfqat.mlx",),
+    ("mfqat.mxqlora",),
+    ("mfqat.mlx", "mfqat.qlora"),
     ("mfqat.cli",),
     ("mfqat", "mfqat.__main__"),
 ]

@@ -30,7 +30,7 @@ def test_top_level_holds_only_the_agreed_modules():
 
 def test_the_roots_lazy_names_are_its_imports_and_nothing_imports_the_root():
     graph = layers.import_graph(ROOT / "mfqat")
-    assert {"mfqat.export.mlx_export", "mfqat.qlora.model", "mfqat.integrations.hf_quantizer"} <= graph["mfqat"]
+    assert {"mfqat.export.mlx_export", "mfqat.mxqlora.model", "mfqat.integrations.hf_quantizer"} <= graph["mfqat"]
     assert [m for m, deps in graph.items() if "mfqat" in deps] == []
 
 

@@ -430,7 +430,7 @@ SAFE_PEFT = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "r
 
 
 def test_a_plain_peft_lora_adapter_converts_with_scale_alpha_over_r(tmp_path):
-    from mfqat.qlora.mlx_adapter import peft_to_mlx
+    from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
     out = peft_to_mlx(_peft_adapter(tmp_path / "peft", **SAFE_PEFT), tmp_path / "mlx")
     cfg = json.loads((out / "adapter_config.json").read_text())
@@ -447,7 +447,7 @@ def test_a_plain_peft_lora_adapter_converts_with_scale_alpha_over_r(tmp_path):
 def test_a_peft_variant_mlx_lm_cannot_compute_is_refused_naming_the_option(tmp_path, key, value):
     """rsLoRA scales by alpha / sqrt(r), DoRA rescales the weight's norm, fan-in-fan-out stores the matrices
     transposed: converted as plain LoRA each would run with the wrong scale or layout, so each is refused."""
-    from mfqat.qlora.mlx_adapter import peft_to_mlx
+    from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
     src = _peft_adapter(tmp_path / "peft", **{**SAFE_PEFT, key: value})
     with pytest.raises(ValueError, match=re.escape(f"adapter_config.json: {key}={value!r} has no mlx-lm LoRA equivalent")):
@@ -456,7 +456,7 @@ def test_a_peft_variant_mlx_lm_cannot_compute_is_refused_naming_the_option(tmp_p
 
 
 def test_a_peft_adapter_of_another_type_is_refused(tmp_path):
-    from mfqat.qlora.mlx_adapter import peft_to_mlx
+    from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
     with pytest.raises(ValueError, match="peft_type 'IA3'; only LoRA adapters convert"):
         peft_to_mlx(_peft_adapter(tmp_path / "peft", peft_type="IA3"), tmp_path / "mlx")

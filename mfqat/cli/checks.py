@@ -324,7 +324,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; mx-qlora tokenizes with it (save the anchor "
                              "with its tokenizer)")
         need_config(a.anchor, "ANCHOR")
-        from mfqat.qlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
+        from mfqat.mxqlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
 
         finite(a)
         at_least(a, QLORA_MINIMUMS)
