@@ -394,7 +394,7 @@ def test_an_export_group_size_outside_mlx_affine_sizes_is_refused(read, group):
 
 
 def test_an_anchor_block_size_mlx_cannot_store_is_refused_naming_the_tensor():
-    from mfqat.export.storage import check_mlx_group_size
+    from mfqat.export.mlx_sizes import check_mlx_group_size
 
     for bs, mode in ((16, "affine"), (48, "affine"), (64, "mxfp4"), (0, "mxfp8"), (32, "nvfp4")):
         with pytest.raises(ValueError, match=f"w.weight: the anchor's block size {bs} cannot be exported"):
@@ -404,7 +404,7 @@ def test_an_anchor_block_size_mlx_cannot_store_is_refused_naming_the_tensor():
 
 @pytest.mark.parametrize("dtype", ["float16", "fp32", "", None])
 def test_an_unknown_scale_dtype_is_refused_naming_it(dtype):
-    from mfqat.export.storage import resolve_scale_dtype
+    from mfqat.export.mlx_sizes import resolve_scale_dtype
 
     with pytest.raises(ValueError, match=f"scale_dtype '{dtype}': choose one of"):
         resolve_scale_dtype(dtype, {})

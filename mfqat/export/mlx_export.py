@@ -46,7 +46,7 @@ from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
 from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, drop_towers, ptq_anchor_format
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
-from mfqat.export.storage import anchor_parameters, resolve_scale_dtype, stored_size
+from mfqat.export.mlx_sizes import anchor_parameters, resolve_scale_dtype, stored_size
 from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_state,  # noqa: F401 (public since 0.1)
                                  verify_export)
 

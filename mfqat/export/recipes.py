@@ -23,7 +23,7 @@ from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.anchor.refined import pick
 from mfqat.export.sensitivity import auto_plan_formats, in_format, in_format_chunks, ladder
-from mfqat.export.storage import check_mlx_group_size
+from mfqat.export.mlx_sizes import check_mlx_group_size
 
 FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
