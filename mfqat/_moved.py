@@ -3,7 +3,8 @@
 A module left at the old path calls :func:`moved`; the old name then *is* the new module (the same
 object, so patches and private names reach it). For a package, the old names of its submodules
 (``mfqat.qlora.model``) import the new ones (``mfqat.mxqlora.model``) the same way, each warning
-once, so no module is ever loaded twice under two names.
+once, so no module is ever loaded twice under two names. Names renamed inside a module keep their old
+name the same way: :func:`old_names` (a module's functions and constants), :func:`renamed` (an attribute).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import importlib.machinery
 import sys
 import warnings
 from types import ModuleType
-from typing import Dict
+from typing import Any, Callable, Dict
 
 
 def moved(old: str, new: ModuleType) -> None:
@@ -47,3 +48,31 @@ class _OldSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         old = module.__name__
         package = max((p for p in _PACKAGES if old.startswith(p + ".")), key=len)
         moved(old, importlib.import_module(_PACKAGES[package] + old[len(package):]))
+
+
+def old_names(module: str, names: Dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the names renamed inside module ``module`` (``{old: new}``): an old name
+    gives the new one's value and warns, naming it (one release)."""
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} is now {module}.{names[name]} (the old name is removed in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(sys.modules[module], names[name])
+    return __getattr__
+
+
+def renamed(cls: str, old: str, new: str) -> property:
+    """A property ``old`` that reads and sets attribute ``new`` of a ``cls`` and warns, naming it (one release)."""
+    def warn() -> None:
+        warnings.warn(f"{cls}.{old} is now {cls}.{new} (the old name is removed in the next release)",
+                      DeprecationWarning, stacklevel=3)
+
+    def get(self):
+        warn()
+        return getattr(self, new)
+
+    def set_(self, value) -> None:
+        warn()
+        setattr(self, new, value)
+    return property(get, set_, doc=f"Deprecated name of ``{new}``.")

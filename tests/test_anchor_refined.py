@@ -46,7 +46,7 @@ def test_the_anchor_stores_each_width_it_learned_and_load_anchor_uses_it(refined
     for fmt in ("affine4", "affine3"):
         learned, derived = a.in_format(fmt, 32)[NAME], derive(p.quantized[NAME].dequantize(torch.float32), fmt, 32)
         assert torch.equal(learned.codes, derived.codes)  # codes are the derived ones
-        s, b = a.refined[fmt].scales[NAME]
+        s, b = a.learned_scales[fmt].scales[NAME]
         assert torch.equal(learned.scales, s.float()) and torch.equal(learned.biases, b.float())
         assert not torch.equal(learned.scales, derived.scales)  # and the scales are the learned ones
         model = mfqat.load_anchor(path, fmt, group_size=32)
@@ -59,7 +59,7 @@ def test_an_export_of_a_refined_width_ships_the_stored_scales_bit_exact(refined,
     _, path, _ = refined
     rep = mfqat.export.to_mlx(path, tmp_path / "mlx", recipe="uniform:affine4", group_size=32)
     assert rep["anchor_refined"] == ["affine4"] and rep["verify"]["weights_bit_exact"]
-    s, b = read_anchor(path).refined["affine4"].scales[NAME]
+    s, b = read_anchor(path).learned_scales["affine4"].scales[NAME]
     w = load_weights(tmp_path / "mlx")
     got = np.array(w[NAME.replace(".weight", ".scales")].astype(mx.float32))
     assert np.array_equal(got, s.float().numpy())
@@ -138,7 +138,8 @@ def test_overwrite_replaces_a_width_and_removes_its_old_file(refined, tmp_path):
     meta = json.loads((a / "mfqat.json").read_text())
     assert rows[0]["stored"] and meta["refined"]["affine4"]["file"] != old and old not in meta["manifest"]
     assert not (a / old).exists() and not (a / "refined-affine4-orphan.safetensors").exists()
-    assert read_anchor(a).refined["affine4"].scales[NAME][0].shape == read_anchor(path).refined["affine4"].scales[NAME][0].shape
+    new, first = read_anchor(a).learned_scales["affine4"], read_anchor(path).learned_scales["affine4"]
+    assert new.scales[NAME][0].shape == first.scales[NAME][0].shape
 
 
 def test_values_learned_on_other_weights_are_refused(refined, tmp_path, monkeypatch):

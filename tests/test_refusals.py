@@ -290,7 +290,7 @@ def _rewrite_refined(path, meta, raw) -> str:
 
 def test_the_refined_fixture_reads_and_loads(refined_anchor):
     a = read_anchor(refined_anchor)
-    assert set(a.refined) == {"affine4"} and a.refined["affine4"].group_size == 32
+    assert set(a.learned_scales) == {"affine4"} and a.learned_scales["affine4"].group_size == 32
     mfqat.load_anchor(refined_anchor, "affine4", group_size=32)
 
 
