@@ -123,7 +123,7 @@ class Anchor:
 
 def _write_learned(folder: Path, widths: Dict[str, Dict[str, MXTensor]], group_size: int,
                    step: Optional[int]) -> dict:
-    """Write each learned width's file into ``folder``; returns mfqat.json's ``refined`` field (its on-disk name)."""
+    """Write each width's learned-scales file into ``folder``; returns mfqat.json's ``refined`` field."""
     out = {}
     for fmt, tensors in widths.items():
         name, data = encode_learned_scales(fmt, tensors)

@@ -33,7 +33,7 @@ def add_learned_scales(path: Path, fmt: str, group_size: int, tensors: Dict[str,
     with writer_lock(path):
         meta = dict(read_anchor(path).meta)
         if int(meta.get("format_version", 1)) < 2 or "manifest" not in meta:
-            raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned widths in; "
+            raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned scales in; "
                              "load and save it again with this mfqat (load_anchor, then save_anchor)")
         if learned_from is not None and meta["files"] != learned_from:
             raise ValueError(f"{path}: the anchor's weights changed while refine was learning (it was saved again); "

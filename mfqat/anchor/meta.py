@@ -25,7 +25,7 @@ from mfqat.quant.scale_rules import SEARCH_RULE, check_scale_rules
 
 ANCHOR_FORMAT_VERSION = 4
 BASE_FORMAT_VERSION = 2  # what an anchor without a searched format is written as (older mfqat reads it)
-SEARCH_FORMAT_VERSION = 3  # an anchor with a searched format (version 4 only adds learned widths: mfqat refine)
+SEARCH_FORMAT_VERSION = 3  # an anchor with a searched format (version 4 only adds learned scales: mfqat refine)
 TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -272,7 +272,7 @@ def need_writable_anchor(anchor: str) -> None:
     for where in (folder, folder.parent):
         if not can_write_in(where):
             raise UsageError(f"{anchor}: cannot write in {where} (read-only, or no write permission); refine stores "
-                             "the learned widths in the anchor: copy it somewhere writable and refine the copy")
+                             "the learned scales in the anchor: copy it somewhere writable and refine the copy")
 
 
 def check(cmd: str, a: argparse.Namespace) -> None:

@@ -192,7 +192,7 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
                          "affine2..affine8 (MLX's affine layout)")
     anchor = read_anchor(path)
     if int(anchor.meta.get("format_version", 1)) < 2:
-        raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned widths in; load and "
+        raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned scales in; load and "
                          "save it again with this mfqat (load_anchor, then save_anchor), then refine")
     taken = [f for f in widths if f in anchor.learned_scales and not overwrite]
     if taken:
