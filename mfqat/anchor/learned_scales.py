@@ -1,4 +1,5 @@
-"""Learned affine scales and biases kept in the anchor (anchor format version 4).
+"""The learned scales kept in the anchor (anchor format version 4): per affine width, the bfloat16 scale
+and bias of every group (docs/architecture.md, "Words").
 
 Two things write them: ``save_anchor`` of a model trained with ``QATConfig.learn_scales`` (learned with the
 weights, mfqat.qat.learned_scales; :func:`learned_widths`), and
@@ -9,9 +10,9 @@ are stored beside the anchor's weights, one file per width::
 
     refined-affine4-<sha12>.safetensors    {tensor}.scales, {tensor}.biases   (bfloat16, [..., in / group])
 
-and listed in ``mfqat.json`` under ``refined`` (``{"affine4": {"file", "group_size", "tensors", ...}}``; the
-on-disk names keep the word of the ``mfqat refine`` command that first wrote them)
-and in its manifest, so a changed or truncated file is refused like any weight file. The codes are not
+and listed in ``mfqat.json`` under ``refined`` (``{"affine4": {"file", "group_size", "tensors", ...}}``) and in
+its manifest, so a changed or truncated file is refused like any weight file (the on-disk names keep the word
+of the ``mfqat refine`` command that first wrote them). The codes are not
 stored: they are the derived ones (:func:`mfqat.quant.derive.derive_affine` of the anchor's values,
 deterministic), so one anchor still reproduces every width code for code, now with its learned scales:
 ``load_anchor(anchor, "affine4")`` and ``export-mlx --recipe uniform:affine4`` use them. Adding a width

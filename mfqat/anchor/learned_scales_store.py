@@ -1,4 +1,4 @@
-"""Writing learned affine scales and biases into an existing anchor (see mfqat.anchor.learned_scales)."""
+"""Writing learned scales into an existing anchor (`mfqat refine`; see mfqat.anchor.learned_scales)."""
 from __future__ import annotations
 
 import hashlib
