@@ -1,5 +1,5 @@
-"""Learned affine scales kept in the anchor (``mfqat refine``, format version 4): one anchor reproduces every
-refined width code for code, through load_anchor and export-mlx, and a damaged file is refused."""
+"""Learned scales kept in the anchor (``mfqat refine``, format version 4): one anchor reproduces every width
+with its learned scales code for code, through load_anchor and export-mlx, and a damaged file is refused."""
 import json
 import shutil
 
