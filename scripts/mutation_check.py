@@ -355,7 +355,7 @@ MUTATIONS: List[Mutation] = [
     Mutation("refined-file-read-unverified", "mfqat/anchor/checkpoint.py",
              "lambda name: snap.read_checked(name, manifest.get(name) if verify else None)",
              "lambda name: snap.read_checked(name, None)",
-             ("tests/test_anchor_learned_scales.py::test_a_changed_refined_file_is_refused_by_name",)),
+             ("tests/test_anchor_learned_scales.py::test_a_width_file_renamed_for_its_new_bytes_is_refused_by_the_manifest",)),
     Mutation("refined-file-outside-the-manifest-accepted", "mfqat/anchor/learned_scales.py",
              "        if name not in manifest:\n", "        if False:\n",
              ("tests/test_anchor_learned_scales.py::test_a_changed_refined_file_is_refused_by_name",)),

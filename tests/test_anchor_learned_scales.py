@@ -86,6 +86,32 @@ def test_a_changed_refined_file_is_refused_by_name(refined, tmp_path):
         read_anchor(unlisted)
 
 
+def test_a_width_file_renamed_for_its_new_bytes_is_refused_by_the_manifest(refined, tmp_path):
+    """Changed bytes under a name that matches them (mfqat.json edited and re-digested, the manifest's sha256
+    left as it was): the name check passes, the manifest's hash must refuse it."""
+    import hashlib
+
+    from mfqat.anchor.learned_scales import learned_scales_file
+    from mfqat.storage.manifest import canonical_digest
+
+    _, path, _ = refined
+    bad = shutil.copytree(path, tmp_path / "renamed")
+    meta = json.loads((bad / "mfqat.json").read_text())
+    old = meta["refined"]["affine3"]["file"]
+    data = bytearray((bad / old).read_bytes())
+    data[-3] ^= 0xFF
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    new = learned_scales_file("affine3").replace(".safetensors", f"-{digest}.safetensors")
+    (bad / new).write_bytes(bytes(data))
+    (bad / old).unlink()
+    meta["manifest"][new] = meta["manifest"].pop(old)
+    meta["refined"]["affine3"]["file"] = new
+    meta["digest"] = canonical_digest(meta)
+    (bad / "mfqat.json").write_text(json.dumps(meta))
+    with pytest.raises(AnchorError, match=new):
+        read_anchor(bad)
+
+
 def test_a_stored_width_is_replaced_only_with_overwrite_and_mx_widths_are_refused(refined):
     _, path, _ = refined
     before = (path / "mfqat.json").read_bytes()
