@@ -23,8 +23,8 @@ _PUBLIC = {
     ".anchor.load": ["load_anchor"],
     ".export.mlx_export": ["to_mlx"],
     ".integrations.hf_quantizer": ["register_hf_quantizer"],
-    ".qlora.model": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
-    ".qlora.mlx_adapter": ["peft_to_mlx"],
+    ".mxqlora.model": ["load_with_adapter", "mx_qlora_model", "save_mx_adapter", "set_base_format"],
+    ".mxqlora.mlx_adapter": ["peft_to_mlx"],
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}
 

@@ -78,7 +78,7 @@ def test_mx_qlora_fixed_schedule_trains_the_first_named_format(tmp_path):
     the anchor's format), never the anchor's or the next one."""
     pytest.importorskip("peft")
     from mfqat.data.sources import split_text, token_blocks
-    from mfqat.qlora.train import main as mx_qlora_main, step_formats
+    from mfqat.mxqlora.train import main as mx_qlora_main, step_formats
 
     formats = ["mxint4", "mxint8", "mxint2"]
     assert [step_formats("fixed", formats, s) for s in range(4)] == [["mxint4"]] * 4

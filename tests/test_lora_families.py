@@ -6,7 +6,7 @@ import torch
 import mfqat
 from mfqat.train.lora import DEFAULT_TARGETS, apply_lora
 from mfqat.models import family_for
-from mfqat.qlora.model import mx_qlora_model
+from mfqat.mxqlora.model import mx_qlora_model
 
 from mfqat.models.catalog import SUPPORTED, build  # the tiny family models
 

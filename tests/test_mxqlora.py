@@ -6,7 +6,7 @@ import torch
 
 import mfqat
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
-from mfqat.qlora.model import (MXFrozenLinear, load_with_adapter, lora_parameters, mx_qlora_model,
+from mfqat.mxqlora.model import (MXFrozenLinear, load_with_adapter, lora_parameters, mx_qlora_model,
                            save_mx_adapter, set_base_format)
 
 pytest.importorskip("peft")
@@ -112,7 +112,7 @@ def test_building_never_allocates_a_float_copy_of_a_target_weight(anchor):
 
 
 def test_gradient_checkpointing_gives_the_same_adapter_gradients(anchor, monkeypatch):
-    from mfqat.qlora.train import enable_checkpointing
+    from mfqat.mxqlora.train import enable_checkpointing
 
     calls = []
     weight_in = MXFrozenLinear.weight_in

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import mfqat
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
-from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
-from mfqat.qlora.mlx_adapter import peft_to_mlx
+from mfqat.mxqlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
+from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
 pytest.importorskip("peft")
 mx = pytest.importorskip("mlx.core")

@@ -195,7 +195,7 @@ def test_mx_qlora_on_a_release_anchor(releases, tok, tmp_path):
     """MX-QLoRA builds the anchor's whole model (vision tower included) and, with the adapters at B = 0, gives
     exactly load_anchor's logits in each format."""
     pytest.importorskip("peft")
-    from mfqat.qlora.model import mx_qlora_model, set_base_format
+    from mfqat.mxqlora.model import mx_qlora_model, set_base_format
 
     model, _ = load_model(str(releases["qwen3_5"]))
     anchor = mfqat.save_anchor(model, tmp_path / "anchor", "mxint8", tokenizer=tok)

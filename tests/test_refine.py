@@ -63,7 +63,7 @@ def test_a_refine_that_raises_the_kl_is_not_kept(anchor, tok):
     calib = calibration_blocks(tok, None, n_blocks=10, seq_len=32)
     r = refine(a, plan, calib, RefineConfig(**{**SMALL, "lr": 5.0, "steps": 3}))
     assert r["validation_kl_after"] > r["validation_kl_before"] and not r["kept"]
-    assert plan.refined == {}
+    assert plan.learned_scales == {}
 
 
 def test_refine_without_affine_tensors_or_with_too_little_text_is_refused(anchor, tok):

@@ -290,7 +290,7 @@ def _rewrite_refined(path, meta, raw) -> str:
 
 def test_the_refined_fixture_reads_and_loads(refined_anchor):
     a = read_anchor(refined_anchor)
-    assert set(a.refined) == {"affine4"} and a.refined["affine4"].group_size == 32
+    assert set(a.learned_scales) == {"affine4"} and a.learned_scales["affine4"].group_size == 32
     mfqat.load_anchor(refined_anchor, "affine4", group_size=32)
 
 
@@ -394,7 +394,7 @@ def test_an_export_group_size_outside_mlx_affine_sizes_is_refused(read, group):
 
 
 def test_an_anchor_block_size_mlx_cannot_store_is_refused_naming_the_tensor():
-    from mfqat.export.storage import check_mlx_group_size
+    from mfqat.export.mlx_sizes import check_mlx_group_size
 
     for bs, mode in ((16, "affine"), (48, "affine"), (64, "mxfp4"), (0, "mxfp8"), (32, "nvfp4")):
         with pytest.raises(ValueError, match=f"w.weight: the anchor's block size {bs} cannot be exported"):
@@ -404,7 +404,7 @@ def test_an_anchor_block_size_mlx_cannot_store_is_refused_naming_the_tensor():
 
 @pytest.mark.parametrize("dtype", ["float16", "fp32", "", None])
 def test_an_unknown_scale_dtype_is_refused_naming_it(dtype):
-    from mfqat.export.storage import resolve_scale_dtype
+    from mfqat.export.mlx_sizes import resolve_scale_dtype
 
     with pytest.raises(ValueError, match=f"scale_dtype '{dtype}': choose one of"):
         resolve_scale_dtype(dtype, {})
@@ -430,7 +430,7 @@ SAFE_PEFT = {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "r
 
 
 def test_a_plain_peft_lora_adapter_converts_with_scale_alpha_over_r(tmp_path):
-    from mfqat.qlora.mlx_adapter import peft_to_mlx
+    from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
     out = peft_to_mlx(_peft_adapter(tmp_path / "peft", **SAFE_PEFT), tmp_path / "mlx")
     cfg = json.loads((out / "adapter_config.json").read_text())
@@ -447,7 +447,7 @@ def test_a_plain_peft_lora_adapter_converts_with_scale_alpha_over_r(tmp_path):
 def test_a_peft_variant_mlx_lm_cannot_compute_is_refused_naming_the_option(tmp_path, key, value):
     """rsLoRA scales by alpha / sqrt(r), DoRA rescales the weight's norm, fan-in-fan-out stores the matrices
     transposed: converted as plain LoRA each would run with the wrong scale or layout, so each is refused."""
-    from mfqat.qlora.mlx_adapter import peft_to_mlx
+    from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
     src = _peft_adapter(tmp_path / "peft", **{**SAFE_PEFT, key: value})
     with pytest.raises(ValueError, match=re.escape(f"adapter_config.json: {key}={value!r} has no mlx-lm LoRA equivalent")):
@@ -456,7 +456,7 @@ def test_a_peft_variant_mlx_lm_cannot_compute_is_refused_naming_the_option(tmp_p
 
 
 def test_a_peft_adapter_of_another_type_is_refused(tmp_path):
-    from mfqat.qlora.mlx_adapter import peft_to_mlx
+    from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 
     with pytest.raises(ValueError, match="peft_type 'IA3'; only LoRA adapters convert"):
         peft_to_mlx(_peft_adapter(tmp_path / "peft", peft_type="IA3"), tmp_path / "mlx")

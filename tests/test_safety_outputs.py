@@ -152,13 +152,13 @@ def refined_anchor(anchor, tmp_path):
     import torch
 
     from mfqat.anchor.checkpoint import read_anchor
-    from mfqat.anchor.refined_store import add_refined
+    from mfqat.anchor.learned_scales_store import add_learned_scales
     from mfqat.quant.derive import derive
 
     path = shutil.copytree(anchor, tmp_path / "refined")
     q = derive(read_anchor(path).quantized[REFINED_NAME].dequantize(torch.float32), "affine4", 32)
     q.scales = q.scales * 1.01  # "learned": differs from the derived scales
-    add_refined(path, "affine4", 32, {REFINED_NAME: q}, info={})
+    add_learned_scales(path, "affine4", 32, {REFINED_NAME: q}, info={})
     mfqat.load_anchor(path, "affine4", group_size=32)  # readable as stored
     return path
 
@@ -182,7 +182,7 @@ def test_a_refined_width_with_nan_values_is_refused_even_when_its_name_matches(r
     from safetensors.torch import load, save
 
     from mfqat.anchor.checkpoint import read_anchor
-    from mfqat.anchor.refined import refined_file
+    from mfqat.anchor.learned_scales import learned_scales_file
     from mfqat.storage.manifest import AnchorError
 
     meta = json.loads((refined_anchor / "mfqat.json").read_text())
@@ -192,7 +192,8 @@ def test_a_refined_width_with_nan_values_is_refused_even_when_its_name_matches(r
     data = save(raw)
     import hashlib
 
-    name = refined_file("affine4").replace(".safetensors", f"-{hashlib.sha256(data).hexdigest()[:12]}.safetensors")
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    name = learned_scales_file("affine4").replace(".safetensors", f"-{digest}.safetensors")
     (refined_anchor / name).write_bytes(data)
     old.unlink()
 

@@ -194,7 +194,7 @@ def test_mx_qlora_joint_loss_is_the_mean_of_the_formats_losses(tmp_path):
     format on that step's batch (the adapters start at B = 0, so the model is the anchor)."""
     pytest.importorskip("peft")
     from mfqat.data.sources import load_text, split_text, tiny_tokenizer, token_blocks
-    from mfqat.qlora.train import main as mx_qlora_main
+    from mfqat.mxqlora.train import main as mx_qlora_main
 
     tok = tiny_tokenizer()
     anchor = mfqat.save_anchor(tiny_llama(vocab_size=len(tok)), tmp_path / "anchor", "mxint8", tokenizer=tok)

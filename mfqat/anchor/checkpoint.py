@@ -31,7 +31,9 @@ from mfqat.anchor.meta import (ANCHOR_FORMAT_VERSION, BASE_FORMAT_VERSION, SEARC
 from mfqat.formats import canonical_name, get_format
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_bytes, write_json
 from mfqat.anchor.config import model_config, write_anchor_config
-from mfqat.anchor.refined import REFINED_VERSION, RefinedWidth, encode_refined, learned_widths, pick, read_refined
+from mfqat._moved import renamed
+from mfqat.anchor.learned_scales import (LEARNED_SCALES_VERSION, LearnedWidth, encode_learned_scales, learned_widths,
+                                         pick, read_learned_scales)
 from mfqat.qat.learned_scales import pop_learned
 from mfqat.anchor.tensors import (default_targets, full_precision, quantize_targets,  # noqa: F401
                                  recorded_importance, unblockable)
@@ -59,8 +61,9 @@ class Anchor:
     quantized: Dict[str, MXTensor] = field(default_factory=dict)
     plain: Dict[str, torch.Tensor] = field(default_factory=dict)
     config: Optional[dict] = None  # config.json as read (checked from version 2), less mfqat's quantization_config
-    refined: Dict[str, RefinedWidth] = field(default_factory=dict)  # learned affine scales per width (version 4)
+    learned_scales: Dict[str, LearnedWidth] = field(default_factory=dict)  # per affine width (version 4)
     files: Dict[str, TensorFile] = field(default_factory=dict, repr=False)  # open weight files (lazy reads)
+    refined = renamed("Anchor", "refined", "learned_scales")
 
     def materialize(self) -> "Anchor":
         """Read every tensor now and keep it (plain dicts; the weight files are closed). Returns self."""
@@ -104,9 +107,9 @@ class Anchor:
                 values: Optional[torch.Tensor] = None) -> MXTensor:
         """Quantized tensor ``name`` in the derived format ``fmt``: re-quantized from the anchor's values
         (``values`` when the caller already dequantized them), with the learned scales and biases the anchor
-        stores for that width and group (mfqat.anchor.refined)."""
+        stores for that width and group (mfqat.anchor.learned_scales)."""
         q = derive(self.quantized[name].dequantize(torch.float32) if values is None else values, fmt, group_size)
-        width = pick(self.refined, fmt, q.block_size)
+        width = pick(self.learned_scales, fmt, q.block_size)
         return width.apply(name, q) if width is not None else q
 
     def state_dict(self, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32,
@@ -120,10 +123,10 @@ class Anchor:
 
 def _write_learned(folder: Path, widths: Dict[str, Dict[str, MXTensor]], group_size: int,
                    step: Optional[int]) -> dict:
-    """Write each learned width's file into ``folder``; returns mfqat.json's ``refined`` field."""
+    """Write each width's learned-scales file into ``folder``; returns mfqat.json's ``refined`` field."""
     out = {}
     for fmt, tensors in widths.items():
-        name, data = encode_refined(fmt, tensors)
+        name, data = encode_learned_scales(fmt, tensors)
         write_bytes(folder / name, data)
         out[fmt] = {"file": name, "group_size": int(group_size), "tensors": len(tensors), "mfqat_version": __version__,
                     "learned": "with the weights (QATConfig.learn_scales)", "step": step}
@@ -190,7 +193,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
                          f"codes wrongly: save the anchor in {'/'.join(sorted(trained_through))}")
     widths = learned_widths(sd, learned, f, block_size, scale_rule, group)
     if widths:
-        version = max(version, REFINED_VERSION)
+        version = max(version, LEARNED_SCALES_VERSION)
     with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
         config = getattr(model, "config", None)
         if config is not None:
@@ -251,7 +254,7 @@ def _read_snapshot(snap: Snapshot, verify: bool, lazy: bool = False) -> Anchor:
     meta = validate_meta(load_meta(snap, META_FILE, "anchor", check_version), str(where))
     manifest = meta.get("manifest", {})
     if verify:
-        later = {e["file"] for e in (meta.get("refined") or {}).values()}  # read and checked by read_refined
+        later = {e["file"] for e in (meta.get("refined") or {}).values()}  # read and checked by read_learned_scales
         for name in manifest:
             if name not in meta["files"] and name != "config.json" and name not in later:
                 snap.read_checked(name, manifest[name])
@@ -268,8 +271,8 @@ def _read_snapshot(snap: Snapshot, verify: bool, lazy: bool = False) -> Anchor:
     except BaseException:
         _close(files)
         raise
-    anchor.refined = read_refined(meta, lambda name: snap.read_checked(name, manifest.get(name) if verify else None),
-                                  snap.path)
+    anchor.learned_scales = read_learned_scales(
+        meta, lambda name: snap.read_checked(name, manifest.get(name) if verify else None), snap.path)
     if not lazy:
         anchor.materialize()
     return anchor

@@ -7,7 +7,7 @@ Format versions: 1 (``files``: sha256 per weight file, no manifest; still read),
 ``manifest`` over every file, ``digest`` over mfqat.json itself, ``full_precision``) and 3 (written
 only when a format's scale rule is ``search``: the rule in ``scale_rules`` and a float32
 ``<tensor>.importance`` per searched tensor, which an older mfqat would ignore and lower wrongly) and 4
-(written only when the anchor holds learned affine scales: ``refined``, mfqat.anchor.refined).
+(written only when the anchor holds learned affine scales: ``refined``, mfqat.anchor.learned_scales).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Dict
 
 import torch
 
-from mfqat.anchor.refined import check_refined
+from mfqat.anchor.learned_scales import check_learned_scales
 from mfqat.formats import get_format
 from mfqat.storage.manifest import AnchorError, check_digests, check_name
 from mfqat.quant.reference import SCALE_RULES
@@ -25,7 +25,7 @@ from mfqat.quant.scale_rules import SEARCH_RULE, check_scale_rules
 
 ANCHOR_FORMAT_VERSION = 4
 BASE_FORMAT_VERSION = 2  # what an anchor without a searched format is written as (older mfqat reads it)
-SEARCH_FORMAT_VERSION = 3  # an anchor with a searched format (version 4 only adds learned widths: mfqat refine)
+SEARCH_FORMAT_VERSION = 3  # an anchor with a searched format (version 4 only adds learned scales: mfqat refine)
 TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -125,7 +125,7 @@ def validate_meta(meta: dict, where: str) -> dict:
     fp = meta.get("full_precision", {})
     if not isinstance(fp, dict):
         raise AnchorError(f"{where}: field 'full_precision': expected an object {{tensor: reason}}")
-    check_refined(meta, version, where)
+    check_learned_scales(meta, version, where)
     return meta
 
 

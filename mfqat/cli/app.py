@@ -204,7 +204,7 @@ def _run(cmd: str, args: argparse.Namespace, rest: List[str]) -> None:
         from mfqat.train.loop import main as train_main
         train_main(rest)
     elif cmd == "mx-qlora":
-        from mfqat.qlora.train import main as mx_qlora_main
+        from mfqat.mxqlora.train import main as mx_qlora_main
         mx_qlora_main(rest)
     elif cmd == "mlx-train":
         from mfqat.mlx.train import main as mlx_train_main
@@ -233,7 +233,7 @@ def _own_parser(cmd: str) -> argparse.ArgumentParser:
         from mfqat.train.args import build_parser
         return build_parser(prog="mfqat train")
     if cmd == "mx-qlora":
-        from mfqat.qlora.train import build_parser as qlora_parser
+        from mfqat.mxqlora.train import build_parser as qlora_parser
         return qlora_parser()
     from mfqat.mlx.train import build_parser as mlx_parser
     return mlx_parser(argparse.ArgumentParser(prog="mfqat mlx-train", description=sys.modules[mlx_parser.__module__].__doc__,

@@ -272,7 +272,7 @@ def need_writable_anchor(anchor: str) -> None:
     for where in (folder, folder.parent):
         if not can_write_in(where):
             raise UsageError(f"{anchor}: cannot write in {where} (read-only, or no write permission); refine stores "
-                             "the learned widths in the anchor: copy it somewhere writable and refine the copy")
+                             "the learned scales in the anchor: copy it somewhere writable and refine the copy")
 
 
 def check(cmd: str, a: argparse.Namespace) -> None:
@@ -324,7 +324,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             raise UsageError(f"{a.anchor}: the anchor has no tokenizer; mx-qlora tokenizes with it (save the anchor "
                              "with its tokenizer)")
         need_config(a.anchor, "ANCHOR")
-        from mfqat.qlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
+        from mfqat.mxqlora.train import QLORA_MINIMUMS, check_outputs as check_qlora_outputs
 
         finite(a)
         at_least(a, QLORA_MINIMUMS)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Dict, Optional
 import numpy as np
 import torch
 
-from mfqat.anchor.refined import pick
+from mfqat.anchor.learned_scales import pick
 from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
 from mfqat.storage.tensor_files import DTYPES, NUMPY_NAMES, ShardWriter
@@ -46,7 +46,7 @@ from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
 from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, drop_towers, ptq_anchor_format
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
-from mfqat.export.storage import anchor_parameters, resolve_scale_dtype, stored_size
+from mfqat.export.mlx_sizes import anchor_parameters, resolve_scale_dtype, stored_size
 from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_state,  # noqa: F401 (public since 0.1)
                                  verify_export)
 
@@ -207,10 +207,10 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if refine is not None:
             from mfqat.export.refine import apply_refine
             report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, refine)
-        stored = sorted({f for n, f in plan.formats.items()
-                         if n not in plan.refined and n in anchor.quantized and pick(anchor.refined, f, plan.group_of(f))})
+        stored = sorted({f for n, f in plan.formats.items() if n not in plan.learned_scales and n in anchor.quantized
+                         and pick(anchor.learned_scales, f, plan.group_of(f))})
         if stored:
-            report["anchor_refined"] = stored  # learned scales and biases the anchor holds (mfqat refine)
+            report["anchor_refined"] = stored  # the learned scales the anchor holds (on-disk key name kept)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())

@@ -15,15 +15,16 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from mfqat._moved import renamed
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.lazy import tensor_info
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
 from mfqat.formats import canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
-from mfqat.anchor.refined import pick
+from mfqat.anchor.learned_scales import pick
 from mfqat.export.sensitivity import auto_plan_formats, in_format, in_format_chunks, ladder
-from mfqat.export.storage import check_mlx_group_size
+from mfqat.export.mlx_sizes import check_mlx_group_size
 
 FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
@@ -60,12 +61,13 @@ class Plan:
     kept16: Set[str] = field(default_factory=set)
     base_bits: int = 4
     base_mode: str = "affine"
-    group_size: int = 32  # the anchor's block size, checked against what MLX takes (storage.py)
+    group_size: int = 32  # the anchor's block size, checked against what MLX takes (mlx_sizes.py)
     sensitivity: Optional[dict] = None  # auto:BPW - written beside the model as sensitivity.json
     derived_group: int = DERIVED_GROUP_SIZE  # group of the derived affine formats
     base_group: int = 32  # the config's top-level group size (that of the top-level format)
     family: Family = DENSE  # the model family's rules (mfqat.models): mlx-lm names, what stays high precision
-    refined: Dict[str, MXTensor] = field(default_factory=dict)  # export --refine: learned scales/biases, same codes
+    learned_scales: Dict[str, MXTensor] = field(default_factory=dict)  # export --refine's tensors: same codes
+    refined = renamed("Plan", "refined", "learned_scales")
 
     def group_of(self, fmt: str) -> int:
         """MLX group size of a tensor in ``fmt``."""
@@ -77,9 +79,10 @@ class Plan:
         return {name: self.tensor(anchor, name) for name in self.formats}
 
     def tensor(self, anchor: Anchor, name: str) -> MXTensor:
-        """One planned tensor in its planned format (the refined one when ``--refine`` learned it)."""
-        return self.refined[name] if name in self.refined else in_format(anchor, name, self.formats[name],
-                                                                          self.derived_group)
+        """One planned tensor in its planned format (with its learned scales when ``--refine`` learned them)."""
+        if name in self.learned_scales:
+            return self.learned_scales[name]
+        return in_format(anchor, name, self.formats[name], self.derived_group)
 
     def chunk_rows(self, anchor: Anchor, name: str, elements: Optional[int] = None) -> Optional[int]:
         """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row
@@ -88,9 +91,9 @@ class Plan:
         elements = CHUNK_ELEMENTS if elements is None else elements
         shape = anchor.shape(name)
         fmt = self.formats[name]
-        if len(shape) != 2 or shape[0] * shape[1] <= elements or name in self.refined:
+        if len(shape) != 2 or shape[0] * shape[1] <= elements or name in self.learned_scales:
             return None
-        if name in anchor.quantized and is_derived(fmt) and pick(anchor.refined, fmt, self.group_of(fmt)):
+        if name in anchor.quantized and is_derived(fmt) and pick(anchor.learned_scales, fmt, self.group_of(fmt)):
             return None
         if [(lo, hi) for _, lo, hi in self.family.mlx_pieces(name, shape[0])] != [(0, shape[0])]:
             return None

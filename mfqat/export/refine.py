@@ -103,7 +103,7 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
 
 def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None) -> dict:
     """Learn the scales and biases of ``plan``'s affine tensors on ``calib`` token blocks
-    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.refined`` when the validation KL drops.
+    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
     Returns the report entry (tensors, steps, KL before / after, seconds)."""
     cfg = cfg or RefineConfig()
     t0 = time.perf_counter()
@@ -151,7 +151,7 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     after = valid_kl()
     kept = after < before
     if kept:
-        plan.refined = {n: g.learned() for n, g in groups.items()}
+        plan.learned_scales = {n: g.learned() for n, g in groups.items()}
     return {"tensors": len(groups), "steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
             "calibration_blocks": cfg.n_blocks, "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
             "validation_kl_before": before, "validation_kl_after": after, "kept": kept,
@@ -175,11 +175,11 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
                   calib_text: Optional[str] = None, cfg: Optional[RefineConfig] = None,
                   overwrite: bool = False) -> List[dict]:
     """``mfqat refine``: learn every width in ``formats`` (affine2..affine8) against the anchor at ``path``
-    and store the learned scales and biases in it (mfqat.anchor.refined), each width on its own: the uniform
+    and store the learned scales and biases in it (mfqat.anchor.learned_scales), each width on its own: the uniform
     model of that width over the anchor's quantized tensors. A width whose validation KL does not drop is
     not stored (the report says so). Returns one report row per width."""
     from mfqat.anchor.checkpoint import read_anchor
-    from mfqat.anchor.refined_store import add_refined
+    from mfqat.anchor.learned_scales_store import add_learned_scales
     from mfqat.export.recipes import build_plan
     from mfqat.formats import canonical_name, get_format
 
@@ -192,15 +192,15 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
                          "affine2..affine8 (MLX's affine layout)")
     anchor = read_anchor(path)
     if int(anchor.meta.get("format_version", 1)) < 2:
-        raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned widths in; load and "
+        raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned scales in; load and "
                          "save it again with this mfqat (load_anchor, then save_anchor), then refine")
-    taken = [f for f in widths if f in anchor.refined and not overwrite]
+    taken = [f for f in widths if f in anchor.learned_scales and not overwrite]
     if taken:
-        raise FileExistsError(f"{path}: already holds refined {taken[0]} scales; pass --overwrite to learn them again")
+        raise FileExistsError(f"{path}: already holds learned {taken[0]} scales; pass --overwrite to learn them again")
     rows = []
     for fmt in widths:
         anchor = read_anchor(path)
-        anchor.refined.pop(fmt, None)  # learn from the derived values, not from an earlier run
+        anchor.learned_scales.pop(fmt, None)  # learn from the derived values, not from an earlier run
         plan = build_plan(anchor, f"uniform:{fmt}", derived_group=group_size)
         for name in [n for n in plan.formats if n not in anchor.quantized]:  # only what the anchor can hold
             del plan.formats[name]
@@ -209,6 +209,7 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
         if report["kept"]:
             info = {k: report[k] for k in ("steps", "lr", "batch", "seq_len", "calibration_blocks", "validation_blocks",
                                             "temperature", "validation_kl_before", "validation_kl_after", "calibration")}
-            add_refined(path, fmt, group_size, plan.refined, info, overwrite=True, learned_from=anchor.meta["files"])
+            add_learned_scales(path, fmt, group_size, plan.learned_scales, info, overwrite=True,
+                               learned_from=anchor.meta["files"])
         rows.append({"format": fmt, "group_size": group_size, **report, "stored": bool(report["kept"])})
     return rows

@@ -97,7 +97,7 @@ def in_format_chunks(anchor: Anchor, name: str, fmt: str, derived_group: int = D
                      rows: int = 1024):
     """Tensor ``name`` in ``fmt`` as :func:`in_format` gives it, ``rows`` rows at a time: (lo, hi, MXTensor) of
     rows lo:hi. Blocks and groups run along the last axis, so rows are independent and the chunks are the
-    rows of the whole; not for a width with learned scales (``anchor.refined``: applied to whole tensors)."""
+    rows of the whole; not for a width with learned scales (``anchor.learned_scales``: applied to whole tensors)."""
     src = anchor.quantized[name] if name in anchor.quantized else anchor.plain[name]
     n = src.shape[0]
     for lo in range(0, n, rows):

@@ -288,7 +288,7 @@ def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str, max_memory
 def full_check_bytes(anchor: Anchor) -> int:
     """Memory the whole-model logits check needs: the PyTorch reference and the MLX model upcast, both in
     float32 (8 bytes a parameter), plus the libraries."""
-    from mfqat.export.storage import anchor_parameters
+    from mfqat.export.mlx_sizes import anchor_parameters
     return 8 * anchor_parameters(anchor) + 512 * 1024 ** 2
 
 

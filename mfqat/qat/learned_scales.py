@@ -13,7 +13,7 @@ with ``dW_k/dW = 1`` (straight-through, as every MF-QAT format), ``dW_k/da = q *
 (mfqat.export.refine), learned during training against the task loss instead of after it against the
 anchor. The pairs live in each MF-QAT module's ``learned_scales`` (a ParameterDict, key
 ``"{param}_{format}"``, shape ``[2, *groups]``: ``a`` then ``c``), so DDP, FSDP, checkpoints and the
-optimizer see them; ``save_anchor`` turns them into the anchor's stored widths (mfqat.anchor.refined),
+optimizer see them; ``save_anchor`` turns them into the anchor's learned scales (mfqat.anchor.learned_scales),
 so ``load_anchor(anchor, "affine4")`` and ``export-mlx --recipe uniform:affine4`` reproduce ``W_k`` bit
 for bit, and it drops them from the anchor's full-precision tensors.
 """

@@ -1,7 +1,6 @@
-"""MX-QLoRA: LoRA adapters on a frozen anchor held as packed MX codes.
+"""Deprecated: moved to :mod:`mfqat.mxqlora` (this path and its submodules' paths, ``mfqat.qlora.model``,
+``.train``, ``.mlx_adapter``, are removed in the next release)."""
+from mfqat import mxqlora
+from mfqat._moved import moved
 
-Owns: ``model`` (the frozen packed layers, adapters, saving in PEFT's layout), ``train``
-(`mfqat mx-qlora`), ``mlx_adapter`` (a PEFT adapter as an mlx-lm adapter folder).
-
-May import: every layer below it (formats .. train, integrations). Never mlx or cli.
-"""
+moved(__name__, mxqlora)

@@ -8,6 +8,6 @@ CPU ranks), ``grad_compress`` (the MX-compressed DDP gradient hook), ``summary``
 of `mfqat train`, `mfqat mx-qlora` and `mfqat mlx-train`: one writer, one set of key names).
 
 May import: formats, progress, quant, storage, models, qat, anchor, data, eval, export. Never
-integrations, qlora, mlx or cli. Importing this package imports nothing; ``args`` imports no torch
+integrations, mxqlora, mlx or cli. Importing this package imports nothing; ``args`` imports no torch
 (the CLI checks flags with it before anything heavy loads).
 """

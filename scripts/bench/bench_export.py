@@ -29,7 +29,7 @@ from mfqat.eval.perplexity import perplexity as torch_ppl
 from mfqat.eval.report import format_table
 from mfqat.export import to_mlx
 from mfqat.export.mlx_export import plan_from_report, reference_state
-from mfqat.export.storage import anchor_parameters, stored_size
+from mfqat.export.mlx_sizes import anchor_parameters, stored_size
 from mfqat.mlx.models import smollm2_mlx_dir
 from mfqat.mlx.train import perplexity as mlx_ppl
 

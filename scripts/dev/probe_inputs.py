@@ -101,7 +101,7 @@ def build_fast(d: Path) -> dict:
 
     import mfqat as mf
     from mfqat.anchor.checkpoint import read_anchor
-    from mfqat.anchor.refined_store import add_refined
+    from mfqat.anchor.learned_scales_store import add_learned_scales
     from mfqat.data.sources import tiny_llama, tiny_tokenizer
     from mfqat.quant.derive import derive
     from mfqat.storage.io import RunFolder
@@ -129,7 +129,7 @@ def build_fast(d: Path) -> dict:
     refined = shutil.copytree(anchor, d / "refined")
     name = "model.layers.0.mlp.down_proj.weight"
     q = derive(read_anchor(refined).quantized[name].dequantize(torch.float32), "affine4", 32)
-    add_refined(refined, "affine4", 32, {name: q}, info={})
+    add_learned_scales(refined, "affine4", 32, {name: q}, info={})
     f = refined / json.loads((refined / "mfqat.json").read_text())["refined"]["affine4"]["file"]
     data = bytearray(f.read_bytes())
     data[-1] ^= 0x7F  # a bias's high byte: NaN / inf

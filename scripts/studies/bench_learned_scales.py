@@ -53,7 +53,7 @@ def main() -> None:
     def ppl(path: Path, fmt: str, stored: bool) -> dict:
         anchor = read_anchor(path)
         if not stored:
-            anchor.refined = {}
+            anchor.learned_scales = {}
         model = anchor_model(anchor, fmt, "cpu", torch.float32, a.group_size)
         return {t: perplexity(model, b) for t, b in held.items()}
 

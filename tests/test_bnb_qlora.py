@@ -1,4 +1,5 @@
-"""LoRA / QLoRA in `mfqat train` (peft + bitsandbytes, real), 8-bit optimizers, PEFT + MF-QAT."""
+"""LoRA / QLoRA in `mfqat train` (peft + bitsandbytes NF4/INT8 bases, real: mfqat/train/lora.py; MX-QLoRA is
+tests/test_mxqlora*.py), 8-bit optimizers, PEFT + MF-QAT."""
 import json
 import sys
 

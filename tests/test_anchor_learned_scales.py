@@ -1,5 +1,5 @@
-"""Learned affine scales kept in the anchor (``mfqat refine``, format version 4): one anchor reproduces every
-refined width code for code, through load_anchor and export-mlx, and a damaged file is refused."""
+"""Learned scales kept in the anchor (``mfqat refine``, format version 4): one anchor reproduces every width
+with its learned scales code for code, through load_anchor and export-mlx, and a damaged file is refused."""
 import json
 import shutil
 
@@ -46,7 +46,7 @@ def test_the_anchor_stores_each_width_it_learned_and_load_anchor_uses_it(refined
     for fmt in ("affine4", "affine3"):
         learned, derived = a.in_format(fmt, 32)[NAME], derive(p.quantized[NAME].dequantize(torch.float32), fmt, 32)
         assert torch.equal(learned.codes, derived.codes)  # codes are the derived ones
-        s, b = a.refined[fmt].scales[NAME]
+        s, b = a.learned_scales[fmt].scales[NAME]
         assert torch.equal(learned.scales, s.float()) and torch.equal(learned.biases, b.float())
         assert not torch.equal(learned.scales, derived.scales)  # and the scales are the learned ones
         model = mfqat.load_anchor(path, fmt, group_size=32)
@@ -59,7 +59,7 @@ def test_an_export_of_a_refined_width_ships_the_stored_scales_bit_exact(refined,
     _, path, _ = refined
     rep = mfqat.export.to_mlx(path, tmp_path / "mlx", recipe="uniform:affine4", group_size=32)
     assert rep["anchor_refined"] == ["affine4"] and rep["verify"]["weights_bit_exact"]
-    s, b = read_anchor(path).refined["affine4"].scales[NAME]
+    s, b = read_anchor(path).learned_scales["affine4"].scales[NAME]
     w = load_weights(tmp_path / "mlx")
     got = np.array(w[NAME.replace(".weight", ".scales")].astype(mx.float32))
     assert np.array_equal(got, s.float().numpy())
@@ -84,6 +84,32 @@ def test_a_changed_refined_file_is_refused_by_name(refined, tmp_path):
     (unlisted / "mfqat.json").write_text(json.dumps(meta))
     with pytest.raises(AnchorError, match="refined-affine3-[0-9a-f]+.safetensors is not in the manifest"):
         read_anchor(unlisted)
+
+
+def test_a_width_file_renamed_for_its_new_bytes_is_refused_by_the_manifest(refined, tmp_path):
+    """Changed bytes under a name that matches them (mfqat.json edited and re-digested, the manifest's sha256
+    left as it was): the name check passes, the manifest's hash must refuse it."""
+    import hashlib
+
+    from mfqat.anchor.learned_scales import learned_scales_file
+    from mfqat.storage.manifest import canonical_digest
+
+    _, path, _ = refined
+    bad = shutil.copytree(path, tmp_path / "renamed")
+    meta = json.loads((bad / "mfqat.json").read_text())
+    old = meta["refined"]["affine3"]["file"]
+    data = bytearray((bad / old).read_bytes())
+    data[-3] ^= 0xFF
+    digest = hashlib.sha256(data).hexdigest()[:12]
+    new = learned_scales_file("affine3").replace(".safetensors", f"-{digest}.safetensors")
+    (bad / new).write_bytes(bytes(data))
+    (bad / old).unlink()
+    meta["manifest"][new] = meta["manifest"].pop(old)
+    meta["refined"]["affine3"]["file"] = new
+    meta["digest"] = canonical_digest(meta)
+    (bad / "mfqat.json").write_text(json.dumps(meta))
+    with pytest.raises(AnchorError, match=new):
+        read_anchor(bad)
 
 
 def test_a_stored_width_is_replaced_only_with_overwrite_and_mx_widths_are_refused(refined):
@@ -138,7 +164,8 @@ def test_overwrite_replaces_a_width_and_removes_its_old_file(refined, tmp_path):
     meta = json.loads((a / "mfqat.json").read_text())
     assert rows[0]["stored"] and meta["refined"]["affine4"]["file"] != old and old not in meta["manifest"]
     assert not (a / old).exists() and not (a / "refined-affine4-orphan.safetensors").exists()
-    assert read_anchor(a).refined["affine4"].scales[NAME][0].shape == read_anchor(path).refined["affine4"].scales[NAME][0].shape
+    new, first = read_anchor(a).learned_scales["affine4"], read_anchor(path).learned_scales["affine4"]
+    assert new.scales[NAME][0].shape == first.scales[NAME][0].shape
 
 
 def test_values_learned_on_other_weights_are_refused(refined, tmp_path, monkeypatch):

@@ -24,8 +24,8 @@ from mfqat.train.lora import DEFAULT_TARGETS
 from mfqat.train.args import at_least, check_finite, local_inputs
 from mfqat.train.setup import check_model_fits, check_token_ids, peak_memory_mib
 from mfqat.train.summary import run_summary, write_summary
-from mfqat.qlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
-from mfqat.qlora.mlx_adapter import peft_to_mlx
+from mfqat.mxqlora.model import lora_parameters, mx_qlora_model, save_mx_adapter, set_base_format
+from mfqat.mxqlora.mlx_adapter import peft_to_mlx
 from mfqat.progress import progress
 from mfqat.storage.guard import check_output, check_run_folder
 from mfqat.storage.io import RunFolder
