@@ -20,6 +20,7 @@ finds wherever the function now sits in the file. Matching ignores layout:
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import textwrap
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ def load(path: Path = DATA) -> List[Mutation]:
     entries = yaml.safe_load(Path(path).read_text()) or []
     out: List[Mutation] = []
     for i, e in enumerate(entries):
-        where = f"{path}: entry {i + 1} ({e.get('name', 'unnamed') if isinstance(e, dict) else e!r})"
+        label = e.get("name", "unnamed") if isinstance(e, dict) else repr(e)
+        where = f"{path}: entry {i + 1} ({label})"
         if not isinstance(e, dict) or set(FIELDS) - set(e) or set(e) - set(FIELDS) - {"why"}:
             raise SpecError(f"{where}: needs exactly the fields {', '.join(FIELDS)} (and optionally why)")
         if not isinstance(e["tests"], list) or not e["tests"] or not all(isinstance(t, str) for t in e["tests"]):
@@ -80,7 +82,14 @@ def line_starts(text: str) -> List[int]:
     return starts if starts[-1] == len(text) else starts + [len(text)]
 
 
-def definitions(text: str) -> List[Tuple[str, int, int]]:
+@functools.lru_cache(maxsize=64)
+def tree_of(text: str) -> ast.Module:
+    """The parsed source (cached: many specs and tests share a file)."""
+    return ast.parse(text)
+
+
+@functools.lru_cache(maxsize=64)
+def definitions(text: str) -> Tuple[Tuple[str, int, int], ...]:
     """(qualified name, start, end) of every function and class of a Python source: whole lines from the
     first decorator through the last line of the body."""
     starts = line_starts(text)
@@ -96,8 +105,8 @@ def definitions(text: str) -> List[Tuple[str, int, int]]:
             else:
                 walk(child, prefix)
 
-    walk(ast.parse(text), "")
-    return out
+    walk(tree_of(text), "")
+    return tuple(out)
 
 
 def spans_of(text: str, file: str, function: str) -> List[Tuple[int, int]]:
@@ -223,7 +232,7 @@ def test_defined(root: Path, node: str) -> Optional[str]:
     if not names:
         return None
     names = [n.split("[", 1)[0] for n in names]
-    scope: Sequence[ast.AST] = ast.parse(f.read_text()).body
+    scope: Sequence[ast.AST] = tree_of(f.read_text()).body
     for n in names:
         hit = [d for d in scope if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                and d.name == n]
