@@ -75,6 +75,8 @@ def test_a_spec_still_applies_after_its_function_moved_and_was_reindented():
     # inline, across the wrapped call; whole lines deleted; a multi-line replacement re-based
     wrong_arg = ms.apply(AFTER, mutation("Box.scale", "compute(x, limit, os.sep)", "compute(limit, x, os.sep)"))
     assert "total = compute(limit, x, os.sep)\n        log(total)" in wrong_arg
+    bumped = ms.apply(AFTER, mutation("Box.scale", "x = limit", "x = limit\nx += 1"))
+    assert bumped == AFTER.replace("            x = limit\n", "            x = limit\n            x += 1\n")
     unlogged = ms.apply(AFTER, mutation("Box.scale", "log(total)\n", ""))
     assert unlogged == AFTER.replace("        log(total)\n", "")
     doubled = ms.apply(AFTER, mutation("Box.scale", "return total * 2\n", "if x:\n    total += 1\nreturn total * 2\n"))
