@@ -93,7 +93,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=300, help="seconds per pytest run")
     p.add_argument("-j", "--jobs", type=int, default=1, help="mutations tested at once, each in its own copy")
     args = p.parse_args(argv)
-    muts = [m for m in load() if any(k in m.name for k in args.k.split(","))]
+    try:
+        muts = [m for m in load() if any(k in m.name for k in args.k.split(","))]
+    except (SpecError, OSError) as e:  # a malformed data file: one line, before any copy is made
+        print(f"mutation_check: error: {e}", file=sys.stderr)
+        return 2
     if args.list:
         for m in muts:
             print(f"{m.name:40s} {m.file}:{m.function}  ->  {' '.join(m.tests)}")
