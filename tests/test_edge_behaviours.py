@@ -1,5 +1,5 @@
 """Issue 48: behaviours of the newer code that no test of their module pinned down, each one a plausible
-one-line bug away from a wrong result with exit status 0 (scripts/mutation_check.py plants each bug).
+one-line bug away from a wrong result with exit status 0 (scripts/dev/mutation_check.py plants each bug).
 Fast, no MLX: real tiny models and real files built here."""
 import json
 
