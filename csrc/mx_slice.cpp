@@ -9,19 +9,6 @@
 namespace mfqat {
 namespace {
 
-// Element code -> value (reference: mx_codes_to_values), MXFP only; exact.
-inline float fp_value(uint8_t code, int32_t ebits, int32_t mbits, int32_t bias, int32_t emin) {
-  uint32_t c = code;
-  uint32_t sign = (c >> (ebits + mbits)) & 1u;
-  int32_t exp_field = static_cast<int32_t>((c >> mbits) & ((1u << ebits) - 1u));
-  int32_t mant = static_cast<int32_t>(c & ((1u << mbits) - 1u));
-  bool subnormal = exp_field == 0;
-  int32_t e = subnormal ? emin : exp_field - bias;
-  float sig = static_cast<float>(subnormal ? mant : mant + (1 << mbits));
-  float v = sig * exp2i(e - mbits);
-  return sign ? -v : v;
-}
-
 // Slice-and-Scale of one tensor (reference: mfqat/quant/slice.py), codes (n_blocks * bs) + E8M0 scales.
 void slice_kernel(const uint8_t* codes, const uint8_t* scales, uint8_t* out_codes, uint8_t* out_scales,
                   int64_t n_blocks, int64_t bs, bool is_int, int32_t shift, const MXParams& src,

@@ -104,6 +104,9 @@ def test_public_quantize_takes_the_op_and_leaves_non_finite_tensors_to_the_refer
     monkeypatch.setattr(cpp, "quantize_affine_cpp", lambda *a: calls.append(a) or real(*a))
     mfqat.quantize(finite, "affine4", 64)
     assert len(calls) == 1, "mfqat.quantize of an affine format takes the C++ op on CPU"
+    monkeypatch.setenv("MFQAT_BACKEND", "reference")
+    mfqat.quantize(finite, "affine4", 64)
+    assert len(calls) == 1, "MFQAT_BACKEND=reference keeps the reference"
 
 
 def test_op_schema_fake_tensor_and_bad_input():

@@ -55,6 +55,10 @@ class MXTensor:
         codes = self.codes.reshape(*self.shape[:-1], self.shape[-1] // bs, bs)
         if self.fmt.family == "nvfp4":
             out = nvfp4_dequantize_blocks(codes, self.scales, self.global_scale)
+        elif self.fmt.is_mx:
+            from mfqat.quant.kernels import mx_dequantize_dispatch
+
+            out = mx_dequantize_dispatch(self.codes, self.scales, self.fmt, bs)
         else:
             out = dequantize_blocks(codes, self.scales, self.biases, self.fmt, self.dtype)
         return out.reshape(self.shape).to(dtype or self.dtype)

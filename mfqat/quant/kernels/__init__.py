@@ -15,7 +15,7 @@ Paths, all bit-exact with :mod:`mfqat.quant.reference` (tests/test_kernels.py):
 cpp, else reference. The environment variable ``MFQAT_BACKEND=reference|triton|cpp|cuda`` forces one (an error says so when the
 forced backend cannot run on the tensor's device). Affine quantization to codes (MLX's rule: the
 exporter's derived formats) has a C++ op too (:func:`affine_quantize_dispatch`: CPU tensors without
-NaN or Inf, under ``auto`` or ``cpp``); affine fake quantization, NF4 and nvfp4 always use the
+NaN or Inf, under ``auto`` or ``cpp``), as has MX dequantization (:func:`mx_dequantize_dispatch`); affine fake quantization, NF4 and nvfp4 always use the
 reference (nvfp4's: mfqat.quant.nvfp4; there is no nvfp4 kernel, ``MFQAT_BACKEND`` does not change that).
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 
 from mfqat.formats import ElementFormat
 from mfqat.quant.nvfp4 import nvfp4_fake_quantize_blocks
-from mfqat.quant.reference import affine_quantize_blocks, fake_quantize_reference, quantize_reference, to_blocks
+from mfqat.quant.reference import (affine_quantize_blocks, fake_quantize_reference, mx_dequantize_blocks,
+                                   quantize_reference, to_blocks)
 from mfqat.quant.kernels import cpp, triton_mx, triton_search, triton_slice
 
 BACKENDS = ("reference", "cpp", "triton", "cuda")
@@ -152,6 +153,18 @@ def affine_quantize_dispatch(x: torch.Tensor, fmt: ElementFormat, block_size: in
             return codes, scales.to(x.dtype).float(), biases.to(x.dtype).float()
     codes, scales, biases = affine_quantize_blocks(to_blocks(x, block_size), fmt, x.dtype)
     return codes.reshape(x.shape), scales, biases
+
+
+def mx_dequantize_dispatch(codes: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat, block_size: int
+                           ) -> torch.Tensor:
+    """MX codes (any leading shape, last axis in blocks) and their E8M0 bytes -> float32 values of the codes'
+    shape, as :func:`mfqat.quant.reference.mx_dequantize_blocks`: the C++ op on CPU (``MFQAT_BACKEND`` auto
+    or cpp, when the build has it), the reference otherwise."""
+    if (requested_backend() in ("auto", "cpp") and codes.device.type == "cpu" and cpp.DEQUANT_AVAILABLE
+            and codes.numel() == scales.numel() * block_size):
+        return cpp.dequantize_mx_cpp(codes, scales, fmt, block_size)
+    blocks = codes.reshape(*codes.shape[:-1], codes.shape[-1] // block_size, block_size)
+    return mx_dequantize_blocks(blocks, scales, fmt).reshape(codes.shape)
 
 
 def slice_dispatch(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat,

@@ -4,7 +4,7 @@ when it was built against a CUDA torch; :data:`CUDA_AVAILABLE`).
 
 The ops are ``torch.ops.mfqat.fake_quant_mx``, ``fake_quant_mx_through`` (train-through-anchor:
 the anchor's then the target format's quantize-dequantize in one pass), ``quantize_mx`` and
-``slice_mx`` (mx_cpu.cpp), ``quantize_affine`` (MLX's affine rule, affine_cpu.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
+``slice_mx`` (mx_cpu.cpp), ``quantize_affine`` (MLX's affine rule, affine_cpu.cpp), ``dequantize_mx`` (mx_dequant.cpp), ``search_mx``, ``decode_mx_exponents`` and their train-through-anchor forms
 ``search_mx_through`` / ``decode_mx_exponents_through`` (the MX scale search, mx_search.cpp and
 mx_decode.cpp); fake (meta)
 implementations are registered here so that ``torch.compile`` traces them. Importing this module
@@ -24,6 +24,7 @@ THROUGH_AVAILABLE = False
 SEARCH_AVAILABLE = False
 SEARCH_THROUGH_AVAILABLE = False
 AFFINE_AVAILABLE = False
+DEQUANT_AVAILABLE = False
 LOAD_ERROR: Optional[str] = None
 try:  # the extension is optional: a missing compiler at install time leaves the reference path
     from mfqat._build import load_extension
@@ -38,6 +39,7 @@ try:  # the extension is optional: a missing compiler at install time leaves the
         "mbits" in str(torch.ops.mfqat.search_mx.default._schema)
     SEARCH_THROUGH_AVAILABLE = SEARCH_AVAILABLE and hasattr(torch.ops.mfqat, "search_mx_through")
     AFFINE_AVAILABLE = hasattr(torch.ops.mfqat, "quantize_affine")  # affine_cpu.cpp; False for an older build
+    DEQUANT_AVAILABLE = hasattr(torch.ops.mfqat, "dequantize_mx")  # mx_dequant.cpp; False for an older build
     # the CUDA op (csrc/cuda/): CUDA kernels of fake_quant_mx and fake_quant_mx_through, built by setup.py
     # only when torch had CUDA and nvcc was found
     CUDA_AVAILABLE = AVAILABLE and THROUGH_AVAILABLE and all(
@@ -74,6 +76,11 @@ if AVAILABLE:
             small = (*x.shape[:-1], x.shape[-1] // block_size)
             return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(small, dtype=torch.float32), \
                 x.new_empty(small, dtype=torch.float32), True
+
+    if DEQUANT_AVAILABLE:
+        @torch.library.register_fake("mfqat::dequantize_mx")
+        def _dequantize_mx_meta(codes, scales, block_size, *rest):
+            return codes.new_empty(codes.shape, dtype=torch.float32)
 
     @torch.library.register_fake("mfqat::slice_mx")
     def _slice_mx_meta(codes, scales, block_size, is_int, *rest):
@@ -138,6 +145,14 @@ def quantize_affine_cpp(x: torch.Tensor, fmt: ElementFormat, block_size: int
     before their rounding to x's dtype, and whether x was all finite (when not, the rest is incomplete:
     the reference's NaN rules apply, the caller's job)."""
     return torch.ops.mfqat.quantize_affine(x, block_size, fmt.bits)
+
+
+def dequantize_mx_cpp(codes: torch.Tensor, scales: torch.Tensor, fmt: ElementFormat, block_size: int
+                      ) -> torch.Tensor:
+    """MX codes (any shape, last axis blocked) and E8M0 bytes -> float32 values (mx_dequant.cpp)."""
+    return torch.ops.mfqat.dequantize_mx(codes, scales, block_size, fmt.family == "mxint",
+                                         fmt.int_shift if fmt.family == "mxint" else 0, fmt.ebits, fmt.mbits,
+                                         fmt.bias, fmt.emin)
 
 
 def slice_cpp(codes: torch.Tensor, scales: torch.Tensor, src: ElementFormat, dst: ElementFormat, block_size: int
