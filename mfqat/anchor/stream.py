@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -93,22 +93,27 @@ def meta_model(folder: PathLike):
 
 def streamable(folder: PathLike) -> Optional[str]:
     """None when ``folder`` can be quantized tensor by tensor, else why not (the caller loads the model)."""
+    return _inspect(folder)[0]
+
+
+def _inspect(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
+    """(:func:`streamable`'s answer, the meta model, its config) - the model built once (None when refused)."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
-        return "no config.json"
+        return "no config.json", None, None
     try:
         cfg = json.loads(cfg_file.read_text())
     except ValueError:
-        return "config.json is not JSON"
+        return "config.json is not JSON", None, None
     if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None:
-        return "a pre-quantized checkpoint (dequantized by transformers on load)"
+        return "a pre-quantized checkpoint (dequantized by transformers on load)", None, None
     if not (folder / INDEX_FILE).is_file() and not (folder / WEIGHTS_FILE).is_file():
-        return "no safetensors weights"
+        return "no safetensors weights", None, None
     try:
-        model, _ = meta_model(folder)
+        model, config = meta_model(folder)
     except Exception as e:  # an architecture transformers cannot build from its config
-        return f"transformers cannot build the model from its config ({type(e).__name__})"
+        return f"transformers cannot build the model from its config ({type(e).__name__})", None, None
     with SourceCheckpoint(folder) as src:
         sd, _ = unique_state_dict(model, model.state_dict())
         missing = [k for k in sd if k not in src.where]
@@ -116,8 +121,8 @@ def streamable(folder: PathLike) -> Optional[str]:
         wrong = [k for k in sd if k in src.where and tuple(src.where[k][1].shape) != tuple(sd[k].shape)]
     if missing or extra or wrong:
         first = (missing or extra or wrong)[0]
-        return f"its tensor names or shapes differ from the model's (e.g. {first}: renamed or fused on load)"
-    return None
+        return f"its tensor names or shapes differ from the model's (e.g. {first}: renamed or fused on load)", None, None
+    return None, model, config
 
 
 def folder_tokenizer(folder: PathLike):
@@ -155,13 +160,12 @@ def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", to
     """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
     docstring). ``tokenizer``: saved with it (default: the folder's, when it has one). Raises ValueError
     when :func:`streamable` refuses the folder."""
-    why = streamable(folder)
-    if why is not None:
-        raise ValueError(f"{folder}: cannot be quantized tensor by tensor: {why}")
     f = get_format(fmt)
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
-    model, config = meta_model(folder)
+    why, model, config = _inspect(folder)
+    if why is not None:
+        raise ValueError(f"{folder}: cannot be quantized tensor by tensor: {why}")
     if tokenizer is None:
         tokenizer = folder_tokenizer(folder)
     sd, tied = unique_state_dict(model, model.state_dict())
