@@ -3,14 +3,18 @@
 // without a GPU. Not part of the extension. Build: g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC
 // -pthread csrc/cuda/mx_host.cpp -o libmx_host.so
 //
-// Two ways to run a block: serially (one thread owns every element), or as 32 emulated lanes in 32
-// threads (lane l owns elements l, l + 32, ... with the kernel's PER; the maximum by the kernel's xor
-// butterfly through a shared slot array and a barrier), which checks the kernel's lane striding and
-// reduction, not only the per-element math. What no host build can check is the shuffle instruction
-// itself and the device's float arithmetic; scripts/gpu_check.sh runs the real kernels on a GPU.
-#include <barrier>
+// Two ways to run a block: serially (one thread owns every element), or as 32 emulated lanes (lane l
+// owns elements l, l + 32, ... with the kernel's PER; the maximum by the kernel's xor butterfly through a
+// shared slot array and a barrier), which checks the kernel's lane striding and reduction, not only the
+// per-element math. The lanes are 32 fibers (ucontext) on one thread, run round-robin from barrier to
+// barrier: the barrier semantics of a warp in lockstep, without 32 OS threads taking turns on a busy
+// machine's cores at every step (which made this test take minutes there). What no host build can
+// check is the shuffle instruction itself and the device's float arithmetic; scripts/gpu_check.sh runs
+// the real kernels on a GPU.
+#include <ucontext.h>
+
 #include <cstdint>
-#include <thread>
+#include <functional>
 #include <vector>
 
 #include "mx_block.cuh"
@@ -26,24 +30,61 @@ struct SerialLanes {
 
 struct WarpShared {
   uint32_t slot[32];
-  std::barrier<> sync{32};
+  ucontext_t scheduler;      // where a lane goes at a barrier (and when it finishes)
+  ucontext_t lane_ctx[32];
+  std::function<void(int32_t)> body;  // what every lane runs
+  bool done[32];
 };
+
+thread_local WarpShared* current_warp = nullptr;  // makecontext passes ints only
+
+void lane_entry(int lane) {
+  current_warp->body(lane);
+  current_warp->done[lane] = true;  // returning resumes the scheduler (uc_link)
+}
 
 struct EmulatedLanes {
   int32_t first;
   static constexpr int32_t stride = 32;
   WarpShared* warp;
+  void barrier() const { swapcontext(&warp->lane_ctx[first], &warp->scheduler); }
   uint32_t reduce_max(uint32_t v) const {  // __shfl_xor_sync(full, v, off) for off = 16, 8, 4, 2, 1
     for (int off = 16; off > 0; off >>= 1) {
       warp->slot[first] = v;
-      warp->sync.arrive_and_wait();
+      barrier();
       const uint32_t o = warp->slot[first ^ off];
-      warp->sync.arrive_and_wait();
+      barrier();
       v = o > v ? o : v;
     }
     return v;
   }
 };
+
+// Run body(lane) for the 32 lanes as fibers, round-robin: each round takes every lane to its next barrier,
+// so no lane reads a slot before every lane has written it, nor writes it again before every lane has read.
+void run_warp(WarpShared& warp, std::function<void(int32_t)> body) {
+  constexpr size_t kStack = 256 * 1024;
+  std::vector<std::vector<char>> stacks(32, std::vector<char>(kStack));
+  warp.body = std::move(body);
+  current_warp = &warp;
+  for (int lane = 0; lane < 32; ++lane) {
+    warp.done[lane] = false;
+    getcontext(&warp.lane_ctx[lane]);
+    warp.lane_ctx[lane].uc_stack.ss_sp = stacks[lane].data();
+    warp.lane_ctx[lane].uc_stack.ss_size = kStack;
+    warp.lane_ctx[lane].uc_link = &warp.scheduler;
+    makecontext(&warp.lane_ctx[lane], reinterpret_cast<void (*)()>(lane_entry), 1, lane);
+  }
+  for (bool running = true; running;) {
+    running = false;
+    for (int lane = 0; lane < 32; ++lane) {
+      if (warp.done[lane]) continue;
+      swapcontext(&warp.scheduler, &warp.lane_ctx[lane]);
+      running = true;
+    }
+  }
+  current_warp = nullptr;
+}
 
 MXFormat make_format(const int32_t* ints, const float* floats) {
   // ints: is_int, emax, emin, mbits, ceil_rule; floats: step, inv_step, code_min, code_max, max_normal
@@ -72,20 +113,16 @@ void run_typed(bool through, int32_t mode, const void* x, void* out, bool* mask,
     return;
   }
   WarpShared warp;  // one warp walks every block, as the kernel's grid-stride loop does with one warp
-  std::vector<std::thread> threads;
-  for (int32_t lane = 0; lane < 32; ++lane) {
-    threads.emplace_back([&, lane] {
-      const EmulatedLanes lanes{lane, &warp};
-      for (int64_t b = 0; b < n_blocks; ++b) {
-        if (bs == 32) {
-          run_block<D, 1>(through, x, out, mask, b, bs, a, f, lanes);
-        } else {
-          run_block<D, 8>(through, x, out, mask, b, bs, a, f, lanes);
-        }
+  run_warp(warp, [&](int32_t lane) {
+    const EmulatedLanes lanes{lane, &warp};
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      if (bs == 32) {
+        run_block<D, 1>(through, x, out, mask, b, bs, a, f, lanes);
+      } else {
+        run_block<D, 8>(through, x, out, mask, b, bs, a, f, lanes);
       }
-    });
-  }
-  for (auto& t : threads) t.join();
+    }
+  });
 }
 
 void run(bool through, int32_t dtype, int32_t mode, const void* x, void* out, bool* mask, int64_t n_blocks,
