@@ -135,6 +135,20 @@ def test_peft_lora_on_prepared_model_trains_only_adapters():
     assert base and all(x.fmt == "mxint4" for x in base)
 
 
+def test_the_controller_steps_the_formats_of_peft_wrapped_modules():
+    """Under PEFT the modules are renamed (base_model.model..., .base_layer); the controller still finds each
+    one's schedule, so a progressive run keeps cycling formats after get_peft_model."""
+    peft = pytest.importorskip("peft")
+    m = tiny_llama()
+    mfqat.prepare(m, QATConfig.from_yaml("mxint_2468"))
+    lm = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    wrapped = [(n, mod) for n, mod in qat_modules(lm) if ".base_layer" in n]
+    assert wrapped, "the LoRA targets are wrapped"
+    for step, want in ((0, "mxint2"), (7, "mxint8")):
+        assert m.mfqat_controller.set_step(lm, step, 8) == want
+        assert all(mod.fmt == want for _, mod in qat_modules(lm)), (step, [(n, mod.fmt) for n, mod in wrapped][:3])
+
+
 def test_torch_compile_matches_eager():
     torch._dynamo.reset()
     m = tiny_llama()

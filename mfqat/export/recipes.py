@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -214,6 +214,19 @@ def check_family(anchor: Anchor) -> Family:
     return family
 
 
+def _plan_by_bits(plan: Plan, anchor: Anchor, family: str, names: List[str],
+                  bits_of: Callable[[str], Optional[int]]) -> None:
+    """Plan each of ``names`` at ``bits_of(name)`` bits in ``family`` (None: kept in bfloat16), the width
+    capped by the anchor's for MX families; from the anchor's codes where it has them, else by PTQ."""
+    for name in names:
+        bits = bits_of(name)
+        if bits is None:
+            plan.kept16.add(name)
+            continue
+        plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
+        plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
+
+
 def _fmt_for_bits(family: str, bits: int, anchor_bits: int) -> str:
     table = FAMILY_BY_BITS[family]
     bits = max(min(bits, anchor_bits, max(table)), min(table))
@@ -327,22 +340,12 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
         top = get_format(fmt)
     elif kind == "seed":
         table = plan.family.seed_table or partial(seed_bits, family=plan.family)  # Qwen3.5: the design's table
-        for name in list(anchor.quantized) + _matrix_weights(anchor) + _seed_high(anchor, plan.family):
-            bits = table(name, base_bits, tied)
-            if bits is None:
-                plan.kept16.add(name)
-                continue
-            plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
-            plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
+        _plan_by_bits(plan, anchor, family, list(anchor.quantized) + _matrix_weights(anchor) +
+                      _seed_high(anchor, plan.family), lambda name: table(name, base_bits, tied))
         top = get_format(_fmt_for_bits(family, base_bits, 8))
     elif kind == "dynamic2":
-        for name in list(anchor.quantized) + _matrix_weights(anchor):
-            bits = dynamic2_bits(name, base_bits, plan.family)
-            if bits is None:
-                plan.kept16.add(name)
-                continue
-            plan.formats[name] = _fmt_for_bits(family, bits, 8 if family == "affine" else get_format(anchor.format).bits)
-            plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"
+        _plan_by_bits(plan, anchor, family, list(anchor.quantized) + _matrix_weights(anchor),
+                      lambda name: dynamic2_bits(name, base_bits, plan.family))
         top = get_format(_fmt_for_bits(family, base_bits, 8))
     elif kind == "auto":
         levels = ladder(anchor.format, want)

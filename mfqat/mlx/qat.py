@@ -16,7 +16,7 @@ from mlx.utils import tree_unflatten
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, is_derived
 from mfqat.formats import canonical_name
 from mfqat.qat.config import QATConfig
-from mfqat.qat.schedules import Schedule
+from mfqat.qat.schedules import Schedule, ScheduleClock
 from mfqat.quant.scale_rules import SEARCH_RULE, resolve_scale_rules, rule_of
 from mfqat.mlx.observers import WindowMinMaxObserver
 from mfqat.mlx.quant import fake_quantize
@@ -129,28 +129,12 @@ def _family(model: nn.Module):
     return family_for(getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None))
 
 
-class MLXController:
+class MLXController(ScheduleClock):
     """Each prepared layer's schedule; sets the active format per step (as the PyTorch controller)."""
 
-    def __init__(self, config: QATConfig, schedules: Dict[str, Schedule]):
-        self.config = config
-        self.schedules = schedules
-        self.step, self.total_steps = 0, 1
-
-    def set_step(self, model: nn.Module, step: int, total_steps: int) -> str:
-        self.step, self.total_steps = step, total_steps
-        for name, m in qat_layers(model):
-            sched = self.schedules.get(name)
-            if sched is not None:
-                m.fmt = self.config.layer_format_at(sched, step, total_steps)
-        return self.current_format()
-
-    def step_formats(self, step: int, total_steps: int) -> List[str]:
-        """The formats one optimizer step trains (``QATConfig.step_formats``)."""
-        return self.config.step_formats(step, total_steps)
-
-    def current_format(self) -> str:
-        return self.config.step_formats(self.step, self.total_steps)[0]
+    def scheduled(self, model: nn.Module) -> Iterator[Tuple[str, MFQATLinear]]:
+        """(name, layer) for every MF-QAT layer of the model."""
+        return qat_layers(model)
 
 
 def qat_layers(model: nn.Module) -> Iterator[Tuple[str, MFQATLinear]]:

@@ -15,7 +15,7 @@ from mfqat.qat.experts import MFQATExperts, prepare_experts
 from mfqat.qat.learned_scales import make_learned_scales
 from mfqat.qat.modules import MFQATEmbedding, MFQATLinear, MFQATMixin
 from mfqat.qat.observers import make_observer
-from mfqat.qat.schedules import Schedule
+from mfqat.qat.schedules import Schedule, ScheduleClock
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -31,31 +31,13 @@ def qat_modules(model: nn.Module) -> Iterator[Tuple[str, MFQATMixin]]:
             yield name, m
 
 
-class MFQATController:
+class MFQATController(ScheduleClock):
     """Holds each prepared module's schedule and sets the active format per step."""
 
-    def __init__(self, config: QATConfig, schedules: Dict[str, Schedule]):
-        self.config = config
-        self.schedules = schedules
-        self.step = 0
-        self.total_steps = 1
-
-    def set_step(self, model: nn.Module, step: int, total_steps: int) -> str:
-        """Set every module's format for ``step``; return the global schedule's format."""
-        self.step, self.total_steps = step, total_steps
+    def scheduled(self, model: nn.Module) -> Iterator[Tuple[str, MFQATMixin]]:
+        """(name as prepare() saw it, module) for every MF-QAT module, PEFT-wrapped ones included."""
         for name, m in qat_modules(model):
-            sched = self.schedules.get(_strip_peft(name))
-            if sched is not None:
-                m.fmt = self.config.layer_format_at(sched, step, total_steps)
-        return self.current_format()
-
-    def step_formats(self, step: int, total_steps: int) -> List[str]:
-        """The formats one optimizer step trains (``QATConfig.step_formats``)."""
-        return self.config.step_formats(step, total_steps)
-
-    def current_format(self) -> str:
-        """The global schedule's format at the current step (the highest of a joint step)."""
-        return self.config.step_formats(self.step, self.total_steps)[0]
+            yield _strip_peft(name), m
 
 
 def _strip_peft(name: str) -> str:

@@ -5,10 +5,9 @@ Plain Python, no torch: the MLX runtime shares this module (docs/architecture.md
 from __future__ import annotations
 
 import random
-from typing import List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from mfqat.formats import canonical_name, get_format
-
 SCHEDULES = ("joint", "progressive", "cyclic", "random", "fixed")
 
 
@@ -119,3 +118,35 @@ def make_schedule(kind: str, formats: Sequence[str], seed: int = 0, repeats: int
             raise ValueError(f"the fixed schedule takes exactly one format, got {list(formats)}")
         return FixedSchedule(formats)
     raise ValueError(f"unknown schedule '{kind}'; choose one of {SCHEDULES}")
+
+
+class ScheduleClock:
+    """Each prepared module's schedule and the step training is at; sets every module's active format per
+    step. The PyTorch controller (mfqat.qat.prepare.MFQATController) and the MLX one
+    (mfqat.mlx.qat.MLXController) differ only in how they find their modules (:meth:`scheduled`)."""
+
+    def __init__(self, config: Any, schedules: Dict[str, Schedule]):  # a mfqat.qat.config.QATConfig
+        self.config = config
+        self.schedules = schedules
+        self.step, self.total_steps = 0, 1
+
+    def scheduled(self, model: Any) -> Iterator[Tuple[str, Any]]:
+        """(schedule name, module) for every prepared module of ``model``."""
+        raise NotImplementedError
+
+    def set_step(self, model: Any, step: int, total_steps: int) -> str:
+        """Set every module's format for ``step``; return the global schedule's format."""
+        self.step, self.total_steps = step, total_steps
+        for name, m in self.scheduled(model):
+            sched = self.schedules.get(name)
+            if sched is not None:
+                m.fmt = self.config.layer_format_at(sched, step, total_steps)
+        return self.current_format()
+
+    def step_formats(self, step: int, total_steps: int) -> List[str]:
+        """The formats one optimizer step trains (``QATConfig.step_formats``)."""
+        return self.config.step_formats(step, total_steps)
+
+    def current_format(self) -> str:
+        """The global schedule's format at the current step (the highest of a joint step)."""
+        return self.config.step_formats(self.step, self.total_steps)[0]
