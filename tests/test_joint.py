@@ -8,6 +8,8 @@ from mfqat.qat import QATConfig
 from mfqat.qat.joint import joint_backward, token_kl
 from mfqat.qat.schedules import JointSchedule
 
+from .conftest import assert_formats_equal_the_anchors
+
 
 def test_joint_schedule_sandwich_is_seeded_and_keeps_the_ends():
     s = JointSchedule(["mxint4", "mxint8", "mxint2", "mxint6", "mxint5", "mxint3"], seed=3, sample=1)
@@ -78,13 +80,7 @@ def test_through_anchor_forward_equals_load_anchor(formats, tmp_path):
         for p in model.parameters():
             p.mul_(1 + torch.rand_like(p) * 3)
     anchor = mfqat.save_anchor(model, tmp_path / "a", cfg.anchor_format)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    for f in formats:
-        mfqat.set_format(model, f)
-        with torch.no_grad():
-            got = model(ids).logits
-            want = mfqat.load_anchor(anchor, fmt=f)(ids).logits
-        assert torch.equal(got, want), f
+    assert_formats_equal_the_anchors(model, anchor, formats)
 
 
 def test_trainer_joint_step_is_the_joint_gradient(tmp_path):

@@ -16,20 +16,7 @@ import mfqat
 from mfqat.cli import main
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
-
-def _one_line_exit_2(argv, capsys, expect):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2, err
-    assert err.startswith(f"mfqat {argv[0]}: error: ") and "\n" not in err and expect in err, err
-    return err
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+from .conftest import dead_pid, one_line_exit_2
 
 
 # --- leftovers are ours before they are removed ----------------------------------------------------------------
@@ -72,13 +59,13 @@ def test_train_never_writes_over_the_anchor_it_trains_from(anchor, tmp_path, cap
     monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran before its output was checked"))
     before = _files(anchor.parent)
     for out in (anchor.parent, anchor, anchor / "sub"):
-        _one_line_exit_2(["train", "--model", str(anchor), "--steps", "2", "--out", str(out), "--overwrite"], capsys,
+        one_line_exit_2(["train", "--model", str(anchor), "--steps", "2", "--out", str(out), "--overwrite"], capsys,
                          "would overwrite, hold or sit inside the input")
     text = tmp_path / "data" / "train.txt"
     text.parent.mkdir()
     text.write_text("some text " * 50)
-    _one_line_exit_2(["train", *TINY, "--text", str(text), "--out", str(text.parent)], capsys, "the input")
-    _one_line_exit_2(["mx-qlora", str(anchor), "--out", str(anchor.parent)], capsys, "the input")
+    one_line_exit_2(["train", *TINY, "--text", str(text), "--out", str(text.parent)], capsys, "the input")
+    one_line_exit_2(["mx-qlora", str(anchor), "--out", str(anchor.parent)], capsys, "the input")
     assert _files(anchor.parent) == before
 
 
@@ -90,7 +77,7 @@ def test_train_out_over_an_earlier_run_needs_overwrite_and_never_replaces_user_f
     capsys.readouterr()
     first = _files(out)
     assert (out / "summary.json").is_file() and (out / "mfqat_run.json").is_file()
-    _one_line_exit_2(["train", *TINY, "--out", str(out)], capsys, "pass --overwrite")
+    one_line_exit_2(["train", *TINY, "--out", str(out)], capsys, "pass --overwrite")
     with pytest.raises(FileExistsError, match="pass --overwrite"):
         train_main([*TINY, "--out", str(out)])
     assert _files(out) == first
@@ -98,12 +85,12 @@ def test_train_out_over_an_earlier_run_needs_overwrite_and_never_replaces_user_f
     capsys.readouterr()
     assert json.loads((out / "summary.json").read_text())["losses"] != json.loads(first[Path("summary.json")])["losses"]
     (out / "summary.json").write_text("the user's own summary")  # a user's file of the same name
-    _one_line_exit_2(["train", *TINY, "--out", str(out), "--overwrite"], capsys, "summary.json there was not written")
+    one_line_exit_2(["train", *TINY, "--out", str(out), "--overwrite"], capsys, "summary.json there was not written")
     assert (out / "summary.json").read_text() == "the user's own summary"
     user = tmp_path / "mine"  # a folder mfqat did not make: refused even with --overwrite
     user.mkdir()
     (user / "loss.png").write_bytes(b"the user's plot")
-    _one_line_exit_2(["train", *TINY, "--out", str(user), "--overwrite"], capsys, "is no earlier `mfqat train` run")
+    one_line_exit_2(["train", *TINY, "--out", str(user), "--overwrite"], capsys, "is no earlier `mfqat train` run")
     assert (user / "loss.png").read_bytes() == b"the user's plot"
 
 
@@ -113,15 +100,15 @@ def test_mx_qlora_out_and_mlx_adapter_path_never_replace_user_files(anchor, tmp_
     main(["mx-qlora", str(anchor), *fast, "--out", str(out)])
     capsys.readouterr()
     assert (out / "adapter" / "adapter_config.json").is_file()
-    _one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(out)], capsys, "pass --overwrite")
+    one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(out)], capsys, "pass --overwrite")
     (out / "summary.json").write_text("the user's own summary")
-    _one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(out), "--overwrite"], capsys,
+    one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(out), "--overwrite"], capsys,
                      "summary.json there was not written")
     assert (out / "summary.json").read_text() == "the user's own summary"
     mine = tmp_path / "mine"  # a user's mlx-lm adapter folder (it has adapter_config.json too)
     mine.mkdir()
     (mine / "adapter_config.json").write_text("{}")
-    _one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(tmp_path / "q2"), "--mlx-adapter-path", str(mine)],
+    one_line_exit_2(["mx-qlora", str(anchor), *fast, "--out", str(tmp_path / "q2"), "--mlx-adapter-path", str(mine)],
                      capsys, "pass overwrite=True (--overwrite)")
     assert (mine / "adapter_config.json").read_text() == "{}" and not (tmp_path / "q2").exists()
 
@@ -234,7 +221,7 @@ def test_bad_values_are_one_line_exit_2_before_the_command_runs(anchor, tmp_path
 
     monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran: the value was not checked"))
     (tmp_path / "a-file").write_text("mine")
-    _one_line_exit_2([a.format(d=tmp_path, anchor=anchor) for a in argv], capsys, expect)
+    one_line_exit_2([a.format(d=tmp_path, anchor=anchor) for a in argv], capsys, expect)
 
 
 def test_generate_and_serve_refuse_numbers_that_never_end(tmp_path, capsys, monkeypatch):
@@ -243,11 +230,11 @@ def test_generate_and_serve_refuse_numbers_that_never_end(tmp_path, capsys, monk
 
     monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 320}))
-    _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--max-tokens", "-1"], capsys, "--max-tokens must be >= 1")
-    _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--temp", "nan"], capsys, "--temp must be a finite")
-    _one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--top-p", "0"], capsys, "--top-p must be in (0, 1]")
-    _one_line_exit_2(["serve", str(tmp_path), "--port", "99999"], capsys, "--port must be between 1 and 65535")
-    _one_line_exit_2(["serve", str(tmp_path), "--port", "-1"], capsys, "--port must be between 1 and 65535")
+    one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--max-tokens", "-1"], capsys, "--max-tokens must be >= 1")
+    one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--temp", "nan"], capsys, "--temp must be a finite")
+    one_line_exit_2(["generate", str(tmp_path), "-p", "hi", "--top-p", "0"], capsys, "--top-p must be in (0, 1]")
+    one_line_exit_2(["serve", str(tmp_path), "--port", "99999"], capsys, "--port must be between 1 and 65535")
+    one_line_exit_2(["serve", str(tmp_path), "--port", "-1"], capsys, "--port must be between 1 and 65535")
 
 
 def test_refine_and_eval_plot_refuse_a_folder_they_cannot_write_before_the_work(anchor, tmp_path, capsys, monkeypatch):
@@ -258,8 +245,8 @@ def test_refine_and_eval_plot_refuse_a_folder_they_cannot_write_before_the_work(
     ro.mkdir()
     real_access = os.access  # root writes through permission bits: the file system's answer is faked
     monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) in (anchor, ro) else real_access(p, m))
-    _one_line_exit_2(["refine", str(anchor)], capsys, f"cannot write in {anchor}")
-    _one_line_exit_2(["eval", str(anchor), "--plot", str(ro / "plot.png")], capsys, f"--plot {ro / 'plot.png'}: cannot")
+    one_line_exit_2(["refine", str(anchor)], capsys, f"cannot write in {anchor}")
+    one_line_exit_2(["eval", str(anchor), "--plot", str(ro / "plot.png")], capsys, f"--plot {ro / 'plot.png'}: cannot")
 
 
 def test_run_values_only_the_qat_config_answers_fail_before_the_model_loads(tmp_path, monkeypatch):
@@ -324,11 +311,11 @@ def test_a_config_without_hidden_size_is_one_line_before_any_model_loads(anchor,
     monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the command ran"))
     bad = _drop_config_key(anchor, tmp_path / "bad", "hidden_size")
     expect = "config.json has no positive integer 'hidden_size'"
-    _one_line_exit_2(["eval", str(bad)], capsys, expect)
-    _one_line_exit_2(["convert", str(bad), "--out", str(tmp_path / "c")], capsys, expect)
-    _one_line_exit_2(["export-mlx", str(bad), "--out", str(tmp_path / "e")], capsys, expect)
-    _one_line_exit_2(["train", "--model", str(bad), "--out", str(tmp_path / "t")], capsys, expect)
-    _one_line_exit_2(["mx-qlora", str(bad), "--out", str(tmp_path / "q")], capsys, expect)
+    one_line_exit_2(["eval", str(bad)], capsys, expect)
+    one_line_exit_2(["convert", str(bad), "--out", str(tmp_path / "c")], capsys, expect)
+    one_line_exit_2(["export-mlx", str(bad), "--out", str(tmp_path / "e")], capsys, expect)
+    one_line_exit_2(["train", "--model", str(bad), "--out", str(tmp_path / "t")], capsys, expect)
+    one_line_exit_2(["mx-qlora", str(bad), "--out", str(tmp_path / "q")], capsys, expect)
 
 
 @pytest.mark.parametrize("content,expect", [
@@ -343,7 +330,7 @@ def test_a_crafted_qat_config_is_one_line_and_never_runs(tmp_path, capsys, conte
     marker = tmp_path / "code-ran"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_bytes(content.format(marker=marker).encode("latin-1"))
-    _one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(cfg), "--out", str(tmp_path / "o")], capsys,
+    one_line_exit_2(["train", "--model", "tiny", "--qat-config", str(cfg), "--out", str(tmp_path / "o")], capsys,
                      expect)
     assert not marker.exists() and not (tmp_path / "o").exists()
 
@@ -391,7 +378,7 @@ def test_a_crafted_importance_file_on_resume_is_one_line(search_checkpoint, tmp_
     else:
         torch.save(state, f)
     seal_checkpoint(ck, 1, extra={"run": json.loads((search_checkpoint / "mfqat_step.json").read_text())["run"]})
-    _one_line_exit_2(["train", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1",
+    one_line_exit_2(["train", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--eval-blocks", "1",
                       "--steps", "2", "--save-every", "1", "--resume", str(ck), "--out", str(tmp_path / "o")],
                      capsys, expect)
 
@@ -403,11 +390,11 @@ def test_verify_refuses_unlisted_symlinks_and_folders_in_an_anchor(anchor, tmp_p
     main(["verify", str(a)])
     capsys.readouterr()
     (a / "link.safetensors").symlink_to(a / "model.safetensors")
-    _one_line_exit_2(["verify", str(a)], capsys, "symlink link.safetensors not covered by the manifest")
+    one_line_exit_2(["verify", str(a)], capsys, "symlink link.safetensors not covered by the manifest")
     (a / "link.safetensors").unlink()
     (a / "extra").mkdir()
     (a / "extra" / "payload.bin").write_bytes(b"x")
-    _one_line_exit_2(["verify", str(a)], capsys, "folder extra not covered by the manifest")
+    one_line_exit_2(["verify", str(a)], capsys, "folder extra not covered by the manifest")
 
 
 @pytest.mark.parametrize("tied,expect", [
@@ -432,10 +419,10 @@ def test_tampered_tied_aliases_are_refused(anchor, tmp_path, tied, expect):
 def test_eval_with_a_tokenizer_beyond_the_models_vocabulary_is_one_line(tmp_path, capsys):
     tok = tiny_tokenizer()
     small = mfqat.save_anchor(tiny_llama(vocab_size=len(tok) // 2, tie=True), tmp_path / "small", "mxint8", tok)
-    _one_line_exit_2(["eval", str(small), "--blocks", "1", "--formats", "mxint4", "--plot", str(tmp_path / "p.png")],
+    one_line_exit_2(["eval", str(small), "--blocks", "1", "--formats", "mxint4", "--plot", str(tmp_path / "p.png")],
                      capsys, f"beyond the model's {len(tok) // 2}-token vocabulary")
     assert not (tmp_path / "p.png").exists()
-    _one_line_exit_2(["eval", str(small), "--blocks", "1", "--seq-len", "257", "--plot", str(tmp_path / "p.png")],
+    one_line_exit_2(["eval", str(small), "--blocks", "1", "--seq-len", "257", "--plot", str(tmp_path / "p.png")],
                      capsys, "--seq-len 257 is beyond the model's 256 positions")
 
 
@@ -446,7 +433,7 @@ def test_a_run_out_that_cannot_be_written_is_refused_before_the_work(anchor, tmp
     real_access = os.access  # root writes through permission bits: the file system's answer is faked
     monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == tmp_path else real_access(p, m))
     for argv in (["train", *TINY], ["mx-qlora", str(anchor)]):
-        _one_line_exit_2([*argv, "--out", str(tmp_path / "new" / "run")], capsys, f"cannot write in {tmp_path}")
+        one_line_exit_2([*argv, "--out", str(tmp_path / "new" / "run")], capsys, f"cannot write in {tmp_path}")
 
 
 def test_the_trainer_callback_refuses_an_output_dir_over_the_model_it_loaded(tmp_path):

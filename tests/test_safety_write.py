@@ -16,17 +16,13 @@ from mfqat.anchor.checkpoint import AnchorError, read_anchor
 from mfqat.cli import main as cli_main
 from mfqat.data.sources import tiny_llama
 
+from .conftest import dead_pid
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def strays(folder: Path) -> list:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
-
-
-def dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE, anchor_scale_rules, reso
 from mfqat.quant.scale_search import mx_search_exponent, quantize_search
 from mfqat.quant.slice import slice_and_scale
 
-from .conftest import MX_FORMATS
+from .conftest import MX_FORMATS, assert_formats_equal_the_anchors
 
 finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 
@@ -133,18 +133,13 @@ def test_non_floor_rules_train_what_load_anchor_gives(formats, rules, tmp_path):
     meta = mfqat.anchor.checkpoint.read_meta(anchor)
     assert {get_format(k).name: v for k, v in rules.items()}.items() <= meta["scale_rules"].items()
     assert meta["scale_rule"] == meta["scale_rules"][cfg.anchor_format]
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    for f in formats:
-        mfqat.set_format(model, f)
-        with torch.no_grad():
-            got = model(ids).logits
-            want = mfqat.load_anchor(anchor, fmt=f)(ids).logits
-        assert torch.equal(got, want), f
+    assert_formats_equal_the_anchors(model, anchor, formats)
     floor_model = mfqat.prepare(tiny_llama(seed=1), QATConfig(formats=formats, schedule="joint",
                                                               scale_rules=dict.fromkeys(rules, "floor")))
     floor_model.load_state_dict(model.state_dict())
     for m in (model, floor_model):
         mfqat.set_format(m, formats[0])
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert not torch.equal(floor_model(ids).logits, model(ids).logits)
 
