@@ -201,47 +201,51 @@ def calibration_tokens(master: Path, n: int, length: int):
     return mx.array(blocks.numpy().astype("int32"))
 
 
-def run_gptq(master: Path, dest: Path, s: dict) -> dict:
+def _seeded_start(master: Path, s: dict):
+    """mlx's random seed set from the settings, then (model in float32, tokenizer, config) of the master."""
     import mlx.core as mx
-    from mlx_lm.quant.gptq import gptq_quantize
-    from mlx_lm.utils import save
 
     mx.random.seed(s["seed"])
-    model, tok, config = _load_float32(master)
-    data = calibration_tokens(master, s["num_samples"], s["sequence_length"])
-    model, config["quantization"] = gptq_quantize(model, data, s["bits"], s["group_size"], s["fallback_bits"],
-                                                  s["fallback_group_size"], batch_size=s["batch_size"])
+    return _load_float32(master)
+
+
+def _save_bfloat16(dest: Path, master: Path, model, tok, config: dict) -> dict:
+    """Save the quantized model with its non-quantized parameters in bfloat16 (as mlx-lm's commands do)."""
+    from mlx_lm.utils import save
+
     _to_bfloat16(model)
     save(str(dest), str(master), model, tok, config)
     return {}
 
 
-def run_awq(master: Path, dest: Path, s: dict) -> dict:
-    import mlx.core as mx
-    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
-    from mlx_lm.utils import save
+def run_gptq(master: Path, dest: Path, s: dict) -> dict:
+    from mlx_lm.quant.gptq import gptq_quantize
 
-    mx.random.seed(s["seed"])
-    model, tok, config = _load_float32(master)
+    model, tok, config = _seeded_start(master, s)
+    data = calibration_tokens(master, s["num_samples"], s["sequence_length"])
+    model, config["quantization"] = gptq_quantize(model, data, s["bits"], s["group_size"], s["fallback_bits"],
+                                                  s["fallback_group_size"], batch_size=s["batch_size"])
+    return _save_bfloat16(dest, master, model, tok, config)
+
+
+def run_awq(master: Path, dest: Path, s: dict) -> dict:
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+
+    model, tok, config = _seeded_start(master, s)
     awq_config = AWQ_MODEL_CONFIGS.get(config["model_type"])
     if awq_config is None:
         raise SystemExit(f"mlx_lm.awq has no config for model_type {config['model_type']!r}")
     data = calibration_tokens(master, s["num_samples"], s["sequence_length"])
     awq_quantize(model, data, awq_config, bits=s["bits"], group_size=s["group_size"], embed_bits=s["embed_bits"],
                  embed_group_size=s["embed_group_size"], n_grid=s["n_grid"])
-    config = update_config(model, config)
-    _to_bfloat16(model)
-    save(str(dest), str(master), model, tok, config)
-    return {}
+    return _save_bfloat16(dest, master, model, tok, update_config(model, config))
 
 
 def run_dynamic(master: Path, dest: Path, s: dict) -> dict:
-    import mlx.core as mx
     from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
     from mlx_lm.utils import compute_bits_per_weight, quantize_model, save
 
-    mx.random.seed(s["seed"])
-    model, tok, config = _load_float32(master)
+    model, tok, config = _seeded_start(master, s)
     data = calibration_tokens(master, s["num_samples"], s["sequence_length"])
     sens = dict(estimate_sensitivities(model, data, s["low_bits"], s["low_group_size"], s["high_bits"],
                                        s["high_group_size"], batch_size=s["batch_size"]))
