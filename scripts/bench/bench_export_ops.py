@@ -11,24 +11,12 @@ Prints median milliseconds per op and path, the speed-up, and checks the two pat
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import torch
 
 import mfqat
 from mfqat.quant.kernels import cpp
+from mfqat.quant.kernels.bench import best_ms as median_ms
 from mfqat.quant.reference import affine_quantize_blocks, mx_dequantize_blocks, to_blocks
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
 
 
 def main(argv=None) -> int:
