@@ -60,9 +60,11 @@ def test_ptq_temporary_anchor_lives_in_the_partial_output(tmp_path, monkeypatch)
     seen = []
     real = mlx_export.build_plan
     monkeypatch.setattr(mlx_export, "build_plan", lambda a, *x, **k: seen.append(a.path) or real(a, *x, **k))
-    to_mlx(src, tmp_path / "m", recipe="uniform:mxint4", verify=False)
+    to_mlx(src, tmp_path / "m", recipe="uniform:mxint4", verify=False, awq=True)  # AWQ: an anchor is saved
     assert seen[0].parent.name.startswith(".m.") and seen[0].parent.name.endswith(".partial")
-    assert not any(p.name.startswith(".") for p in (tmp_path / "m").iterdir())
+    assert not any(p.name.startswith(".") or p.name == "ptq-anchor" for p in (tmp_path / "m").iterdir())
+    to_mlx(src, tmp_path / "s", recipe="uniform:mxint4", verify=False)  # streamed: no anchor is written at all
+    assert seen[1] == src and not (tmp_path / "s" / "ptq-anchor").exists()
 
 
 def test_files_the_anchor_manifest_lacks_are_not_sealed_into_the_export(anchor, tmp_path):

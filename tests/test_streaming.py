@@ -180,6 +180,23 @@ def test_export_from_the_folder_streams_and_equals_the_export_of_the_loaded_mode
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def test_row_chunked_matrices_pass_the_cut_check_with_every_chunks_edges_sampled(bf16_folder, tmp_path, monkeypatch):
+    from mfqat.export import recipes, verify
+
+    monkeypatch.setattr(recipes, "CHUNK_ELEMENTS", 64 * 7 + 3)  # 7 rows a chunk: every matrix in chunks
+    seen = {}
+    real = verify.check_written
+
+    def spy(out, plan, digests, record):
+        seen.update({p: sorted(rows) for p, (_, _, rows) in record.samples.items()})
+        return real(out, plan, digests, record)
+    monkeypatch.setattr(verify, "check_written", spy)
+    rep = mfqat.export.to_mlx(bf16_folder, tmp_path / "c", recipe="uniform:affine4", max_memory=0)["verify"]
+    assert rep["weights_check"] == "every byte by sha256, sampled rows through MLX"
+    gate = seen["model.layers.0.mlp.gate_proj.weight"]  # 128 rows in chunks of 7
+    assert gate[:4] == [0, 6, 7, 13] and gate[-2:] == [126, 127]
+
+
 def test_past_the_memory_budget_the_logits_are_checked_on_the_first_layers(bf16_folder, tmp_path):
     rep = mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
     v = rep["verify"]
@@ -214,8 +231,75 @@ def test_a_broken_layer_past_the_cut_is_still_caught_by_the_tensor_check(bf16_fo
             st.biases.flat[0] += 1.0
         return st
     monkeypatch.setattr(mlx_export, "to_mlx_storage", corrupt)
-    with pytest.raises(RuntimeError, match="export check failed: .*layers.*elements differ"):
+    with pytest.raises(RuntimeError, match=r"export check failed: .*layers.*(elements|row \d+) differ"):
         mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=0)
+    assert not (tmp_path / "m").exists()
+
+
+def _model_bytes(folder: Path) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(folder.glob("model*.safetensors*"))}
+
+
+def test_an_export_from_the_hf_folder_writes_the_bytes_of_an_export_from_its_written_anchor(bf16_folder, tmp_path):
+    """The HF path never writes its PTQ anchor (mfqat.anchor.stream.folder_anchor): same files as the two steps."""
+    direct = mfqat.export.to_mlx(bf16_folder, tmp_path / "d", recipe="uniform:affine4")
+    assert direct["ptq"] == "tensor by tensor"
+    anchor = anchor_from_folder(bf16_folder, tmp_path / "a")
+    mfqat.export.to_mlx(anchor, tmp_path / "two", recipe="uniform:affine4")
+    assert _model_bytes(tmp_path / "d") == _model_bytes(tmp_path / "two")
+    tok = lambda d: {f.name: f.read_bytes() for f in d.iterdir() if f.name.startswith("tokenizer")}  # noqa: E731
+    assert tok(tmp_path / "d") == tok(tmp_path / "two") and tok(tmp_path / "d")
+    assert not (tmp_path / "d" / "ptq-anchor").exists()
+
+
+def test_the_cut_weights_check_past_the_budget_writes_the_same_files_as_the_whole_check(bf16_folder, tmp_path):
+    whole = mfqat.export.to_mlx(bf16_folder, tmp_path / "w", recipe="uniform:affine3")["verify"]
+    cut = mfqat.export.to_mlx(bf16_folder, tmp_path / "c", recipe="uniform:affine3", max_memory=0)["verify"]
+    assert whole["weights_check"] == "every element through MLX" and "bytes_hashed" not in whole
+    assert cut["weights_check"] == "every byte by sha256, sampled rows through MLX"
+    written = sum(f.stat().st_size for f in (tmp_path / "c").glob("model*.safetensors"))
+    assert written - 20_000 < cut["bytes_hashed"] < written  # every tensor's bytes (the headers aside)
+    assert 0 < cut["weights_checked"] < whole["weights_checked"]
+    assert _model_bytes(tmp_path / "w") == _model_bytes(tmp_path / "c")
+
+
+def test_the_cut_check_catches_bytes_that_changed_on_their_way_to_the_file(bf16_folder, tmp_path, monkeypatch):
+    """A byte in the middle of a tensor (a row no sample reads) differs in the file from what the export
+    computed: the sha256 of every tensor's bytes catches it."""
+    from mfqat.storage import tensor_files
+
+    real = tensor_files._Shard.assemble
+
+    def damaged(self, dest, metadata):
+        real(self, dest, metadata)
+        with TensorFile.open(dest) as f:
+            info = f.infos["model.layers.1.mlp.down_proj.weight"] if "model.layers.1.mlp.down_proj.weight" in f.infos \
+                else None
+        if info is not None:
+            data = bytearray(dest.read_bytes())
+            data[info.start + info.nbytes // 2] ^= 0x10
+            dest.write_bytes(bytes(data))
+    monkeypatch.setattr(tensor_files._Shard, "assemble", damaged)
+    with pytest.raises(RuntimeError, match="export check failed: model.layers.1.mlp.down_proj.weight: the bytes in "
+                                           "the written file differ"):
+        mfqat.export.to_mlx(bf16_folder, tmp_path / "m", recipe="uniform:affine4", max_memory=0)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_source_weight_with_nan_or_inf_is_refused_naming_it(bf16_folder, tmp_path, bad):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(bf16_folder, src)
+    name = "model.layers.2.self_attn.o_proj.weight"
+    shard = next(f for f in src.glob("*.safetensors") if name in load_file(f))
+    tensors = load_file(shard)
+    tensors[name][5, 7] = bad
+    from safetensors.torch import save_file
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{re.escape(name)}: the weight holds NaN or Inf"):
+        mfqat.export.to_mlx(src, tmp_path / "m", recipe="uniform:affine4")
     assert not (tmp_path / "m").exists()
 
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from mfqat._build import __version__
-from mfqat.anchor.config import write_anchor_config
+from mfqat.anchor.config import model_config, quantization_config, write_anchor_config
 from mfqat.anchor.meta import BASE_FORMAT_VERSION
 from mfqat.anchor.tensors import default_targets, full_precision
 from mfqat.formats import get_format
@@ -138,14 +138,20 @@ def folder_tokenizer(folder: PathLike):
     return tok
 
 
-def _quantized_chunks(value: torch.Tensor, f, block_size: int, scale_rule: str, name: str):
+def _finite(part: torch.Tensor) -> bool:
+    """True when ``part`` holds no NaN or Inf: one reduction pass (NaN propagates through min/max), no mask."""
+    lo, hi = torch.aminmax(part)
+    return bool(torch.isfinite(lo) and torch.isfinite(hi))
+
+
+def _quantized(value: torch.Tensor, f, block_size: int, scale_rule: str, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, scales) of ``value`` quantized in row chunks (the rows of a matrix are independent)."""
     rows = value.reshape(-1, value.shape[-1])
     step = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
     codes, scales = [], []
     for lo in range(0, rows.shape[0], step):
         part = rows[lo:lo + step].float()
-        if not torch.isfinite(part).all():
+        if not _finite(part):
             raise ValueError(f"{name}: the weight holds NaN or Inf values; refusing to save an anchor of it")
         q = quantize(part, f, block_size, scale_rule)
         codes.append(q.pack())
@@ -154,50 +160,110 @@ def _quantized_chunks(value: torch.Tensor, f, block_size: int, scale_rule: str, 
     return torch.cat(codes).reshape(*lead, -1), torch.cat(scales).reshape(*lead, -1)
 
 
-def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", tokenizer=None, block_size: int = 32,
-                       scale_rule: str = "floor", max_shard_bytes: int = MAX_SHARD_BYTES,
-                       overwrite: bool = False) -> Path:
-    """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
-    docstring). ``tokenizer``: saved with it (default: the folder's, when it has one). Raises ValueError
+def _saved_config(config, fmt: str, block_size: int, rule: str, recorded: Dict[str, str]) -> dict:
+    """The model's config exactly as an anchor of it would hold it (written and read back, less mfqat's
+    quantization_config: what ``read_anchor(...).config`` gives)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mfqat-config-") as tmp:
+        write_anchor_config(config, Path(tmp), fmt, block_size, rule, recorded)
+        return model_config(json.loads((Path(tmp) / "config.json").read_text()))
+
+
+def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, scale_rule: str = "floor"):
+    """The post-training anchor of the HF checkpoint ``folder``, not written: an :class:`Anchor` whose
+    quantized tensors are quantized from the source's shards each time they are asked for (one tensor in
+    memory at a time) and whose plain tensors are read from them. The same metadata, config, codes and
+    scales as ``read_anchor(anchor_from_folder(folder, ...), lazy=True)`` (``meta["files"]`` empty: no
+    weight file exists); what an export from an HF folder reads instead of a temporary anchor on disk.
+    The source files stay open until ``anchor.materialize()`` or :func:`close_anchor`. Raises ValueError
     when :func:`streamable` refuses the folder."""
+    from mfqat.anchor.checkpoint import Anchor
+    from mfqat.anchor.lazy import LazyQuantized, LazyTensors
+    from mfqat.quant.mxtensor import MXTensor
+    from mfqat.quant.scale_rules import anchor_scale_rules
+
     f = get_format(fmt)
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
     why, model, config = _inspect(folder)
     if why is not None:
         raise ValueError(f"{folder}: cannot be quantized tensor by tensor: {why}")
-    if tokenizer is None:
-        tokenizer = folder_tokenizer(folder)
     sd, tied = unique_state_dict(model, model.state_dict())
     targets = set(default_targets(model, block_size))
     recorded = anchor_rules(f.name, scale_rule, None)
     rule = recorded[f.name]
-    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": None} for k, v in sd.items() if k in targets}
-    fp = full_precision(model, sd, entries, block_size)
-    with SourceCheckpoint(folder) as src, atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
-        write_anchor_config(config, tmp, f.name, block_size, rule, recorded)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_model_card(tmp, "anchor", str(folder), [f.name], name=Path(path).name)
-        writer = ShardWriter(tmp, max_shard_bytes)
-        try:
-            for k in progress(list(sd), desc="anchor: quantize", unit="tensor"):
-                v = src.read(k)
-                if k in entries:
-                    entries[k]["dtype"] = str(v.dtype).replace("torch.", "")
-                    codes, scales = _quantized_chunks(v, f, block_size, rule, k)
-                    writer.add(f"{k}.codes", codes)
-                    writer.add(f"{k}.scales", scales)
-                else:
-                    writer.add(k, v)
-                del v
-            files = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        meta = {"format_version": BASE_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
-                "block_size": block_size, "scale_rule": rule, "scale_rules": recorded, "tensors": entries,
-                "tied": tied, "full_precision": fp, "schedule": None, "step": None,
-                "files": {name: sha256_file(tmp / name) for name in files}}
-        write_json(tmp / "mfqat.json", seal(meta, tmp, "mfqat.json"))
+    src = SourceCheckpoint(folder)
+    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": str(src.where[k][1].dtype).replace("torch.", "")}
+               for k, v in sd.items() if k in targets}
+    meta = {"format_version": BASE_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
+            "block_size": block_size, "scale_rule": rule, "scale_rules": recorded, "tensors": entries,
+            "tied": tied, "full_precision": full_precision(model, sd, entries, block_size), "schedule": None,
+            "step": None, "files": {}}
+    rules = anchor_scale_rules(meta)
+
+    def build(k: str) -> MXTensor:
+        codes, scales = _quantized(src.read(k), f, block_size, rule, k)
+        q = MXTensor.unpack(codes, scales, f, block_size, tuple(entries[k]["shape"]),
+                            src.where[k][1].dtype, scale_rule=rule)
+        q.slice_rules = rules
+        return q
+
+    anchor = Anchor(Path(folder), meta, config=_saved_config(config, f.name, block_size, rule, recorded))
+    anchor.quantized = LazyQuantized({k: tuple(e["shape"]) for k, e in entries.items()}, build)
+    anchor.plain = LazyTensors({k: src.where[k] for k in sd if k not in entries})
+    anchor.files = {str(tf.where): tf for tf in src.files}
+    anchor.source_order = list(sd)
+    return anchor
+
+
+def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", tokenizer=None, block_size: int = 32,
+                       scale_rule: str = "floor", max_shard_bytes: int = MAX_SHARD_BYTES,
+                       overwrite: bool = False) -> Path:
+    """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
+    docstring; the tensors are :func:`folder_anchor`'s). ``tokenizer``: saved with it (default: the
+    folder's, when it has one). Raises ValueError when :func:`streamable` refuses the folder."""
+    anchor = folder_anchor(folder, fmt, block_size, scale_rule)
+    meta = anchor.meta
+    try:
+        if tokenizer is None:
+            tokenizer = folder_tokenizer(folder)
+        with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
+            (tmp / "config.json").write_text(json.dumps(
+                {**anchor.config, "quantization_config": quantization_config(
+                    meta["anchor_format"], meta["block_size"], meta["scale_rule"], meta["scale_rules"])},
+                indent=2, sort_keys=True) + "\n")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, "anchor", str(folder), [meta["anchor_format"]], name=Path(path).name)
+            files = _write_tensors(anchor, tmp, max_shard_bytes)
+            meta = {**meta, "files": {name: sha256_file(tmp / name) for name in files}}
+            write_json(tmp / "mfqat.json", seal(meta, tmp, "mfqat.json"))
+    finally:
+        close_anchor(anchor)
     return Path(path)
+
+
+def _write_tensors(anchor, folder: Path, max_shard_bytes: int) -> list:
+    """Every tensor of a :func:`folder_anchor` written into ``folder``'s shards in the source's order
+    (quantized ones as ``.codes`` / ``.scales``); the shard file names."""
+    writer = ShardWriter(folder, max_shard_bytes)
+    try:
+        for k in progress(anchor.source_order, desc="anchor: quantize", unit="tensor"):
+            if k in anchor.quantized:
+                q = anchor.quantized[k]
+                writer.add(f"{k}.codes", q.pack())
+                writer.add(f"{k}.scales", q.scales)
+            else:
+                writer.add(k, anchor.plain[k])
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def close_anchor(anchor) -> None:
+    """Release the files a lazily read anchor (or a :func:`folder_anchor`) reads from."""
+    for tf in anchor.files.values():
+        tf.close()
+    anchor.files = {}

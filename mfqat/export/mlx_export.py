@@ -26,13 +26,14 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from mfqat.anchor.learned_scales import pick
 from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
+from mfqat.anchor.stream import close_anchor
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
 from mfqat.storage.tensor_files import DTYPES, NUMPY_NAMES, ShardWriter
 from mfqat.progress import progress
@@ -47,7 +48,7 @@ from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_value
 from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, drop_towers, ptq_anchor_format
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from mfqat.export.mlx_sizes import anchor_parameters, resolve_scale_dtype, stored_size
-from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, reference_state,  # noqa: F401 (public since 0.1)
+from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, WriteRecord, reference_state,  # noqa: F401 (public since 0.1)
                                  verify_export)
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
@@ -175,17 +176,19 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                          "(rescaling an anchor would re-quantize the codes MF-QAT trained)")
     report = {"format_version": EXPORT_FORMAT_VERSION, "source": str(source), "recipe": recipe, "tensors": {}}
     with atomic_directory(out_dir, overwrite=overwrite, kind="mlx-export", protect=[src]) as tmp:
-        if not is_anchor:
-            src = _ptq_anchor(source, tmp / "ptq-anchor", awq, calib_text, report, ptq_anchor_format(recipe),
-                              imatrix_path)
+        if is_anchor:
+            anchor, own_tok, scratch = read_anchor(src, lazy=True), src, None
+        else:
+            scratch = tmp / "ptq-anchor"
+            anchor, own_tok = _ptq_anchor(source, scratch, awq, calib_text, report, ptq_anchor_format(recipe),
+                                          imatrix_path)
         calibrated = scale_search or refine is not None or recipe.startswith("auto:") or imatrix_path is not None
-        anchor = read_anchor(src, lazy=True)
         if calibrated:  # these steps run the model: they hold it anyway, and read each tensor many times
             anchor.materialize()
         if (dropped := drop_towers(anchor)):  # a VL release's vision tower: not in mlx-lm's model (warns)
             report["dropped"] = dropped
-        tok_dir = Path(tokenizer) if tokenizer else src
-        tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None)
+        tok_dir = Path(tokenizer) if tokenizer else own_tok
+        tok_files = tokenizer_files(anchor.meta, tok_dir, explicit=tokenizer is not None or not is_anchor)
         if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise AnchorError(f"{tok_dir}: no tokenizer files" + (" the anchor's manifest lists" if tokenizer is None
                               and (tok_dir / "mfqat.json").is_file() else "") + "; mlx_lm.load needs them: pass a "
@@ -216,36 +219,43 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
         if all(get_format(f).family == "affine" for f in plan.formats.values()):
             report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
-        _write(anchor, plan, anchor.config, tok_files, tmp, report, scale_dtype,
-               max_shard_bytes)
+        written = _write(anchor, plan, anchor.config, tok_files, tmp, report, scale_dtype, max_shard_bytes)
         write_model_card(tmp, "mlx", str(source), sorted(set(plan.formats.values())),
                          note=f"Recipe `{recipe}`: codes stored as MLX quantized weights, bit-exact with PyTorch.",
                          name=Path(out_dir).name)
-        if not is_anchor:
-            shutil.rmtree(src)  # the temporary PTQ anchor is not part of the export
+        if scratch is not None and scratch.exists():
+            shutil.rmtree(scratch)  # the temporary PTQ anchor (or tokenizer) is not part of the export
         report.update(stored_size(tmp, anchor_parameters(anchor), plan.numels(anchor)))
         if verify:
-            report["verify"] = verify_export(tmp, anchor, plan, prompt, max_memory)
+            report["verify"] = verify_export(tmp, anchor, plan, prompt, max_memory, written)
         report["bits_per_weight"] = plan.bits_per_weight(anchor)
         if plan.sensitivity is not None:
             write_json(tmp / "sensitivity.json", plan.sensitivity)
+        close_anchor(anchor)
         report["seconds"] = time.perf_counter() - t0
         write_json(tmp / "mfqat_export.json", seal(report, tmp, "mfqat_export.json"))
     return report
 
 
-def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report: dict,
-                fmt: str = "mxint8", imatrix_path: Optional[str] = None) -> Path:
-    """Quantize a plain HF model (AWQ first when asked, from ``imatrix_path`` if given) to an anchor in
-    ``fmt`` at ``dest``: tensor by tensor from its safetensors shards when its names map one to one
-    (mfqat.anchor.stream), else through the loaded model."""
-    from mfqat.anchor.stream import anchor_from_folder, streamable
+def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], report: dict,
+                fmt: str = "mxint8", imatrix_path: Optional[str] = None) -> Tuple[Anchor, Path]:
+    """(the post-training anchor of a plain HF model in ``fmt``, the folder of its tokenizer files).
+    When its names map one to one (mfqat.anchor.stream), the anchor is never written: its tensors are
+    quantized from the source's shards when the export asks for them (``folder_anchor``), and only the
+    tokenizer is saved into ``scratch``. Else (or with AWQ, first, from ``imatrix_path`` if given) the
+    model is loaded and its anchor saved at ``scratch`` and read back."""
+    from mfqat.anchor.stream import folder_anchor, folder_tokenizer, streamable
     from mfqat.data.sources import calibration_blocks, load_model
 
     why = None if awq else streamable(source)
     if not awq and why is None:
         report["ptq"] = "tensor by tensor"
-        return anchor_from_folder(source, dest, fmt)
+        anchor = folder_anchor(source, fmt)
+        tok = folder_tokenizer(source)
+        scratch.mkdir(parents=True)
+        if tok is not None:
+            tok.save_pretrained(scratch)
+        return anchor, scratch
     report["ptq"] = "AWQ on the loaded model" if awq else f"loaded model ({why})"
     model, tok = load_model(str(source))
     if awq:
@@ -257,7 +267,9 @@ def _ptq_anchor(source, dest: Path, awq: bool, calib_text: Optional[str], report
             report["imatrix"] = str(imatrix_path)
         else:
             report["awq"] = apply_awq(model, calibration_blocks(tok, calib_text))
-    return save_anchor(model, dest, fmt, tok)
+    path = save_anchor(model, scratch, fmt, tok)
+    del model
+    return read_anchor(path, lazy=True), path
 
 
 def _pieces(plan: Plan, name: str, parts: Dict[str, object]) -> Dict[str, object]:
@@ -321,7 +333,7 @@ def _storage_parts(st: MLXTensor, scale_dtype: str, derived: bool) -> Dict[str, 
 
 
 def _write_chunked(writer: ShardWriter, plan: Plan, anchor: Anchor, name: str, rows: int,
-                   scale_dtype: str) -> MLXTensor:
+                   scale_dtype: str, record: WriteRecord) -> MLXTensor:
     """Write one large matrix in row chunks (lowered, laid out and written ``rows`` rows at a time; its
     small scales and biases gathered and written after); returns the last chunk's storage (mode, bits)."""
     module = plan.family.mlx_name(name)[: -len(".weight")]
@@ -330,7 +342,8 @@ def _write_chunked(writer: ShardWriter, plan: Plan, anchor: Anchor, name: str, r
     last: list = []
 
     def weights():
-        for _, _, q in plan.tensor_chunks(anchor, name, rows):
+        for lo, _, q in plan.tensor_chunks(anchor, name, rows):
+            record.add_chunk(plan, name, q, lo)
             st = to_mlx_storage(q, scale_dtype)
             parts = _storage_parts(st, scale_dtype, derived)
             for kind in ("scales", "biases"):
@@ -349,11 +362,13 @@ def _write_chunked(writer: ShardWriter, plan: Plan, anchor: Anchor, name: str, r
 
 
 def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes], tmp: Path, report: dict,
-           scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+           scale_dtype: str = "float32", max_shard_bytes: int = MAX_SHARD_BYTES) -> Tuple[Dict[str, str], WriteRecord]:
     """Write the export's weights tensor by tensor (one in memory at a time; shards assembled as they fill),
-    then config.json and the tokenizer files."""
+    then config.json and the tokenizer files. Returns what the cut export check needs: the sha256 of every
+    tensor's bytes and the sampled rows' PyTorch values (mfqat.export.verify.WriteRecord)."""
     family = plan.family
-    writer = ShardWriter(tmp, max_shard_bytes, {"format": "mlx"})
+    writer = ShardWriter(tmp, max_shard_bytes, {"format": "mlx"}, digests=True)
+    record = WriteRecord()
     try:
         for name in progress([n for n in anchor.plain if n not in plan.formats], desc="export: plain tensors",
                              unit="tensor", leave=False):
@@ -373,12 +388,13 @@ def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes]
             rows = plan.chunk_rows(anchor, name)
             if rows is None:
                 q = plan.tensor(anchor, name)
+                record.add_tensor(plan, name, q)
                 st = to_mlx_storage(q, scale_dtype)
                 for k, arr in _pieces(plan, name, _storage_parts(st, scale_dtype, is_derived(plan.formats[name]))).items():
                     writer.add(k, arr)
                 del q
             else:
-                st = _write_chunked(writer, plan, anchor, name, rows, scale_dtype)
+                st = _write_chunked(writer, plan, anchor, name, rows, scale_dtype, record)
             fmt = plan.formats[name]
             report["tensors"][name] = {"source": fmt, "origin": plan.origin[name], "mlx": st.mode or "bfloat16",
                                        "bits": st.bits, "group_size": plan.group_of(fmt),
@@ -394,3 +410,4 @@ def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes]
     (tmp / "config.json").write_text(json.dumps(_config_for_mlx(config, plan, anchor), indent=2))
     for f, data in tok_files.items():
         (tmp / f).write_bytes(data)
+    return writer.digests, record

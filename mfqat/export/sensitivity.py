@@ -26,8 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from mfqat.anchor.checkpoint import Anchor
-from mfqat.anchor.load import load_anchor
+from mfqat.anchor.checkpoint import Anchor, anchor_model
 from mfqat.export.replay import LayerReplay, start_layers
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive, is_derived
 from mfqat.quant.derive import derived_group as group_of_derived
@@ -176,7 +175,7 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
     """KL(anchor-format model || model with only tensor t in ``probe``) for every tensor, plus each
     tensor's relative weight error at every level (default: the anchor family's ladder).
     ``replay=False``: a full forward per tensor (the same numbers, slower; see _ProbeKL)."""
-    model = load_anchor(anchor.path)
+    model = anchor_model(anchor)  # the anchor as read (a PTQ source is never written: no path to re-read)
     params = dict(model.named_parameters(remove_duplicate=False))
     kl_of = _ProbeKL(model, blocks, names, replay)
     levels = levels or ladder(anchor.format)

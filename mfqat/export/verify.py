@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -12,6 +12,7 @@ from mfqat.anchor.checkpoint import Anchor
 from mfqat.export.recipes import Plan, mlx_storage
 from mfqat.models import layer_index
 from mfqat.progress import progress
+from mfqat.quant.mxtensor import MXTensor
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
 from mfqat.storage.tensor_files import ShardWriter, TensorFile
 
@@ -196,6 +197,90 @@ def to_mx(t: torch.Tensor):
     return mx.array(t.numpy())
 
 
+class WriteRecord:
+    """What an export wrote, kept as it wrote it, for the cut weights check (:func:`check_written`): the
+    PyTorch dequantization (float32) of sampled rows of every quantized piece. (The sha256 of every
+    tensor's bytes is the ShardWriter's, ``ShardWriter.digests``.) The rows: the first two and the last two
+    of every piece, and the first and the last of every row chunk a large matrix is written in; for a
+    stacked expert piece (experts x rows x columns) the first and the last expert."""
+
+    def __init__(self) -> None:
+        self.samples: Dict[str, Tuple[str, int, Dict[int, np.ndarray]]] = {}  # piece -> (format, group, rows)
+
+    def _rows(self, piece: str, plan: Plan, name: str) -> Dict[int, np.ndarray]:
+        fmt = plan.formats[name]
+        return self.samples.setdefault(piece, (fmt, plan.group_of(fmt), {}))[2]
+
+    def add_tensor(self, plan: Plan, name: str, q: MXTensor) -> None:
+        """Sample every piece of planned tensor ``name``, whole in ``q``."""
+        rows = q.shape[-2] if q.codes.ndim > 1 else 1
+        for piece, lo, hi in plan.family.mlx_pieces(name, rows):
+            kept = self._rows(piece, plan, name)
+            if q.codes.ndim == 3:  # experts x rows x columns: the written piece's axis 0 is the expert
+                for e in sorted({0, q.shape[0] - 1}):
+                    kept[e] = _rows_of(q, (slice(e, e + 1), slice(lo, hi))).numpy()
+            elif q.codes.ndim == 2:
+                for r in sorted({r for r in (lo, lo + 1, hi - 2, hi - 1) if lo <= r < hi}):
+                    kept[r - lo] = _rows_of(q, slice(r, r + 1)).numpy()
+            else:
+                kept[-1] = q.dequantize(torch.float32).numpy()  # a vector: checked whole
+
+    def add_chunk(self, plan: Plan, name: str, q: MXTensor, first_row: int) -> None:
+        """Sample rows ``first_row:first_row + len(q)`` of the large matrix ``name`` (one piece), written as
+        one chunk."""
+        kept = self._rows(plan.family.mlx_name(name), plan, name)
+        for r in sorted({0, q.shape[0] - 1}):
+            kept[first_row + r] = _rows_of(q, slice(r, r + 1)).numpy()
+
+
+def _rows_of(q: MXTensor, index) -> torch.Tensor:
+    """The float32 dequantization of ``q[index]`` (an index into its leading axes), decoded from those
+    rows' codes, scales and biases alone."""
+    sub = MXTensor(q.codes[index], q.scales[index], q.fmt, q.block_size, q.dtype,
+                   None if q.biases is None else q.biases[index], q.scale_rule, global_scale=q.global_scale)
+    return sub.dequantize(torch.float32)
+
+
+def check_written(out: Path, plan: Plan, digests: Dict[str, str], record: WriteRecord) -> int:
+    """The cut weights check: every tensor of the written files hashes to what the write produced
+    (``digests``, sha256 of its bytes), and MLX dequantizes each sampled row (``record``) of every quantized
+    piece from the files to exactly PyTorch's values. Returns the number of bytes hashed; RuntimeError
+    naming the tensor otherwise."""
+    import hashlib
+
+    import mlx.core as mx
+
+    weights = WrittenTensors(out)
+    hashed = 0
+    try:
+        if set(weights.where) != set(digests):
+            odd = sorted(set(weights.where) ^ set(digests))[0]
+            raise RuntimeError(f"export check failed: {odd} is {'missing from' if odd in digests else 'extra in'} "
+                               "the written files; nothing was written")
+        for name in progress(sorted(weights.where), desc="export check: tensor bytes", unit="tensor"):
+            raw = weights.torch(name).reshape(-1).view(torch.uint8).numpy()
+            if hashlib.sha256(memoryview(raw)).hexdigest() != digests[name]:
+                raise RuntimeError(f"export check failed: {name}: the bytes in the written file differ from the "
+                                   "bytes the export computed; nothing was written")
+            hashed += raw.size
+        for piece, (fmt, group, rows) in record.samples.items():
+            module = piece[: -len(".weight")]
+            mode, bits = mlx_storage(fmt) or (None, None)
+            for r, expect in rows.items():
+                part = {k: to_mx(weights.torch(f"{module}.{k}") if r < 0 else
+                                 weights.where[f"{module}.{k}"].read_rows(f"{module}.{k}", r, r + 1))
+                        for k in ("weight", "scales", "biases") if f"{module}.{k}" in weights}
+                got = part["weight"] if "scales" not in part else mx.dequantize(
+                    part["weight"], part["scales"], part.get("biases"), group_size=group, bits=bits, mode=mode)
+                got = np.array(got.astype(mx.float32))
+                if got.shape != expect.shape or not np.array_equal(got, expect):
+                    raise RuntimeError(f"export check failed: {piece}: row {r} differs between MLX's dequantization "
+                                       f"of the written files and PyTorch's ({fmt}); nothing was written")
+    finally:
+        weights.close()
+    return hashed
+
+
 def check_weights(out: Path, anchor: Anchor, plan: Plan) -> int:
     """Every planned tensor dequantized by MLX from the written files equals the PyTorch dequantization,
     tensor by tensor (one in memory at a time); the number of elements checked."""
@@ -262,17 +347,28 @@ def _check_chunked(weights: WrittenTensors, plan: Plan, anchor: Anchor, name: st
     return checked
 
 
-def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str, max_memory: Optional[int] = None) -> dict:
-    """Every tensor dequantized by MLX equals the PyTorch dequantization (tensor by tensor); then the
-    logits of ``mlx_lm.load`` against PyTorch's on the same weights: the whole model when the check fits
-    ``max_memory`` (bytes; default :data:`CHECK_MEMORY`), else the model cut to its first layers
-    (:func:`check_layers`: every kind of layer the config has), which checks the same config keys,
-    names, per-module bits, rope and tying at the memory of a few layers."""
-    checked = check_weights(out, anchor, plan)
-    rep = {"weights_bit_exact": checked > 0, "weights_checked": checked}
+def verify_export(out: Path, anchor: Anchor, plan: Plan, prompt: str, max_memory: Optional[int] = None,
+                  written: Optional[Tuple[Dict[str, str], WriteRecord]] = None) -> dict:
+    """The export check. When the whole check fits ``max_memory`` (bytes; default :data:`CHECK_MEMORY`):
+    every planned tensor dequantized by MLX from the written files equals the PyTorch dequantization,
+    re-derived tensor by tensor (:func:`check_weights`), then the logits of ``mlx_lm.load`` against
+    PyTorch's on the whole model. Past it, the cut check: every
+    written tensor's bytes hash to what the write computed and MLX dequantizes sampled rows of every piece
+    exactly as PyTorch does (:func:`check_written`, from ``written``: the writer's digests and samples; without
+    them, :func:`check_weights`), then the logits of the model cut to its first layers
+    (:func:`check_layers`: every kind of layer the config has), which checks the same config keys, names,
+    per-module bits, rope and tying at the memory of a few layers."""
     need = full_check_bytes(anchor)
     budget = CHECK_MEMORY if max_memory is None else max_memory
-    if need <= budget or layer_config(anchor.config) is None:
+    whole = need <= budget or layer_config(anchor.config) is None
+    if whole or written is None:
+        rep = {"weights_checked": check_weights(out, anchor, plan), "weights_check": "every element through MLX"}
+    else:
+        samples = sum(a.size for _, _, rows in written[1].samples.values() for a in rows.values())
+        rep = {"bytes_hashed": check_written(out, plan, *written), "weights_checked": samples,
+               "weights_check": "every byte by sha256, sampled rows through MLX"}
+    rep["weights_bit_exact"] = rep["weights_checked"] > 0
+    if whole:
         rep.update(compare_logits(out, anchor, plan, prompt))
         rep["logits_checked"] = "whole model"
     else:

@@ -237,8 +237,9 @@ class ShardWriter:
     index when there are several, and returns the file names. The shard a tensor goes to is decided when
     it is added (greedy in the order added; a tensor larger than ``max_shard_bytes`` gets its own)."""
 
-    def __init__(self, folder, max_shard_bytes: int, metadata: Optional[dict] = None):
+    def __init__(self, folder, max_shard_bytes: int, metadata: Optional[dict] = None, digests: bool = False):
         self.folder = Path(folder)
+        self.digests: Optional[Dict[str, str]] = {} if digests else None  # {tensor: sha256 of its bytes}
         self.max = max_shard_bytes or MAX_SHARD_BYTES
         self.metadata = {"format": "pt", **(metadata or {})}
         self.done: List[Tuple[Path, List[str]]] = []
@@ -262,6 +263,8 @@ class ShardWriter:
         dtype, shape, raw = _as_bytes(value)
         self._record(name, dtype, shape, len(raw))
         self.shard.spill(DTYPES[dtype].itemsize).write(raw)
+        if self.digests is not None:
+            self.digests[name] = hashlib.sha256(raw).hexdigest()
 
     def add_chunks(self, name: str, dtype, shape: Tuple[int, ...], chunks: Iterable) -> None:
         """Write one tensor of ``dtype`` (torch dtype) and ``shape`` from row chunks, in order."""
@@ -270,13 +273,17 @@ class ShardWriter:
         for s in shape:
             nbytes *= int(s)
         self._record(name, NAMES[dtype], tuple(int(s) for s in shape), nbytes)
-        f, written = self.shard.spill(item), 0
+        f, written, h = self.shard.spill(item), 0, hashlib.sha256()
         for chunk in chunks:
             cdtype, _, raw = _as_bytes(chunk)
             if cdtype != NAMES[dtype]:
                 raise TypeError(f"{name}: a chunk of dtype {cdtype} in a {NAMES[dtype]} tensor")
             f.write(raw)
+            if self.digests is not None:
+                h.update(raw)
             written += len(raw)
+        if self.digests is not None:
+            self.digests[name] = h.hexdigest()
         if written != nbytes:
             raise ValueError(f"{name}: chunks gave {written} bytes, {list(shape)} {NAMES[dtype]} needs {nbytes}")
 
