@@ -228,6 +228,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         report.update(stored_size(tmp, anchor_parameters(anchor), plan.numels(anchor)))
         if verify:
             report["verify"] = verify_export(tmp, anchor, plan, prompt, max_memory, written)
+        written[1].close()
         report["bits_per_weight"] = plan.bits_per_weight(anchor)
         if plan.sensitivity is not None:
             write_json(tmp / "sensitivity.json", plan.sensitivity)
@@ -368,7 +369,7 @@ def _write(anchor: Anchor, plan: Plan, config: dict, tok_files: Dict[str, bytes]
     tensor's bytes and the sampled rows' PyTorch values (mfqat.export.verify.WriteRecord)."""
     family = plan.family
     writer = ShardWriter(tmp, max_shard_bytes, {"format": "mlx"}, digests=True)
-    record = WriteRecord()
+    record = WriteRecord(tmp)
     try:
         for name in progress([n for n in anchor.plain if n not in plan.formats], desc="export: plain tensors",
                              unit="tensor", leave=False):
