@@ -74,7 +74,12 @@ def test_a_budget_below_the_smallest_plan_is_refused_naming_it_and_the_smallest_
     assert rep["stored_bits_per_weight"] <= float(ask[5:])
 
 
-def test_the_command_line_refuses_it_in_one_line(models, tmp_path, capsys):
+def test_the_command_line_refuses_it_in_one_line_before_the_export_runs(models, tmp_path, capsys, monkeypatch):
+    """4.05 is above the nominal floor (mxint2: 2.25) but below the stored one (mxint2 with float32 scale and
+    bias per 32 stores 4 bits, plus the norms and headers): refused from the anchor's shapes, nothing loaded."""
+    from mfqat.cli import app
+
+    monkeypatch.setattr(app, "_run", lambda *a, **k: pytest.fail("the export ran: the budget was not checked"))
     one_line_exit_2(["export-mlx", str(models["tied"]), "--out", str(tmp_path / "x"), "--recipe", "auto:4.05"], capsys,
                     "recipe 'auto:4.05': the budget is below the smallest plan")
     assert not (tmp_path / "x").exists()

@@ -353,6 +353,32 @@ def ptq_anchor_format(recipe: str) -> str:
     return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3", "affine": "mxint8", "nvfp4": "mxfp8_e4m3"}[family]
 
 
+def check_stored_budget(anchor: Anchor, recipe: str, derived_group: int = DERIVED_GROUP_SIZE,
+                        scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """For ``auto:BPW[:FAMILY]`` with a number BPW: ValueError naming ``recipe`` and the smallest stored budget
+    when BPW is below it, from the anchor's names and shapes alone (a lazily read ``anchor``: nothing loaded;
+    the command line's check before the export starts). Other recipes, and anything else wrong with this
+    one, are left to :func:`build_plan`."""
+    import warnings
+
+    kind, arg, want = parse_recipe(recipe)
+    try:
+        budget = float(arg) if kind == "auto" else math.nan
+        levels = ladder(anchor.format, want)
+    except (TypeError, ValueError, KeyError):
+        return
+    if not math.isfinite(budget):
+        return
+    with warnings.catch_warnings():  # drop_towers' warning comes again when the export itself runs
+        warnings.simplefilter("ignore")
+        drop_towers(anchor)
+    plan = Plan(group_size=anchor.meta.get("block_size", 32), derived_group=derived_group, family=check_family(anchor))
+    names = list(anchor.quantized) + _matrix_weights(anchor)
+    scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, anchor.plain.values())
+    planned = sum(int(torch.Size(_shape(anchor, n)).numel()) for n in names)
+    stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes).check(recipe, budget, levels, planned)
+
+
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None,
                derived_group: int = DERIVED_GROUP_SIZE, scale_dtype: str = "auto",
                max_shard_bytes: int = MAX_SHARD_BYTES) -> Plan:

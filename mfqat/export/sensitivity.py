@@ -66,6 +66,10 @@ class TensorSensitivity:
         return self.probe_kl * self.rel_error[fmt] / base if base > 0 else 0.0
 
 
+class BudgetTooSmall(ValueError):
+    """An ``auto:BPW`` budget below the smallest plan (the message names the recipe and the smallest budget)."""
+
+
 @dataclass
 class StoredCost:
     """What an ``auto:BPW`` budget counts: ``level_bits`` {level: bits per weight as stored}, ``fixed_bits``
@@ -88,7 +92,7 @@ class StoredCost:
         floor = self.smallest(levels[0], planned)
         if budget_bpw < floor - 1e-9:
             ask = math.ceil(floor * 100 - 1e-6) / 100
-            raise ValueError(
+            raise BudgetTooSmall(
                 f"recipe '{recipe}': the budget is below the smallest plan: {floor:.3f} stored bits/weight (every "
                 f"planned tensor in {levels[0]}, plus {self.fixed_bits / max(self.parameters, 1):.3f} bits/weight "
                 f"of tensors kept as they are and file headers); ask for auto:{ask:g} or more")
