@@ -92,10 +92,11 @@ class StoredCost:
         floor = self.smallest(levels[0], planned)
         if budget_bpw < floor - 1e-9:
             ask = math.ceil(floor * 100 - 1e-6) / 100
+            family = "".join(":" + f for f in recipe.split(":")[2:3])  # auto:BPW:FAMILY keeps its family
             raise BudgetTooSmall(
                 f"recipe '{recipe}': the budget is below the smallest plan: {floor:.3f} stored bits/weight (every "
                 f"planned tensor in {levels[0]}, plus {self.fixed_bits / max(self.parameters, 1):.3f} bits/weight "
-                f"of tensors kept as they are and file headers); ask for auto:{ask:g} or more")
+                f"of tensors kept as they are and file headers); ask for auto:{ask:g}{family} or more")
 
 
 def ladder(anchor_format: str, family: Optional[str] = None) -> List[str]:
