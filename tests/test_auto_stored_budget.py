@@ -18,10 +18,12 @@ CALIB = "def f(x):\n    return x + 1\n" * 200
 
 @pytest.fixture(scope="module")
 def models(tok, tmp_path_factory):
-    """{"tied"/"untied": an mxint8 anchor of a small float32 Llama (so MX scales are written in float32)}."""
+    """{"tied"/"untied": an mxint8 anchor of a small float32 Llama (so MXINT scales are written in float32),
+    "mxfp": the tied one as an mxfp8 anchor}."""
     d = tmp_path_factory.mktemp("stored_budget")
     return {name: mfqat.save_anchor(tiny_llama(vocab_size=len(tok), hidden=128, intermediate=256, tie=tie),
-                                    d / name, "mxint8", tok) for name, tie in (("tied", True), ("untied", False))}
+                                    d / name, fmt, tok)
+            for name, tie, fmt in (("tied", True, "mxint8"), ("untied", False, "mxint8"), ("mxfp", True, "mxfp8"))}
 
 
 def _export(anchor, out, recipe):
@@ -37,6 +39,14 @@ def test_the_written_export_stores_at_most_the_budget(models, tmp_path, tie, rec
     budget = float(recipe.split(":")[1])
     assert budget - 0.15 < rep["stored_bits_per_weight"] <= budget, rep["stored_bits_per_weight"]
     assert rep["bits_per_weight"] < rep["stored_bits_per_weight"]  # the nominal figure is still reported
+
+
+@pytest.mark.parametrize("recipe", ["auto:6:mxfp", "auto:7.5:mxfp"])
+def test_an_mxfp_plan_stores_at_most_the_budget(models, tmp_path, recipe):
+    """mxfp6 is written as mxfp8 bytes: costed at 8.25 bits, never chosen over mxfp8 (more error, same bytes)."""
+    rep = _export(models["mxfp"], tmp_path / "o", recipe)
+    assert rep["stored_bits_per_weight"] <= float(recipe.split(":")[1])
+    assert "mxfp6_e2m3" not in {t["source"] for t in rep["tensors"].values() if "source" in t}
 
 
 @pytest.mark.parametrize("tie,recipe", [("tied", "auto:4.6:affine"), ("untied", "auto:7")])

@@ -9,7 +9,7 @@ output change grows with the weight perturbation's energy), so the cost is one p
 instead of one per (tensor, level).
 
 The ``affine`` family (``auto:BPW:affine``) plans MLX's affine widths derived from the anchor
-(mfqat.quant.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine2..8
+(mfqat.quant.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine3..8
 and their cost includes the bfloat16 scale and bias of every group (4.5 bits/weight for affine4 at
 group 64), so a budget means the same bytes as an ``mlx_lm.convert`` file of that size.
 
@@ -337,6 +337,8 @@ def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib
     group = level_group(anchor, levels[0], derived_group)
     planned = sum(int(torch.Size(anchor.shape(n)).numel()) for n in names)
     stored = stored or StoredCost(level_bits(levels, group), 0.0, planned)
+    bits = stored.level_bits  # a level stored in no fewer bytes than a wider one only adds error (mxfp6: mxfp8 bytes)
+    levels = [f for i, f in enumerate(levels) if all(bits[g] > bits[f] for g in levels[i + 1:])]
     stored.check(recipe or f"auto:{budget_bpw}", budget_bpw, levels, planned)
     probe = probe_for(stored.planned_budget(budget_bpw, planned), levels, group, stored.level_bits)
     blocks = calibration_blocks(anchor, calib_text, n_blocks, seq_len)
