@@ -167,6 +167,23 @@ def test_release_folder_exports_directly(releases, tmp_path):
     assert rep["verify"]["weights_bit_exact"] and rep["dropped"]
 
 
+def test_an_auto_budget_counts_the_stored_bytes_of_the_moe_release(releases, tmp_path):
+    """`auto:BPW` on the MoE release (experts split per expert for mlx-lm, routers and the linear attention's
+    own tensors kept as they are, the vision tower dropped): the files store at most BPW bits per parameter,
+    and sensitivity.json's accounting is their bytes up to the header bound's few bytes per entry."""
+    from mfqat.export.mlx_sizes import tensor_bytes
+
+    out = tmp_path / "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = to_mlx(releases["qwen3_5_moe"], out, recipe="auto:5:affine", calib_text="def f(x): return x\n" * 200,
+                     verify=False)
+    assert 4.9 < rep["stored_bits_per_weight"] <= 5 and rep["dropped"]
+    s = json.loads((out / "sensitivity.json").read_text())
+    counted = (s["fixed_bits"] + sum(s["stored_level_bits"][t["chosen"]] * t["numel"] for t in s["tensors"].values())) / 8
+    assert 0 <= counted - rep["stored_bytes"] <= 6 * len(tensor_bytes(out)) + 16
+
+
 def test_tied_release_and_awq_on_the_release(tok, tmp_path):
     """A release with tied embeddings (the small Qwen3.5 checkpoints) keeps one table in the anchor and mlx-lm
     reads the tying from text_config; AWQ on a release folder finds the language model's decoder layers."""

@@ -185,8 +185,10 @@ AUTO_FAMILIES = {"mxint": "mxint2", "mxfp": "mxfp4_e2m1", "affine": "affine3"}  
 
 def need_auto_budget(a: argparse.Namespace) -> None:
     """``--recipe auto:BPW[:FAMILY]``: BPW a finite number no lower than the smallest plan (every tensor in
-    the family's lowest level) and no higher than 16 (bfloat16), FAMILY one of the ladders; checked before
-    the sensitivity pass (minutes) rather than after it."""
+    the family's lowest level: its MX figure, then, for an anchor, the stored bits it would write, norms
+    and headers included, from the anchor's shapes: mfqat.export.recipes.check_stored_budget) and no higher
+    than 16 (bfloat16), FAMILY one of the ladders; checked before the sensitivity pass (minutes) rather than
+    after it."""
     kind, _, rest = a.recipe.partition(":")
     if kind != "auto":
         return
@@ -207,6 +209,21 @@ def need_auto_budget(a: argparse.Namespace) -> None:
     if not math.isfinite(bpw) or not floor <= bpw <= 16:
         raise UsageError(f"--recipe {a.recipe}: the budget must be a number of bits per weight from {floor:g} (every "
                          f"tensor in {lowest}) to 16, got {budget}")
+    if is_anchor(a.anchor):  # the budget counts the stored bytes: the smallest plan's, from the anchor's shapes
+        from mfqat.anchor.checkpoint import AnchorError, read_anchor
+        from mfqat.export.recipes import check_stored_budget
+        from mfqat.export.sensitivity import BudgetTooSmall
+
+        try:
+            anchor = read_anchor(a.anchor, lazy=True)
+        except (AnchorError, OSError, ValueError):
+            return  # the export reports what is wrong with the anchor itself
+        try:
+            check_stored_budget(anchor, a.recipe, a.group_size, a.scale_dtype)
+        except BudgetTooSmall as exc:
+            raise UsageError(str(exc)) from None
+        except (ValueError, OSError):
+            return  # anything else: the export names it
 
 
 def _anchor_meta(path: Optional[str]) -> dict:

@@ -198,7 +198,11 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         if scale_search or (imatrix_path is not None and not awq):  # an imatrix without AWQ: the search's importance
             from mfqat.export.scale_search import apply_scale_search
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text, imatrix_path=None if awq else imatrix_path)
-        plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size)
+        source_cfg = Path(source) / "config.json"
+        dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
+        scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
+        plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size,
+                          scale_dtype=scale_dtype, max_shard_bytes=max_shard_bytes)  # auto: budgets these bytes
         if "scale_search" in report and imatrix_path is not None and not awq:  # weighs nothing of this recipe?
             from mfqat.export.scale_search import check_imatrix_used
             check_imatrix_used(report["scale_search"], plan.formats.values(), imatrix_path, recipe)
@@ -214,9 +218,6 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                          and pick(anchor.learned_scales, f, plan.group_of(f))})
         if stored:
             report["anchor_refined"] = stored  # the learned scales the anchor holds (on-disk key name kept)
-        source_cfg = Path(source) / "config.json"
-        dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
-        scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
         if all(get_format(f).family == "affine" for f in plan.formats.values()):
             report["scale_dtype"] = "bfloat16"  # derived affine formats are defined with bfloat16 scales
         written = _write(anchor, plan, anchor.config, tok_files, tmp, report, scale_dtype, max_shard_bytes)

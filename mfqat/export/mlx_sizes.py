@@ -16,6 +16,7 @@ import torch
 
 MLX_GROUP_SIZES: Dict[str, Tuple[int, ...]] = {"affine": (32, 64, 128), "mxfp4": (32,), "mxfp8": (32,), "nvfp4": (16,)}
 SCALE_DTYPES = ("auto", "float32", "bfloat16")
+EXPORT_METADATA = {"format": "mlx"}  # the __metadata__ every export shard's header carries (mlx_export._write)
 
 
 def check_mlx_group_size(block_size: int, storages: Iterable[Tuple[str, Optional[Tuple[str, int]]]]) -> int:
@@ -85,6 +86,37 @@ def stored_size(folder: Path, n_parameters: int, quantized: Dict[str, int]) -> d
     return {"stored_bytes": file_bytes, "parameters": n_parameters,
             "stored_bits_per_weight": 8.0 * file_bytes / max(n_parameters, 1),
             "stored_bits_per_weight_quantized": 8.0 * q_bytes / max(q_count, 1)}
+
+
+def stored_bits(storage: Optional[Tuple[str, int]], group: int, scale_dtype: str, derived: bool = False) -> float:
+    """Bits per weight a tensor takes in an export's safetensors data when written in ``storage`` ((MLX mode,
+    bits), or None: bfloat16) with ``group``-sized groups: its packed codes, plus per group an affine scale and
+    bias (bfloat16 for the ``derived`` affine formats or a bfloat16 ``scale_dtype``, else float32) or one
+    8-bit scale (mxfp4, mxfp8, nvfp4), as mfqat.export.mlx_export writes them."""
+    if storage is None:
+        return 16.0
+    mode, bits = storage
+    if mode != "affine":
+        return bits + 8.0 / group
+    scale_bits = 16 if derived or scale_dtype == "bfloat16" else 32
+    return bits + 2.0 * scale_bits / group
+
+
+def header_entry_bound(name: str, shape: Iterable[int], offset_digits: int) -> int:
+    """At most the bytes tensor ``name``'s entry (comma included) takes in an export shard's compact JSON
+    header, for any dtype, a shape whose dimensions have no more digits than ``shape``'s, and data offsets of
+    at most ``offset_digits`` digits."""
+    entry = {"dtype": "BF16", "shape": list(shape), "data_offsets": [0, 0]}  # BF16: the longest name written
+    return len(json.dumps({name: entry}, separators=(",", ":"))) - 2 - 2 + 2 * offset_digits + 1
+
+
+def shard_overhead_bound(data_bytes: int, max_shard_bytes: int, metadata: dict = EXPORT_METADATA) -> int:
+    """At most the bytes an export's safetensors files add to ``data_bytes`` of tensor data besides the
+    tensors' own header entries: per file the 8-byte header length, ``{"__metadata__": ...}`` and the padding
+    to 8 bytes, for at most ``1 + 2 * data_bytes // max_shard_bytes`` files (the writer fills shards greedily,
+    so two neighbouring shards always hold more than ``max_shard_bytes``)."""
+    files = 1 + 2 * (data_bytes // max(max_shard_bytes, 1))
+    return files * (8 + len(json.dumps({"__metadata__": metadata}, separators=(",", ":"))) + 7)
 
 
 def anchor_parameters(anchor) -> int:

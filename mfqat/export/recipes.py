@@ -23,8 +23,10 @@ from mfqat.formats import canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.anchor.learned_scales import pick
-from mfqat.export.sensitivity import auto_plan_formats, in_format, in_format_chunks, ladder
-from mfqat.export.mlx_sizes import check_mlx_group_size
+from mfqat.export.sensitivity import StoredCost, auto_plan_formats, in_format, in_format_chunks, ladder
+from mfqat.export.mlx_sizes import (anchor_parameters, check_mlx_group_size, header_entry_bound, resolve_scale_dtype,
+                                    shard_overhead_bound, stored_bits)
+from mfqat.storage.shard_files import MAX_SHARD_BYTES
 
 FAMILY_BY_BITS = {
     "mxint": {b: f"mxint{b}" for b in range(2, 9)},
@@ -146,6 +148,46 @@ class Plan:
             total_bits += bpw * n
             total += n
         return total_bits / max(total, 1)
+
+
+def stored_cost(anchor: Anchor, plan: Plan, names: List[str], levels: List[str], scale_dtype: str,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> StoredCost:
+    """What ``auto:BPW`` counts, as mfqat.export.mlx_sizes.stored_size will count the written export: each
+    level at the bits it is written in (``scale_dtype``: the affine scales' resolved dtype), and as fixed bits
+    every tensor the writer takes as it is (not in ``names``: norms, biases, in bfloat16 or the float32 its
+    family keeps) plus an upper bound on the safetensors headers (every written tensor's entry, the planned
+    ones with a weight, scales and biases entry each), over the whole model's parameters."""
+    family = plan.family
+    level_bits = {f: stored_bits(mlx_storage(f), plan.group_of(f), scale_dtype, is_derived(f)) for f in levels}
+    planned = set(names)
+    entries: List[Tuple[str, tuple]] = []  # (written name, shape bound) of every header entry
+    fixed = 0  # bytes of the tensors written as they are
+    for name in anchor.plain:
+        if name in planned:
+            continue
+        info = tensor_info(anchor.plain, name)
+        shape = tuple(info.shape)
+        if info.dtype.is_floating_point:
+            if family.plain_rule(name) is not None:  # a rule may change the shape mlx-lm runs it in
+                shape = tuple(family.mlx_value(name, anchor.plain[name].float()).shape)
+            itemsize = 4 if family.float32_on_export(name) else 2
+        else:
+            itemsize = info.dtype.itemsize
+        fixed += int(torch.Size(shape).numel()) * itemsize
+        entries.append((family.mlx_name(name), shape))
+    top = max(level_bits.values())
+    data = fixed
+    for name in names:
+        shape = _shape(anchor, name)
+        data += int(torch.Size(shape).numel()) * top / 8
+        for piece, lo, hi in family.mlx_pieces(name, shape[-2] if len(shape) > 1 else 1):
+            module = piece[: -len(".weight")]
+            bound = tuple(shape[:-2]) + (hi - lo, shape[-1])  # no part's dimension has more digits than these
+            entries += [(f"{module}.{kind}", bound) for kind in ("weight", "scales", "biases")]
+    digits = len(str(int(data)))
+    headers = shard_overhead_bound(int(data), max_shard_bytes) + sum(header_entry_bound(n, sh, digits)
+                                                                      for n, sh in entries)
+    return StoredCost(level_bits, 8.0 * (fixed + headers), anchor_parameters(anchor))
 
 
 def _matrix_weights(anchor: Anchor) -> List[str]:
@@ -311,9 +353,38 @@ def ptq_anchor_format(recipe: str) -> str:
     return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3", "affine": "mxint8", "nvfp4": "mxfp8_e4m3"}[family]
 
 
+def check_stored_budget(anchor: Anchor, recipe: str, derived_group: int = DERIVED_GROUP_SIZE,
+                        scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """For ``auto:BPW[:FAMILY]`` with a number BPW: ValueError naming ``recipe`` and the smallest stored budget
+    when BPW is below it, from the anchor's names and shapes alone (a lazily read ``anchor``: nothing loaded;
+    the command line's check before the export starts). Other recipes, and anything else wrong with this
+    one, are left to :func:`build_plan`."""
+    import warnings
+
+    kind, arg, want = parse_recipe(recipe)
+    try:
+        budget = float(arg) if kind == "auto" else math.nan
+        levels = ladder(anchor.format, want)
+    except (TypeError, ValueError, KeyError):
+        return
+    if not math.isfinite(budget):
+        return
+    with warnings.catch_warnings():  # drop_towers' warning comes again when the export itself runs
+        warnings.simplefilter("ignore")
+        drop_towers(anchor)
+    plan = Plan(group_size=anchor.meta.get("block_size", 32), derived_group=derived_group, family=check_family(anchor))
+    names = list(anchor.quantized) + _matrix_weights(anchor)
+    scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, anchor.plain.values())
+    planned = sum(int(torch.Size(_shape(anchor, n)).numel()) for n in names)
+    stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes).check(recipe, budget, levels, planned)
+
+
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None,
-               derived_group: int = DERIVED_GROUP_SIZE) -> Plan:
-    """A per-tensor plan from a recipe name; checks everything before anything is written."""
+               derived_group: int = DERIVED_GROUP_SIZE, scale_dtype: str = "auto",
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> Plan:
+    """A per-tensor plan from a recipe name; checks everything before anything is written. ``auto:BPW``
+    budgets the bytes the export will store (:func:`stored_cost`) with the affine scales in ``scale_dtype``
+    ("auto": mlx_sizes.resolve_scale_dtype from the anchor's config) and shards of ``max_shard_bytes``."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
     if kind in ("seed", "dynamic2") and (isinstance(base_bits, bool) or not isinstance(base_bits, int)
@@ -360,8 +431,10 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
                              "e.g. auto:4.5")
         names = list(anchor.quantized) + _matrix_weights(anchor)
         _check_group_size(anchor, names, group)
+        scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, anchor.plain.values())
+        stored = stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes)
         formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text, family=want,
-                                                      derived_group=derived_group)
+                                                      derived_group=derived_group, stored=stored, recipe=recipe)
         for name, fmt in formats.items():
             plan.formats[name] = fmt
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"

@@ -9,18 +9,24 @@ output change grows with the weight perturbation's energy), so the cost is one p
 instead of one per (tensor, level).
 
 The ``affine`` family (``auto:BPW:affine``) plans MLX's affine widths derived from the anchor
-(mfqat.quant.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine2..8
+(mfqat.quant.derive) in groups of ``group`` (64 by default, as mlx_lm.convert): its levels are affine3..8
 and their cost includes the bfloat16 scale and bias of every group (4.5 bits/weight for affine4 at
 group 64), so a budget means the same bytes as an ``mlx_lm.convert`` file of that size.
 
-Allocation: the per-tensor levels with the least summed estimated KL within the bits-per-weight
-budget, every width considered for every tensor (a multiple-choice knapsack, solved exactly by dynamic
+The budget counts what the export stores (:class:`StoredCost`, built by mfqat.export.recipes): each level at the
+bytes it is written in (codes and scales/biases in their file dtype), plus the bytes the plan does not choose
+(tensors written as they are, norms among them, and the safetensors headers), over the model's parameters:
+the figure the export reports as "stored N bits/weight" (mfqat.export.mlx_sizes.stored_size), never above it.
+
+Allocation: the per-tensor levels with the least summed estimated KL within that budget, every width
+considered for every tensor (a multiple-choice knapsack, solved exactly by dynamic
 programming over the extra bits; when that table would be too large, greedily: from the lowest level,
 the upgrade with the largest sensitivity reduction per extra bit while the budget allows).
 """
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -57,6 +63,39 @@ class TensorSensitivity:
         """Estimated KL when only this tensor is in ``fmt``."""
         base = self.rel_error[self.probe_format]
         return self.probe_kl * self.rel_error[fmt] / base if base > 0 else 0.0
+
+
+class BudgetTooSmall(ValueError):
+    """An ``auto:BPW`` budget below the smallest plan (the message names the recipe and the smallest budget)."""
+
+
+@dataclass
+class StoredCost:
+    """What an ``auto:BPW`` budget counts: ``level_bits`` {level: bits per weight as stored}, ``fixed_bits``
+    (the bits stored whatever the plan: tensors written as they are, file headers; an upper bound) and
+    ``parameters`` (the weights the budget is per: the whole model's)."""
+    level_bits: Dict[str, float]
+    fixed_bits: float
+    parameters: int
+
+    def planned_budget(self, budget_bpw: float, planned: int) -> float:
+        """The bits per weight ``budget_bpw`` leaves the ``planned`` weights the plan chooses formats for."""
+        return (budget_bpw * self.parameters - self.fixed_bits) / max(planned, 1)
+
+    def smallest(self, lowest: str, planned: int) -> float:
+        """The smallest stored budget: every one of the ``planned`` weights in ``lowest``."""
+        return (self.fixed_bits + self.level_bits[lowest] * planned) / max(self.parameters, 1)
+
+    def check(self, recipe: str, budget_bpw: float, levels: List[str], planned: int) -> None:
+        """ValueError naming ``recipe`` and the smallest stored budget when ``budget_bpw`` is below it."""
+        floor = self.smallest(levels[0], planned)
+        if budget_bpw < floor - 1e-9:
+            ask = math.ceil(floor * 100 - 1e-6) / 100
+            family = "".join(":" + f for f in recipe.split(":")[2:3])  # auto:BPW:FAMILY keeps its family
+            raise BudgetTooSmall(
+                f"recipe '{recipe}': the budget is below the smallest plan: {floor:.3f} stored bits/weight (every "
+                f"planned tensor in {levels[0]}, plus {self.fixed_bits / max(self.parameters, 1):.3f} bits/weight "
+                f"of tensors kept as they are and file headers); ask for auto:{ask:g}{family} or more")
 
 
 def ladder(anchor_format: str, family: Optional[str] = None) -> List[str]:
@@ -118,9 +157,10 @@ def level_bits(levels: List[str], group: int = 32) -> Dict[str, float]:
     return {f: get_format(f).bits_per_weight(group) for f in levels}
 
 
-def probe_for(budget_bpw: float, levels: List[str], group: int = 32) -> str:
-    """The level just below the one the budget affords uniformly (the lowest level at least)."""
-    bpw = level_bits(levels, group)
+def probe_for(budget_bpw: float, levels: List[str], group: int = 32, bits: Optional[Dict[str, float]] = None) -> str:
+    """The level just below the one the budget affords uniformly (the lowest level at least); levels cost
+    ``bits`` {level: bits/weight} (default: :func:`level_bits` at ``group``)."""
+    bpw = bits or level_bits(levels, group)
     affordable = [f for f in levels if bpw[f] <= budget_bpw] or levels[:1]
     i = levels.index(affordable[-1])
     return levels[max(i - 1, 0)]
@@ -198,18 +238,21 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
     return out
 
 
-def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: float, group: int = 32
-             ) -> Dict[str, str]:
-    """Per-tensor formats minimising the summed estimated KL with mean bits/weight <= budget, every
-    level stored with ``group``-sized scales."""
-    bpw = level_bits(levels, group)
+def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: float, group: int = 32,
+             stored: Optional[StoredCost] = None) -> Dict[str, str]:
+    """Per-tensor formats minimising the summed estimated KL within the budget: with ``stored``, the bits
+    the export stores (levels at ``stored.level_bits``, plus ``stored.fixed_bits``) over
+    ``stored.parameters`` at most ``budget_bpw``; without, the mean nominal bits/weight of the tensors in
+    ``sens`` (every level with ``group``-sized scales) at most ``budget_bpw``."""
     total = sum(s.numel for s in sens.values())
-    cap = budget_bpw * total
+    if stored is None:
+        stored = StoredCost(level_bits(levels, group), 0.0, total)
+    bpw = stored.level_bits
+    cap = budget_bpw * stored.parameters - stored.fixed_bits
     level = {n: 0 for n in sens}
     used = sum(bpw[levels[0]] * s.numel for s in sens.values())
     if used > cap + 1e-6:
-        raise ValueError(f"auto:{budget_bpw}: the budget is below the smallest plan "
-                         f"({bpw[levels[0]]:.2f} bits/weight with every tensor in {levels[0]})")
+        stored.check(f"auto:{budget_bpw}", budget_bpw, levels, total)
 
     exact = _allocate_exact(sens, levels, bpw, cap - used)
     if exact is not None:
@@ -284,15 +327,25 @@ def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: 
 
 def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib_text: Optional[str] = None,
                       n_blocks: int = 4, seq_len: int = 128, family: Optional[str] = None,
-                      derived_group: int = DERIVED_GROUP_SIZE) -> tuple[Dict[str, str], dict]:
-    """(per-tensor formats, report) for ``auto:BPW[:affine]``; the report holds every sensitivity."""
+                      derived_group: int = DERIVED_GROUP_SIZE, stored: Optional[StoredCost] = None,
+                      recipe: Optional[str] = None) -> tuple[Dict[str, str], dict]:
+    """(per-tensor formats, report) for ``auto:BPW[:affine]``; the report holds every sensitivity. ``stored``:
+    the budget counts the stored bytes (mfqat.export.recipes.stored_cost), checked before anything is
+    measured; None: the nominal bits/weight of ``names`` alone."""
     levels = ladder(anchor.format, family)
     group = level_group(anchor, levels[0], derived_group)
-    probe = probe_for(budget_bpw, levels, group)
+    planned = sum(int(torch.Size(anchor.shape(n)).numel()) for n in names)
+    stored = stored or StoredCost(level_bits(levels, group), 0.0, planned)
+    bits = stored.level_bits  # a level stored in no fewer bytes than a wider one only adds error (mxfp6: mxfp8 bytes)
+    levels = [f for i, f in enumerate(levels) if all(bits[g] > bits[f] for g in levels[i + 1:])]
+    stored.check(recipe or f"auto:{budget_bpw}", budget_bpw, levels, planned)
+    probe = probe_for(stored.planned_budget(budget_bpw, planned), levels, group, stored.level_bits)
     blocks = calibration_blocks(anchor, calib_text, n_blocks, seq_len)
     sens = measure(anchor, names, probe, blocks, levels, derived_group)
-    formats = allocate(sens, levels, budget_bpw, group)
+    formats = allocate(sens, levels, budget_bpw, group, stored)
     report = {"budget_bpw": budget_bpw, "probe_format": probe, "levels": levels, "group_size": group,
+              "stored_level_bits": dict(stored.level_bits), "fixed_bits": stored.fixed_bits,
+              "parameters": stored.parameters,
               "calibration_tokens": int(blocks.numel()),
               "tensors": {n: {**asdict(s), "chosen": formats[n], "estimated_kl": s.at(formats[n])}
                           for n, s in sens.items()}}
