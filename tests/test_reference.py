@@ -228,6 +228,19 @@ def test_pack_unpack_round_trip(name):
     assert torch.equal(u.dequantize(), q.dequantize())
 
 
+@given(st.sampled_from([2, 4]), st.sampled_from([torch.int8, torch.uint8]), st.integers(1, 5), st.integers(1, 16),
+       st.integers(0, 2 ** 31 - 1))
+def test_byte_codes_pack_as_their_int32_bit_stream(bits, dtype, rows, groups, seed):
+    """pack_codes keeps 2- and 4-bit int8/uint8 codes in uint8 arithmetic: the same bytes as the int32 bit stream
+    (negative int8 codes keep their low bits)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
+    codes = torch.randint(lo, hi, (rows, groups * 8), generator=g).to(dtype)
+    from mfqat.quant.packing import pack_codes
+    fast = pack_codes(codes, bits)
+    assert fast.dtype == torch.uint8 and torch.equal(fast, pack_codes(codes.to(torch.int32), bits))
+
+
 def test_pack_layout_low_nibble_first():
     f = get_format("mxint4")
     codes = torch.tensor([[1, 2, -1, 3] + [0] * 28], dtype=torch.int8)

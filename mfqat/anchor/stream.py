@@ -150,7 +150,9 @@ def _quantized(value: torch.Tensor, f, block_size: int, scale_rule: str, name: s
     step = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
     codes, scales = [], []
     for lo in range(0, rows.shape[0], step):
-        part = rows[lo:lo + step].float()
+        part = rows[lo:lo + step]
+        if scale_rule != "floor" or not part.is_floating_point():  # floor: a bf16/fp16 block quantizes as its float32
+            part = part.float()
         if not _finite(part):
             raise ValueError(f"{name}: the weight holds NaN or Inf values; refusing to save an anchor of it")
         q = quantize(part, f, block_size, scale_rule)

@@ -133,9 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--base-bits", type=int, default=4)
     x.add_argument("--no-verify", action="store_true")
     x.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
-                   help="memory budget of the export check, e.g. 8GB: the whole-model logits check runs when it fits "
-                        "(default 2GB), else the check on the model's first layers; weights are always checked "
-                        "tensor by tensor")
+                   help="memory budget of the export check, e.g. 8GB: when the whole check fits (default 2GB), every "
+                        "tensor is dequantized by MLX from the files and the whole model's logits compared; past it, "
+                        "every written byte is compared with what the export computed (sha256), sampled rows go "
+                        "through MLX and the logits of the first layers are compared")
     x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
     r = sub.add_parser("refine", help="learn affine widths' group scales and biases against the anchor and store "
                        "them in it (export-mlx and load_anchor then use them)")

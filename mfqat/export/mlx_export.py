@@ -75,7 +75,7 @@ def to_mlx_storage(q: MXTensor, scale_dtype: str = "float32") -> MLXTensor:
     rows = q.shape[:-1]
     if f.family == "affine":  # derived: MLX's own codes, scales and biases (mfqat.quant.derive)
         from mfqat.quant.packing import pack_codes
-        words = pack_codes(q.codes.to(torch.int32), AFFINE_BITS[f.bits]).numpy().view(np.uint32)
+        words = pack_codes(q.codes, AFFINE_BITS[f.bits]).numpy().view(np.uint32)
         return MLXTensor(words, q.scales.numpy(), q.biases.numpy(), "affine", AFFINE_BITS[f.bits], True)
     if f.family == "mxint":
         bits = AFFINE_BITS[f.bits]
