@@ -93,10 +93,10 @@ def meta_model(folder: PathLike):
 
 def streamable(folder: PathLike) -> Optional[str]:
     """None when ``folder`` can be quantized tensor by tensor, else why not (the caller loads the model)."""
-    return _inspect(folder)[0]
+    return inspect_folder(folder)[0]
 
 
-def _inspect(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
+def inspect_folder(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
     """(:func:`streamable`'s answer, the meta model, its config) - the model built once (None when refused)."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
@@ -145,7 +145,8 @@ def _finite(part: torch.Tensor) -> bool:
 
 
 def _quantized(value: torch.Tensor, f, block_size: int, scale_rule: str, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes, scales) of ``value`` quantized in row chunks (the rows of a matrix are independent)."""
+    """(codes, scales) of ``value`` quantized in row chunks (the rows of a matrix are independent); the
+    codes unpacked (int8 MXINT, uint8 MXFP), each of ``value``'s shape but the scales' last axis."""
     rows = value.reshape(-1, value.shape[-1])
     step = max(1, CHUNK_ELEMENTS // max(rows.shape[1], 1))
     codes, scales = [], []
@@ -156,10 +157,11 @@ def _quantized(value: torch.Tensor, f, block_size: int, scale_rule: str, name: s
         if not _finite(part):
             raise ValueError(f"{name}: the weight holds NaN or Inf values; refusing to save an anchor of it")
         q = quantize(part, f, block_size, scale_rule)
-        codes.append(q.pack())
+        codes.append(q.codes)
         scales.append(q.scales)
     lead = tuple(value.shape[:-1])
-    return torch.cat(codes).reshape(*lead, -1), torch.cat(scales).reshape(*lead, -1)
+    one = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731 (no copy of a single chunk)
+    return one(codes).reshape(*lead, -1), one(scales).reshape(*lead, -1)
 
 
 def _saved_config(config, fmt: str, block_size: int, rule: str, recorded: Dict[str, str]) -> dict:
@@ -172,14 +174,16 @@ def _saved_config(config, fmt: str, block_size: int, rule: str, recorded: Dict[s
         return model_config(json.loads((Path(tmp) / "config.json").read_text()))
 
 
-def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, scale_rule: str = "floor"):
+def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, scale_rule: str = "floor",
+                  inspected: Optional[Tuple[Optional[str], Any, Any]] = None):
     """The post-training anchor of the HF checkpoint ``folder``, not written: an :class:`Anchor` whose
     quantized tensors are quantized from the source's shards each time they are asked for (one tensor in
     memory at a time) and whose plain tensors are read from them. The same metadata, config, codes and
     scales as ``read_anchor(anchor_from_folder(folder, ...), lazy=True)`` (``meta["files"]`` empty: no
     weight file exists); what an export from an HF folder reads instead of a temporary anchor on disk.
     The source files stay open until ``anchor.materialize()`` or :func:`close_anchor`. Raises ValueError
-    when :func:`streamable` refuses the folder."""
+    when :func:`streamable` refuses the folder. ``inspected``: :func:`inspect_folder`'s answer when the caller
+    already has it (the meta model is built once)."""
     from mfqat.anchor.checkpoint import Anchor
     from mfqat.anchor.lazy import LazyQuantized, LazyTensors
     from mfqat.quant.mxtensor import MXTensor
@@ -188,7 +192,7 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
     f = get_format(fmt)
     if not f.is_mx:
         raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
-    why, model, config = _inspect(folder)
+    why, model, config = inspected or inspect_folder(folder)
     if why is not None:
         raise ValueError(f"{folder}: cannot be quantized tensor by tensor: {why}")
     sd, tied = unique_state_dict(model, model.state_dict())
@@ -206,10 +210,7 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
 
     def build(k: str) -> MXTensor:
         codes, scales = _quantized(src.read(k), f, block_size, rule, k)
-        q = MXTensor.unpack(codes, scales, f, block_size, tuple(entries[k]["shape"]),
-                            src.where[k][1].dtype, scale_rule=rule)
-        q.slice_rules = rules
-        return q
+        return MXTensor(codes, scales, f, block_size, src.where[k][1].dtype, scale_rule=rule, slice_rules=rules)
 
     anchor = Anchor(Path(folder), meta, config=_saved_config(config, f.name, block_size, rule, recorded))
     anchor.quantized = LazyQuantized({k: tuple(e["shape"]) for k, e in entries.items()}, build)

@@ -246,13 +246,14 @@ def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], rep
     quantized from the source's shards when the export asks for them (``folder_anchor``), and only the
     tokenizer is saved into ``scratch``. Else (or with AWQ, first, from ``imatrix_path`` if given) the
     model is loaded and its anchor saved at ``scratch`` and read back."""
-    from mfqat.anchor.stream import folder_anchor, folder_tokenizer, streamable
+    from mfqat.anchor.stream import folder_anchor, folder_tokenizer, inspect_folder
     from mfqat.data.sources import calibration_blocks, load_model
 
-    why = None if awq else streamable(source)
+    inspected = (None, None, None) if awq else inspect_folder(source)  # the meta model, built once
+    why = inspected[0]
     if not awq and why is None:
         report["ptq"] = "tensor by tensor"
-        anchor = folder_anchor(source, fmt)
+        anchor = folder_anchor(source, fmt, inspected=inspected)
         tok = folder_tokenizer(source)
         scratch.mkdir(parents=True)
         if tok is not None:
