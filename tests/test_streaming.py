@@ -260,6 +260,7 @@ def test_the_cut_weights_check_past_the_budget_writes_the_same_files_as_the_whol
     written = sum(f.stat().st_size for f in (tmp_path / "c").glob("model*.safetensors"))
     assert written - 20_000 < cut["bytes_hashed"] < written  # every tensor's bytes (the headers aside)
     assert 0 < cut["weights_checked"] < whole["weights_checked"]
+    assert whole["prompt_tokens"] >= 64 and 16 <= cut["prompt_tokens"] < 64  # the cut check: fewer positions
     assert _model_bytes(tmp_path / "w") == _model_bytes(tmp_path / "c")
 
 

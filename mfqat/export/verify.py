@@ -29,6 +29,11 @@ LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
 # The logits are compared at every position of the check prompt, repeated to at least this many tokens:
 # a port that differs only past a short context (a sliding window mlx-lm ignores, rope scaling) shows.
 CHECK_TOKENS = 64
+# The cut check (past the budget: a model of billions of parameters) compares this many positions. MLX's
+# CPU matmul costs ~22 ms a token for each 25M-parameter matrix, so 64 tokens were 12 s of a 3B export;
+# windows and rope scaling thresholds of real models of that size lie far beyond 64 tokens anyway (the
+# families' export caveats name the windows mlx-lm ignores).
+CUT_CHECK_TOKENS = 16
 # The whole-model logits check runs when it needs at most this much memory (full_check_bytes; a user's
 # max_memory overrides it); past it the check runs on the model cut to its first layers (compare_truncated).
 CHECK_MEMORY = 2 * 1024 ** 3
@@ -463,7 +468,7 @@ def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dic
     config = anchor.config
     k = check_layers(config)
     keep = lambda name: (layer_index(name) is None or layer_index(name) < k)  # noqa: E731
-    ids = check_ids(load_tokenizer(out), prompt)
+    ids = check_ids(load_tokenizer(out), prompt, CUT_CHECK_TOKENS)
     size = (layer_config(config) or config).get("vocab_size")
     vocab = VocabCut(size, ids, config) if isinstance(size, int) and not isinstance(size, bool) else None
     cut_vocab = (lambda c: vocab.config(c)) if vocab else (lambda c: c)  # noqa: E731
@@ -491,10 +496,10 @@ def compare_truncated(out: Path, anchor: Anchor, plan: Plan, prompt: str) -> dic
     return rep
 
 
-def check_ids(tok, prompt: str) -> list:
-    """The check's token ids: ``prompt`` encoded, repeated to at least :data:`CHECK_TOKENS` tokens."""
+def check_ids(tok, prompt: str, tokens: int = CHECK_TOKENS) -> list:
+    """The check's token ids: ``prompt`` encoded, repeated to at least ``tokens`` tokens."""
     ids = tok.encode(prompt)
-    return (ids * -(-CHECK_TOKENS // max(len(ids), 1)))[:max(CHECK_TOKENS, len(ids))]
+    return (ids * -(-tokens // max(len(ids), 1)))[:max(tokens, len(ids))]
 
 
 def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: Optional[dict] = None,
