@@ -12,15 +12,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfqat.anchor.checkpoint import Anchor, anchor_model
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.export.lazy_model import LazyModel
 from mfqat.export.recipes import Plan
-from mfqat.export.verify import reference_state
+from mfqat.export.verify import reference_tensor
+from mfqat.formats import get_format
 from mfqat.progress import progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE
 from mfqat.quant.mxtensor import MXTensor
@@ -68,12 +70,12 @@ def _ste_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Groups(nn.Module):
-    """The learned (a, c) of one affine tensor and the weights they give."""
+    """The learned (a, c) of one affine tensor and the weights they give. The codes stay the tensor's own
+    (uint8, one byte a weight); :meth:`weight` builds the float32 weights when a forward asks for them."""
 
     def __init__(self, q: MXTensor):
         super().__init__()
         self.q = q
-        self.codes = q.codes.float().reshape(*q.shape[:-1], q.shape[-1] // q.block_size, q.block_size)
         self.s0, self.b0 = q.scales.float(), q.biases.float()
         self.a = nn.Parameter(torch.zeros_like(self.s0))
         self.c = nn.Parameter(torch.zeros_like(self.s0))
@@ -85,14 +87,39 @@ class _Groups(nn.Module):
         return s.detach().to(torch.bfloat16).float(), b.detach().to(torch.bfloat16).float()
 
     def weight(self) -> torch.Tensor:
+        """``W = q * s + b`` in float32, the codes grouped along the last axis."""
         s, b = self.scales_biases()
-        return (self.codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(self.q.shape)
+        q = self.q
+        codes = q.codes.float().reshape(*q.shape[:-1], q.shape[-1] // q.block_size, q.block_size)
+        return (codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(q.shape)
 
     def learned(self) -> MXTensor:
         """The tensor with its learned bfloat16 scales and biases (same codes)."""
         s, b = self.scales_biases(straight_through=False)
         q = self.q
         return MXTensor(q.codes, s, q.fmt, q.block_size, q.dtype, b, q.scale_rule)
+
+
+def _teacher_source(anchor: Anchor) -> Callable[[str], torch.Tensor]:
+    """name -> the anchor's tensor in its own format, float32 (what anchor_model(anchor) holds)."""
+    def source(name: str) -> torch.Tensor:
+        if name in anchor.quantized:
+            return anchor.quantized[name].dequantize(torch.float32)
+        v = anchor.plain[name]
+        return v.to(torch.float32) if v.is_floating_point() else v
+    return source
+
+
+def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, _Groups],
+                    teacher: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """name -> the export's tensor: the learned weights of an affine tensor, else the export check's reference
+    value (mfqat.export.verify.reference_tensor), else the anchor's (a tensor the plan does not touch)."""
+    def source(name: str) -> torch.Tensor:
+        if name in groups:
+            return groups[name].weight()
+        v = reference_tensor(anchor, plan, name)
+        return teacher(name) if v is None else v
+    return source
 
 
 def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
@@ -107,8 +134,8 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     Returns the report entry (tensors, steps, KL before / after, seconds)."""
     cfg = cfg or RefineConfig()
     t0 = time.perf_counter()
-    targets = {n: q for n, q in plan.tensors(anchor).items() if q.fmt.family == "affine"}
-    if not targets:
+    names = [n for n, f in plan.formats.items() if get_format(f).family == "affine"]
+    if not names:
         raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, and recipe plan has no affine "
                          "tensor: use uniform:affineK, auto:BPW:affine or seed:affine")
     if calib.shape[0] < cfg.n_blocks + cfg.n_valid:
@@ -116,21 +143,20 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
                          f"{cfg.n_blocks + cfg.n_valid} needed (n_blocks + n_valid): pass a longer --calib-text "
                          "or fewer blocks")
     train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
-    teacher = anchor_model(anchor)
-    student = anchor_model(anchor)
-    student.load_state_dict(reference_state(anchor, plan), strict=False)
-    student.tie_weights()
-    for p in list(teacher.parameters()) + list(student.parameters()):
-        p.requires_grad_(False)
-    groups = {n: _Groups(q) for n, q in targets.items()}
+    groups = {n: _Groups(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
+    model = LazyModel(anchor)
+    anchor_weights = _teacher_source(anchor)
+    export_weights = _student_source(anchor, plan, groups, anchor_weights)
+
+    def teacher(ids: torch.Tensor) -> torch.Tensor:
+        return model.logits(anchor_weights, ids)
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
-        weights = {n: g.weight() for n, g in groups.items()}
-        return torch.func.functional_call(student, weights, (ids,), tie_weights=True).logits
+        return model.logits(export_weights, ids)
 
     def valid_kl() -> float:
         with torch.no_grad():
-            return float(sum(_kl(logits(ids[None]), teacher(ids[None]).logits, cfg.temperature) for ids in valid)
+            return float(sum(_kl(logits(ids[None]), teacher(ids[None]), cfg.temperature) for ids in valid)
                          / len(valid))
 
     before = valid_kl()
@@ -141,7 +167,7 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     for _ in bar:
         ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
         with torch.no_grad():
-            target = teacher(ids).logits
+            target = teacher(ids)
         loss = _kl(logits(ids), target, cfg.temperature)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -190,7 +216,7 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
     if bad:
         raise ValueError(f"refine: {bad[0]} is not an affine width; the anchor stores learned scales for "
                          "affine2..affine8 (MLX's affine layout)")
-    anchor = read_anchor(path)
+    anchor = read_anchor(path, lazy=True)
     if int(anchor.meta.get("format_version", 1)) < 2:
         raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned scales in; load and "
                          "save it again with this mfqat (load_anchor, then save_anchor), then refine")
@@ -199,7 +225,7 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
         raise FileExistsError(f"{path}: already holds learned {taken[0]} scales; pass --overwrite to learn them again")
     rows = []
     for fmt in widths:
-        anchor = read_anchor(path)
+        anchor = read_anchor(path, lazy=True)  # tensors read when a module runs (mfqat.export.lazy_model)
         anchor.learned_scales.pop(fmt, None)  # learn from the derived values, not from an earlier run
         plan = build_plan(anchor, f"uniform:{fmt}", derived_group=group_size)
         for name in [n for n in plan.formats if n not in anchor.quantized]:  # only what the anchor can hold

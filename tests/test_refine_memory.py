@@ -1,0 +1,130 @@
+"""``--refine`` in bounded memory (issue 44): the same learned scales, KLs and bytes as the algorithm that held
+the whole teacher and student in float32, with weights put in per module and decoder layers checkpointed."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mfqat
+from mfqat.anchor.checkpoint import anchor_model, read_anchor
+from mfqat.data.sources import calibration_blocks, tiny_llama
+from mfqat.export import build_plan
+from mfqat.export.refine import RefineConfig, refine
+from mfqat.export.verify import reference_state
+from mfqat.quant.mxtensor import MXTensor
+
+SMALL = dict(steps=4, lr=3e-3, batch=2, seq_len=32, n_blocks=6, n_valid=2)
+
+
+# The algorithm as it was before issue 44 (mfqat 0cc688a, mfqat/export/refine.py), kept here as the oracle:
+# a float32 teacher and student model loaded whole, every tensor of the plan derived at once, float32 codes.
+
+def _ste_bf16(x):
+    return x + (x.to(torch.bfloat16).float() - x).detach()
+
+
+class _OldGroups(nn.Module):
+    def __init__(self, q):
+        super().__init__()
+        self.q = q
+        self.codes = q.codes.float().reshape(*q.shape[:-1], q.shape[-1] // q.block_size, q.block_size)
+        self.s0, self.b0 = q.scales.float(), q.biases.float()
+        self.a = nn.Parameter(torch.zeros_like(self.s0))
+        self.c = nn.Parameter(torch.zeros_like(self.s0))
+
+    def scales_biases(self, straight_through=True):
+        s, b = self.s0 * (1 + self.a), self.b0 + self.s0 * self.c
+        if straight_through:
+            return _ste_bf16(s), _ste_bf16(b)
+        return s.detach().to(torch.bfloat16).float(), b.detach().to(torch.bfloat16).float()
+
+    def weight(self):
+        s, b = self.scales_biases()
+        return (self.codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(self.q.shape)
+
+    def learned(self):
+        s, b = self.scales_biases(straight_through=False)
+        q = self.q
+        return MXTensor(q.codes, s, q.fmt, q.block_size, q.dtype, b, q.scale_rule)
+
+
+def _old_kl(student, teacher, t):
+    log_s = F.log_softmax(student.float() / t, dim=-1)
+    log_t = F.log_softmax(teacher.float() / t, dim=-1)
+    return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
+
+
+def old_refine(anchor, plan, calib, cfg):
+    targets = {n: q for n, q in plan.tensors(anchor).items() if q.fmt.family == "affine"}
+    train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
+    teacher = anchor_model(anchor)
+    student = anchor_model(anchor)
+    student.load_state_dict(reference_state(anchor, plan), strict=False)
+    student.tie_weights()
+    for p in list(teacher.parameters()) + list(student.parameters()):
+        p.requires_grad_(False)
+    groups = {n: _OldGroups(q) for n, q in targets.items()}
+
+    def logits(ids):
+        weights = {n: g.weight() for n, g in groups.items()}
+        return torch.func.functional_call(student, weights, (ids,), tie_weights=True).logits
+
+    def valid_kl():
+        with torch.no_grad():
+            return float(sum(_old_kl(logits(ids[None]), teacher(ids[None]).logits, cfg.temperature) for ids in valid)
+                         / len(valid))
+
+    before = valid_kl()
+    opt = torch.optim.Adam([p for g in groups.values() for p in (g.a, g.c)], lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses = []
+    for _ in range(cfg.steps):
+        ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
+        with torch.no_grad():
+            target = teacher(ids).logits
+        loss = _old_kl(logits(ids), target, cfg.temperature)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    after = valid_kl()
+    return {"validation_kl_before": before, "validation_kl_after": after, "train_kl_first_last": [losses[0], losses[-1]],
+            "learned": {n: g.learned() for n, g in groups.items()}}
+
+
+def _anchor_only(plan, anchor):
+    """The plan refine_anchor learns on: only the tensors the anchor holds quantized."""
+    for name in [n for n in plan.formats if n not in anchor.quantized]:
+        del plan.formats[name]
+        plan.origin.pop(name, None)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def anchors(tok, tmp_path_factory):
+    root = tmp_path_factory.mktemp("refine_memory")
+    return {tie: mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=tie, layers=3), root / f"tie{tie}", "mxint8", tok)
+            for tie in (True, False)}
+
+
+@pytest.mark.parametrize("tie,recipe,only_anchor,lazy", [(True, "uniform:affine4", False, True),
+                                                          (False, "uniform:affine3", False, False),
+                                                          (True, "uniform:affine3", True, True),
+                                                          (False, "seed:affine", False, True)])
+def test_refine_learns_bit_for_bit_what_the_whole_model_algorithm_learned(anchors, tok, tie, recipe, only_anchor, lazy):
+    calib = calibration_blocks(tok, None, n_blocks=8, seq_len=32)
+    cfg = RefineConfig(**SMALL)
+    old_anchor = read_anchor(anchors[tie])
+    old_plan = build_plan(old_anchor, recipe)
+    old = old_refine(old_anchor, _anchor_only(old_plan, old_anchor) if only_anchor else old_plan, calib, cfg)
+    new_anchor = read_anchor(anchors[tie], lazy=lazy)
+    plan = build_plan(new_anchor, recipe)
+    new = refine(new_anchor, _anchor_only(plan, new_anchor) if only_anchor else plan, calib, cfg)
+    for k in ("validation_kl_before", "validation_kl_after", "train_kl_first_last"):
+        assert new[k] == old[k], k
+    kept = old["validation_kl_after"] < old["validation_kl_before"]
+    assert new["kept"] == kept and new["tensors"] == len(old["learned"])
+    assert sorted(plan.learned_scales) == (sorted(old["learned"]) if kept else [])
+    for n, q in (old["learned"] if kept else {}).items():
+        got = plan.learned_scales[n]
+        assert torch.equal(got.codes, q.codes) and torch.equal(got.scales, q.scales) and torch.equal(got.biases, q.biases), n
