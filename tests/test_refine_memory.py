@@ -200,3 +200,30 @@ def test_refines_memory_grows_by_under_a_byte_and_a_half_per_bf16_byte_of_model(
     print(f"growth {small / 2**20:.0f} MiB at {small_bytes / 2**20:.0f} MiB, {large / 2**20:.0f} MiB at "
           f"{large_bytes / 2**20:.0f} MiB: slope {slope:.2f}")
     assert slope < 1.5, f"refine's peak grows by {slope:.2f} bytes per bf16 byte of model"
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_one_steps_gradients_equal_the_whole_models_bit_for_bit(anchors, tok, tie):
+    """The float32 gradients of every (a, c) (the learned bfloat16 values can hide an ulp): one step's KL
+    backward through the lazily filled, checkpointed model against the whole student of the old algorithm."""
+    from mfqat.export.lazy_model import LazyModel
+    from mfqat.export.refine import _Groups, _kl, _student_source, _teacher_source
+
+    a = read_anchor(anchors[tie], lazy=True)
+    plan = build_plan(a, "uniform:affine4")
+    ids = calibration_blocks(tok, None, n_blocks=2, seq_len=32)
+    teacher = anchor_model(read_anchor(anchors[tie]))
+    with torch.no_grad():
+        target = teacher(ids).logits
+    old = {n: _OldGroups(q) for n, q in plan.tensors(a).items()}
+    student = anchor_model(read_anchor(anchors[tie]))
+    student.load_state_dict(reference_state(a, plan), strict=False)
+    student.tie_weights()
+    weights = {n: g.weight() for n, g in old.items()}
+    _old_kl(torch.func.functional_call(student, weights, (ids,), tie_weights=True).logits, target, 1.0).backward()
+    new = {n: _Groups(plan.tensor(a, n)) for n in plan.formats}
+    model = LazyModel(a)
+    assert model.checkpointed
+    _kl(model.logits(_student_source(a, plan, new, _teacher_source(a)), ids), target, 1.0).backward()
+    for n in old:
+        assert torch.equal(new[n].a.grad, old[n].a.grad) and torch.equal(new[n].c.grad, old[n].c.grad), n
