@@ -190,10 +190,10 @@ def _refine_growth(tmp_path, layers: int) -> tuple:
 @pytest.mark.slow
 def test_refines_memory_grows_by_under_a_byte_and_a_half_per_bf16_byte_of_model(tmp_path):
     """The growth law of refine: peak RSS growth of a child process at 2 and 16 decoder layers of the same width,
-    as extra bytes per extra bf16 byte of model (a ratio, never a time). Held today: the affine codes (a byte a
-    weight, 0.5 per bf16 byte) and the learned scales' optimizer state; the algorithm before issue 44 (two
-    float32 models, a float32 reference and float32 codes) grew by about 10; keeping float32 codes, or the
-    float32 weights of every layer for backward (no checkpointing), adds 2 each."""
+    as extra bytes per extra bf16 byte of model (a ratio, never a time). Held: the affine4 codes (half a byte a
+    weight) and each group's (a, c) with gradients and Adam's state (measured 0.73); the algorithm before issue 44
+    (two float32 models, a float32 reference and float32 codes) grew by about 10; keeping float32 codes (2.74), or
+    the float32 weights of every layer for backward (no checkpointing: 4.97), fails."""
     small, small_bytes = _refine_growth(tmp_path, 2)
     large, large_bytes = _refine_growth(tmp_path, 16)
     slope = (large - small) / (large_bytes - small_bytes)
