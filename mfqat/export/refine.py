@@ -12,15 +12,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfqat.anchor.checkpoint import Anchor, anchor_model
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.export.lazy_model import LazyModel
 from mfqat.export.recipes import Plan
-from mfqat.export.verify import reference_state
+from mfqat.export.verify import reference_tensor
+from mfqat.formats import get_format
 from mfqat.progress import progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE
 from mfqat.quant.mxtensor import MXTensor
@@ -67,13 +69,27 @@ def _ste_bf16(x: torch.Tensor) -> torch.Tensor:
     return x + (x.to(torch.bfloat16).float() - x).detach()
 
 
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes of at most 4 bits (uint8, even last axis), two a byte: element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unnibble(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_nibbles` (uint8 codes, last axis twice as long)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 class _Groups(nn.Module):
-    """The learned (a, c) of one affine tensor and the weights they give."""
+    """The learned (a, c) of one affine tensor and the weights they give. The codes are kept as the tensor's
+    uint8 codes (two a byte for widths up to 4 bits); :meth:`weight` builds the float32 weights when a forward
+    asks for them."""
 
     def __init__(self, q: MXTensor):
         super().__init__()
-        self.q = q
-        self.codes = q.codes.float().reshape(*q.shape[:-1], q.shape[-1] // q.block_size, q.block_size)
+        self.nibbles = q.fmt.bits <= 4
+        self.codes = _nibbles(q.codes) if self.nibbles else q.codes
+        self.shape, self.layout = tuple(q.shape), (q.fmt, q.block_size, q.dtype)
+        self.scale_rule = q.scale_rule
         self.s0, self.b0 = q.scales.float(), q.biases.float()
         self.a = nn.Parameter(torch.zeros_like(self.s0))
         self.c = nn.Parameter(torch.zeros_like(self.s0))
@@ -84,15 +100,46 @@ class _Groups(nn.Module):
             return _ste_bf16(s), _ste_bf16(b)
         return s.detach().to(torch.bfloat16).float(), b.detach().to(torch.bfloat16).float()
 
+    def unpacked(self) -> torch.Tensor:
+        """The uint8 codes, shaped as the tensor."""
+        return _unnibble(self.codes) if self.nibbles else self.codes
+
     def weight(self) -> torch.Tensor:
+        """``W = q * s + b`` in float32, the codes grouped along the last axis."""
         s, b = self.scales_biases()
-        return (self.codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(self.q.shape)
+        shape, bs = self.shape, self.layout[1]
+        codes = self.unpacked().float().reshape(*shape[:-1], shape[-1] // bs, bs)
+        return (codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(shape)
 
     def learned(self) -> MXTensor:
         """The tensor with its learned bfloat16 scales and biases (same codes)."""
         s, b = self.scales_biases(straight_through=False)
-        q = self.q
-        return MXTensor(q.codes, s, q.fmt, q.block_size, q.dtype, b, q.scale_rule)
+        return MXTensor(self.unpacked(), s, *self.layout, b, self.scale_rule)
+
+
+def _teacher_source(anchor: Anchor) -> Callable[[str], torch.Tensor]:
+    """name -> the anchor's tensor in its own format, float32 (what anchor_model(anchor) holds)."""
+    def source(name: str) -> torch.Tensor:
+        if name in anchor.quantized:
+            return anchor.quantized[name].dequantize(torch.float32)
+        v = anchor.plain[name]
+        return v.to(torch.float32) if v.is_floating_point() else v
+    return source
+
+
+def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, _Groups],
+                    teacher: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """name -> the export's tensor: the learned weights of an affine tensor, else the export check's reference
+    value (mfqat.export.verify.reference_tensor), else the anchor's (a tensor the plan does not touch)."""
+    def source(name: str) -> torch.Tensor:
+        if name in groups:
+            return groups[name].weight()
+        v = reference_tensor(anchor, plan, name)
+        return teacher(name) if v is None else v
+    return source
+
+
+Logits = Callable[[torch.Tensor], torch.Tensor]  # token ids (batch x seq) -> logits
 
 
 def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
@@ -101,39 +148,29 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
     return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
 
 
-def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None) -> dict:
-    """Learn the scales and biases of ``plan``'s affine tensors on ``calib`` token blocks
-    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
-    Returns the report entry (tensors, steps, KL before / after, seconds)."""
-    cfg = cfg or RefineConfig()
-    t0 = time.perf_counter()
-    targets = {n: q for n, q in plan.tensors(anchor).items() if q.fmt.family == "affine"}
-    if not targets:
+def _affine_names(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig) -> List[str]:
+    """The plan's affine tensors (what refine learns); ValueError when there is none or too little text."""
+    names = [n for n, f in plan.formats.items() if get_format(f).family == "affine"]
+    if not names:
         raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, and recipe plan has no affine "
                          "tensor: use uniform:affineK, auto:BPW:affine or seed:affine")
     if calib.shape[0] < cfg.n_blocks + cfg.n_valid:
         raise ValueError(f"refine: the calibration text gives {calib.shape[0]} blocks of {calib.shape[1]} tokens, "
                          f"{cfg.n_blocks + cfg.n_valid} needed (n_blocks + n_valid): pass a longer --calib-text "
                          "or fewer blocks")
-    train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
-    teacher = anchor_model(anchor)
-    student = anchor_model(anchor)
-    student.load_state_dict(reference_state(anchor, plan), strict=False)
-    student.tie_weights()
-    for p in list(teacher.parameters()) + list(student.parameters()):
-        p.requires_grad_(False)
-    groups = {n: _Groups(q) for n, q in targets.items()}
+    return names
 
-    def logits(ids: torch.Tensor) -> torch.Tensor:
-        weights = {n: g.weight() for n, g in groups.items()}
-        return torch.func.functional_call(student, weights, (ids,), tie_weights=True).logits
 
-    def valid_kl() -> float:
-        with torch.no_grad():
-            return float(sum(_kl(logits(ids[None]), teacher(ids[None]).logits, cfg.temperature) for ids in valid)
-                         / len(valid))
+def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -> float:
+    """The mean KL of the student to the teacher over the validation blocks, one block at a time."""
+    with torch.no_grad():
+        return float(sum(_kl(student(ids[None]), teacher(ids[None]), t) for ids in valid) / len(valid))
 
-    before = valid_kl()
+
+def _train(groups: Dict[str, _Groups], student: Logits, teacher: Logits, train: torch.Tensor,
+           cfg: RefineConfig) -> List[float]:
+    """``cfg.steps`` Adam steps on every group's (a, c), each on ``cfg.batch`` blocks drawn (seeded) from
+    ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
     opt = torch.optim.Adam([p for g in groups.values() for p in (g.a, g.c)], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
@@ -141,18 +178,48 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     for _ in bar:
         ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
         with torch.no_grad():
-            target = teacher(ids).logits
-        loss = _kl(logits(ids), target, cfg.temperature)
+            target = teacher(ids)
+        loss = _kl(student(ids), target, cfg.temperature)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(loss.item())
         bar.set_postfix(kl=f"{losses[-1]:.4f}")
-    after = valid_kl()
+    opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None) -> dict:
+    """Learn the scales and biases of ``plan``'s affine tensors on ``calib`` token blocks
+    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
+    Returns the report entry (tensors, steps, KL before / after, seconds).
+
+    Memory: the affine codes (a byte a weight, half that up to 4 bits) and each group's (a, c) with their Adam
+    state; the teacher (the anchor in its format) and the student (the export) are one model on the meta device
+    whose modules get their float32 weights as they run (mfqat.export.lazy_model), read from the anchor (lazily
+    read or not) or built from the codes, decoder layers recomputed in backward."""
+    cfg = cfg or RefineConfig()
+    t0 = time.perf_counter()
+    names = _affine_names(anchor, plan, calib, cfg)
+    train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
+    groups = {n: _Groups(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
+    model = LazyModel(anchor)
+    anchor_weights = _teacher_source(anchor)
+    export_weights = _student_source(anchor, plan, groups, anchor_weights)
+
+    def teacher(ids: torch.Tensor) -> torch.Tensor:
+        return model.logits(anchor_weights, ids)
+
+    def student(ids: torch.Tensor) -> torch.Tensor:
+        return model.logits(export_weights, ids)
+
+    before = _valid_kl(student, teacher, valid, cfg.temperature)
+    losses = _train(groups, student, teacher, train, cfg)
+    after = _valid_kl(student, teacher, valid, cfg.temperature)
     kept = after < before
-    if kept:
-        plan.learned_scales = {n: g.learned() for n, g in groups.items()}
-    return {"tensors": len(groups), "steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
+    if kept:  # each group's packed codes go as its learned tensor comes
+        plan.learned_scales = {n: groups.pop(n).learned() for n in list(groups)}
+    return {"tensors": len(names), "steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
             "calibration_blocks": cfg.n_blocks, "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
             "validation_kl_before": before, "validation_kl_after": after, "kept": kept,
             "train_kl_first_last": [losses[0], losses[-1]], "seconds": time.perf_counter() - t0}
@@ -190,7 +257,7 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
     if bad:
         raise ValueError(f"refine: {bad[0]} is not an affine width; the anchor stores learned scales for "
                          "affine2..affine8 (MLX's affine layout)")
-    anchor = read_anchor(path)
+    anchor = read_anchor(path, lazy=True)
     if int(anchor.meta.get("format_version", 1)) < 2:
         raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned scales in; load and "
                          "save it again with this mfqat (load_anchor, then save_anchor), then refine")
@@ -199,7 +266,7 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
         raise FileExistsError(f"{path}: already holds learned {taken[0]} scales; pass --overwrite to learn them again")
     rows = []
     for fmt in widths:
-        anchor = read_anchor(path)
+        anchor = read_anchor(path, lazy=True)  # tensors read when a module runs (mfqat.export.lazy_model)
         anchor.learned_scales.pop(fmt, None)  # learn from the derived values, not from an earlier run
         plan = build_plan(anchor, f"uniform:{fmt}", derived_group=group_size)
         for name in [n for n in plan.formats if n not in anchor.quantized]:  # only what the anchor can hold

@@ -86,6 +86,20 @@ def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = 
             yield name, (vocab.rows_of(name, v) if vocab else v)
 
 
+def reference_tensor(anchor: Anchor, plan: Plan, name: str) -> Optional[torch.Tensor]:
+    """The value :func:`reference_state` holds under ``name`` (float32), computed alone (``--refine``'s student
+    asks one module's tensors at a time); None when it holds nothing under that name (a quantized tensor
+    neither planned nor kept in 16 bits). Same precedence as the dict of :func:`reference_tensors`."""
+    if name in plan.kept16 and name in anchor.quantized:
+        return anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
+    if name in plan.formats:
+        return _dequantized(anchor, plan, name, None)
+    if name in anchor.plain:
+        v = anchor.plain[name]
+        return _as_written(plan.family, name, v) if v.is_floating_point() else v
+    return None
+
+
 def _dequantized(anchor: Anchor, plan: Plan, name: str, vocab: Optional["VocabCut"]) -> torch.Tensor:
     """Planned tensor ``name`` dequantized to float32 (row chunks for large matrices; with ``vocab``, only its
     kept rows when it is indexed by token id)."""
