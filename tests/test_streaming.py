@@ -252,6 +252,19 @@ def test_an_export_from_the_hf_folder_writes_the_bytes_of_an_export_from_its_wri
     assert not (tmp_path / "d" / "ptq-anchor").exists()
 
 
+def test_a_refined_export_from_the_hf_folder_equals_the_refined_export_of_its_anchor(bf16_folder, tmp_path):
+    """--refine reads every tensor at every step: from an HF folder it reads a written temporary anchor (removed)."""
+    from mfqat.export.refine import RefineConfig
+
+    cfg = RefineConfig(steps=2, batch=1, seq_len=16, n_blocks=2, n_valid=1)
+    direct = mfqat.export.to_mlx(bf16_folder, tmp_path / "d", recipe="uniform:affine4", refine=cfg, verify=False)
+    anchor = anchor_from_folder(bf16_folder, tmp_path / "a")
+    two = mfqat.export.to_mlx(anchor, tmp_path / "two", recipe="uniform:affine4", refine=cfg, verify=False)
+    assert direct["refine"]["validation_kl_after"] == two["refine"]["validation_kl_after"]
+    assert _model_bytes(tmp_path / "d") == _model_bytes(tmp_path / "two")
+    assert not (tmp_path / "d" / "ptq-anchor").exists()
+
+
 def test_the_cut_weights_check_past_the_budget_writes_the_same_files_as_the_whole_check(bf16_folder, tmp_path):
     whole = mfqat.export.to_mlx(bf16_folder, tmp_path / "w", recipe="uniform:affine3")["verify"]
     cut = mfqat.export.to_mlx(bf16_folder, tmp_path / "c", recipe="uniform:affine3", max_memory=0)["verify"]

@@ -182,7 +182,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         else:
             scratch = tmp / "ptq-anchor"
             anchor, own_tok = _ptq_anchor(source, scratch, awq, calib_text, report, ptq_anchor_format(recipe),
-                                          imatrix_path)
+                                          imatrix_path, written=refine is not None)
         holds_model = scale_search or recipe.startswith("auto:") or imatrix_path is not None
         if holds_model:  # these steps run the whole model: they hold it anyway, and read each tensor many times
             anchor.materialize()  # (--refine alone does not: mfqat.export.refine reads one module's tensors at a time)
@@ -241,17 +241,22 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
 
 
 def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], report: dict,
-                fmt: str = "mxint8", imatrix_path: Optional[str] = None) -> Tuple[Anchor, Path]:
+                fmt: str = "mxint8", imatrix_path: Optional[str] = None, written: bool = False) -> Tuple[Anchor, Path]:
     """(the post-training anchor of a plain HF model in ``fmt``, the folder of its tokenizer files).
     When its names map one to one (mfqat.anchor.stream), the anchor is never written: its tensors are
     quantized from the source's shards when the export asks for them (``folder_anchor``), and only the
-    tokenizer is saved into ``scratch``. Else (or with AWQ, first, from ``imatrix_path`` if given) the
-    model is loaded and its anchor saved at ``scratch`` and read back."""
-    from mfqat.anchor.stream import folder_anchor, folder_tokenizer, inspect_folder
+    tokenizer is saved into ``scratch`` - unless ``written`` (``--refine`` reads every tensor at every
+    step: it reads the anchor's codes from ``scratch`` rather than quantize the source again each time).
+    Else (or with AWQ, first, from ``imatrix_path`` if given) the model is loaded and its anchor saved at
+    ``scratch`` and read back."""
+    from mfqat.anchor.stream import anchor_from_folder, folder_anchor, folder_tokenizer, inspect_folder
     from mfqat.data.sources import calibration_blocks, load_model
 
     inspected = (None, None, None) if awq else inspect_folder(source)  # the meta model, built once
     why = inspected[0]
+    if not awq and why is None and written:
+        report["ptq"] = "tensor by tensor"
+        return read_anchor(anchor_from_folder(source, scratch, fmt), lazy=True), scratch
     if not awq and why is None:
         report["ptq"] = "tensor by tensor"
         anchor = folder_anchor(source, fmt, inspected=inspected)
