@@ -102,3 +102,14 @@ def tiny_dir(tok, tmp_path_factory):
     tiny_llama(vocab_size=len(tok), tie=True).save_pretrained(d, safe_serialization=True)
     tok.save_pretrained(d)
     return d
+
+
+def growth_slope(measure, small_layers: int, large_layers: int) -> float:
+    """Extra peak bytes per extra bf16 byte of model between two depths of the same width: ``measure(layers)``
+    gives (peak growth, the model's bf16 bytes) of a child process. A ratio, never a time."""
+    small, small_bytes = measure(small_layers)
+    large, large_bytes = measure(large_layers)
+    slope = (large - small) / (large_bytes - small_bytes)
+    print(f"growth {small / 2**20:.0f} MiB at {small_bytes / 2**20:.0f} MiB, {large / 2**20:.0f} MiB at "
+          f"{large_bytes / 2**20:.0f} MiB: slope {slope:.2f}")
+    return slope

@@ -13,6 +13,8 @@ from mfqat.export.refine import RefineConfig, refine
 from mfqat.export.verify import reference_state
 from mfqat.quant.mxtensor import MXTensor
 
+from .conftest import growth_slope
+
 SMALL = dict(steps=4, lr=3e-3, batch=2, seq_len=32, n_blocks=6, n_valid=2)
 
 
@@ -194,11 +196,7 @@ def test_refines_memory_grows_by_under_a_byte_and_a_half_per_bf16_byte_of_model(
     weight) and each group's (a, c) with gradients and Adam's state (measured 0.73); the algorithm before issue 44
     (two float32 models, a float32 reference and float32 codes) grew by about 10; keeping float32 codes (2.74), or
     the float32 weights of every layer for backward (no checkpointing: 4.97), fails."""
-    small, small_bytes = _refine_growth(tmp_path, 2)
-    large, large_bytes = _refine_growth(tmp_path, 16)
-    slope = (large - small) / (large_bytes - small_bytes)
-    print(f"growth {small / 2**20:.0f} MiB at {small_bytes / 2**20:.0f} MiB, {large / 2**20:.0f} MiB at "
-          f"{large_bytes / 2**20:.0f} MiB: slope {slope:.2f}")
+    slope = growth_slope(lambda layers: _refine_growth(tmp_path, layers), 2, 16)
     assert slope < 1.5, f"refine's peak grows by {slope:.2f} bytes per bf16 byte of model"
 
 

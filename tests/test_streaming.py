@@ -22,6 +22,8 @@ from mfqat.export.verify import check_layers
 from mfqat.storage.manifest import AnchorError
 from mfqat.storage.tensor_files import ShardWriter, TensorFile, TensorFileError
 
+from .conftest import growth_slope
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -357,11 +359,7 @@ def test_the_streaming_exports_memory_does_not_grow_with_the_model(tmp_path):
     imports) at 2 and at 24 layers of the same width; the slope, extra peak per extra bf16 byte of model, is
     a ratio, never a time. Holding the model (the path before streaming) grows by ~3-4 bytes per bf16 byte
     here; streaming, the peak is one tensor's working set and the check's first layers whatever the depth."""
-    small, small_bytes = _export_growth(tmp_path, 2)
-    large, large_bytes = _export_growth(tmp_path, 24)
-    slope = (large - small) / (large_bytes - small_bytes)
-    print(f"growth {small / 2**20:.0f} MiB at {small_bytes / 2**20:.0f} MiB, {large / 2**20:.0f} MiB at "
-          f"{large_bytes / 2**20:.0f} MiB: slope {slope:.2f}")
+    slope = growth_slope(lambda layers: _export_growth(tmp_path, layers), 2, 24)
     assert slope < 1.0, f"the export's peak grows by {slope:.2f} bytes per bf16 byte of model"
 
 
