@@ -13,6 +13,8 @@ import mfqat
 from mfqat.cli import main
 from mfqat.data.sources import tiny_llama, tiny_tokenizer
 
+from .conftest import one_line_exit_2
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
@@ -263,3 +265,12 @@ def test_mlx_train_reads_mlx_lm_data_folder(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["mlx-train", str(model_dir), "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "r2")])
     assert e.value.code == 2 and "--data" in str(e.value)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["bench", "--formats", "mxint4,nope"], "--formats: unknown format 'nope'"),
+    (["bench", "--formats", "", "--through", "mxint8-mxint4"], "give ANCHOR:FORMAT pairs"),
+    (["bench", "--formats", "", "--through", "mxint8:nope"], "--through: unknown format 'nope'"),
+])
+def test_bench_refuses_unknown_formats_in_one_line(argv, expect, capsys):
+    one_line_exit_2(argv, capsys, expect)

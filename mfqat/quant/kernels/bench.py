@@ -17,6 +17,7 @@ checkout is the same code, for BENCHMARKS.md's command lines and scripts/gpu_che
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import statistics
 import time
@@ -111,9 +112,29 @@ def run(a: argparse.Namespace) -> None:
             print(f"{anchor + ':' + name:<24} {be:<10} {fused:9.2f} {two:12.2f} {two / fused:8.2f}x")
 
 
+def check_formats(a: argparse.Namespace) -> None:
+    """ValueError for an unknown ``--formats`` name or a ``--through`` entry that is not ANCHOR:FORMAT of
+    known formats (checked before any tensor is built)."""
+    pairs = [pair.split(":") for pair in a.through.split(",") if pair]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"--through {a.through!r}: give ANCHOR:FORMAT pairs, e.g. mxint8:mxint4")
+    for flag, names in (("--formats", filter(None, a.formats.split(","))), ("--through", sum(pairs, []))):
+        for name in names:
+            try:
+                get_format(name)
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+
+
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     """Parse ``argv`` (default: sys.argv[1:]) and run; ``MFQAT_BACKEND`` is restored afterwards."""
-    a = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    a = parser.parse_args(argv)
+    try:
+        check_formats(a)
+    except ValueError as e:  # one line, exit 2, as every mfqat command
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     before = os.environ.get("MFQAT_BACKEND")
     try:
         run(a)
