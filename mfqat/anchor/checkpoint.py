@@ -371,13 +371,24 @@ def load_format(model: nn.Module, anchor: Anchor, fmt: Optional[str], group_size
         del value
 
 
+def model_class(anchor: Anchor):
+    """(the transformers Auto class of the whole checkpoint - a VL release's -, the HF config) of an anchor;
+    AnchorError when its config.json is missing or names no known model_type."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    from mfqat.models import family_for
+
+    if not isinstance(anchor.config, dict) or anchor.config.get("model_type") not in CONFIG_MAPPING:
+        raise AnchorError(f"{anchor.path}: config.json is missing or has no known model_type")
+    config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
+    return getattr(transformers, family_for(anchor.config["model_type"]).hf_auto_class), config
+
+
 def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
                  dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
                  _stacklevel: int = 2) -> nn.Module:
     """The Hugging Face model of an anchor already read, its quantized weights in ``fmt`` (see load_anchor)."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-
     from mfqat.models import family_for
 
     path = anchor.path
@@ -386,11 +397,9 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
     if fmt is not None and odd and canonical_name(fmt) != anchor.format:
         warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
                       f"of the block size {anchor.meta['block_size']})", stacklevel=_stacklevel)
-    if not isinstance(anchor.config, dict) or anchor.config.get("model_type") not in CONFIG_MAPPING:
-        raise AnchorError(f"{path}: config.json is missing or has no known model_type")
-    config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
-    family = family_for(anchor.config["model_type"])  # the class of the whole checkpoint (a VL release's)
-    model = getattr(transformers, family.hf_auto_class).from_config(config, dtype=dtype)
+    auto, config = model_class(anchor)
+    family = family_for(anchor.config["model_type"])
+    model = auto.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     tied = set(anchor.meta.get("tied", {}))
     real_missing = [k for k in missing if k not in tied and not (family.tower(k) and not any(map(family.tower, sd)))]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mfqat.anchor.checkpoint import Anchor, AnchorError
+from mfqat.anchor.checkpoint import Anchor, AnchorError, model_class
 from mfqat.models import decoder_layers, family_for
 
 Source = Callable[[str], torch.Tensor]
@@ -33,14 +33,9 @@ Source = Callable[[str], torch.Tensor]
 def empty_anchor_model(anchor: Anchor) -> nn.Module:
     """The anchor's Hugging Face model (the class anchor_model builds) with every parameter on the meta device
     and its buffers real, in eval mode, no parameter requiring grad."""
-    import transformers
     from accelerate import init_empty_weights
-    from transformers import CONFIG_MAPPING
 
-    if not isinstance(anchor.config, dict) or anchor.config.get("model_type") not in CONFIG_MAPPING:
-        raise AnchorError(f"{anchor.path}: config.json is missing or has no known model_type")
-    config = CONFIG_MAPPING[anchor.config["model_type"]].from_dict(anchor.config)
-    auto = getattr(transformers, family_for(anchor.config["model_type"]).hf_auto_class)
+    auto, config = model_class(anchor)
     with init_empty_weights():
         model = auto.from_config(config, dtype=torch.float32)
     model.tie_weights()
