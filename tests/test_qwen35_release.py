@@ -167,6 +167,57 @@ def test_release_folder_exports_directly(releases, tmp_path):
     assert rep["verify"]["weights_bit_exact"] and rep["dropped"]
 
 
+def test_a_moe_release_streams_tensor_by_tensor_as_its_loaded_model_quantizes(tok, tmp_path, monkeypatch):
+    """Per-expert tensors on disk are stacked into the fused parameters as transformers stacks them (12
+    experts: numeric order, not the names' order) one parameter at a time; the PTQ anchor equals the loaded
+    model's and the export from the folder writes the bytes of the export of that anchor."""
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.anchor.stream import anchor_from_folder, streamable
+
+    monkeypatch.setitem(MOE, "num_experts", 12)
+    folder = tmp_path / "src"
+    build_release("qwen3_5_moe", len(tok)).to(torch.bfloat16).save_pretrained(folder, max_shard_size="2MB")
+    tok.save_pretrained(folder)
+    assert any(".experts.11.gate_proj" in k for k in _safetensors_keys(folder))
+    assert streamable(folder) is None
+    streamed = read_anchor(anchor_from_folder(folder, tmp_path / "s"))
+    model, tok2 = load_model(str(folder))
+    loaded = read_anchor(mfqat.save_anchor(model, tmp_path / "l", "mxint8", tok2))
+    assert list(streamed.quantized) == list(loaded.quantized)
+    assert any(k.endswith("experts.gate_up_proj") for k in loaded.quantized)
+    for k, q in loaded.quantized.items():
+        assert torch.equal(streamed.quantized[k].codes, q.codes) and torch.equal(streamed.quantized[k].scales, q.scales), k
+    assert set(streamed.plain) == set(loaded.plain)
+    assert all(torch.equal(streamed.plain[k].float(), v.float()) for k, v in loaded.plain.items())
+    assert streamed.meta["full_precision"] == loaded.meta["full_precision"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = to_mlx(folder, tmp_path / "d", recipe="uniform:affine4")
+        to_mlx(tmp_path / "l", tmp_path / "two", recipe="uniform:affine4")
+    assert rep["ptq"] == "tensor by tensor"
+    files = lambda d: {f.name: f.read_bytes() for f in sorted(d.glob("model*.safetensors*"))}  # noqa: E731
+    assert files(tmp_path / "d") == files(tmp_path / "two")
+
+
+def test_the_cut_checks_config_of_a_release_keeps_image_ids_beyond_the_vocabulary_as_ids(releases):
+    """The image and video ids of a release built on a smaller vocabulary lie beyond it; the cut check's
+    config must keep them integers (transformers refuses None) beyond the cut vocabulary, or mlx_lm.load of
+    the cut model fails."""
+    from transformers import AutoConfig
+
+    from mfqat.export.verify import VocabCut
+
+    config = json.loads((releases["qwen3_5_moe"] / "config.json").read_text())
+    vocab = config["text_config"]["vocab_size"]
+    assert config["image_token_id"] >= vocab
+    cut = VocabCut(vocab, [5, 7], config)
+    cfg = cut.config(config)
+    n = len(cut.ids)
+    assert cfg["text_config"]["vocab_size"] == n and cfg["image_token_id"] >= n
+    assert cfg["image_token_id"] != cfg["video_token_id"]
+    assert AutoConfig.for_model(cfg.pop("model_type"), **cfg).image_token_id == cfg["image_token_id"]
+
+
 def test_an_auto_budget_counts_the_stored_bytes_of_the_moe_release(releases, tmp_path):
     """`auto:BPW` on the MoE release (experts split per expert for mlx-lm, routers and the linear attention's
     own tensors kept as they are, the vision tower dropped): the files store at most BPW bits per parameter,

@@ -145,6 +145,40 @@ def test_a_checkpoint_whose_names_do_not_map_is_not_streamed(bf16_folder, tmp_pa
     assert "differ from the model's" in streamable(odd)
 
 
+@pytest.fixture
+def llama_renaming():
+    """transformers' conversion mapping told (as a family's own mapping would) that checkpoints store the final
+    norm as ``model.final_norm``; removed again after the test."""
+    from transformers import conversion_mapping as cm
+    from transformers.core_model_loading import WeightRenaming
+
+    cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", [WeightRenaming(r"model\.final_norm\.", "model.norm.")],
+                                              overwrite=True)
+    yield
+    cm._checkpoint_conversion_mapping_cache.pop("LlamaForCausalLM", None)
+    cm.USER_REGISTERED_MAPPINGS.discard("LlamaForCausalLM")
+
+
+def test_a_tensor_transformers_renames_on_load_streams_under_the_models_name(bf16_folder, tmp_path, llama_renaming):
+    import shutil
+    from safetensors.torch import save_file
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(bf16_folder, renamed)
+    index = json.loads((renamed / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop("model.norm.weight")
+    index["weight_map"]["model.final_norm.weight"] = shard
+    tensors = load_file(renamed / shard)
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, renamed / shard, metadata={"format": "pt"})
+    (renamed / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert streamable(renamed) is None
+    want = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "a"))
+    got = read_anchor(anchor_from_folder(renamed, tmp_path / "b"), lazy=True)
+    assert set(got.plain) == set(want.plain) and "model.norm.weight" in got.plain
+    assert all(torch.equal(got.plain[k], v) for k, v in want.plain.items())
+
+
 def test_a_lazy_anchor_reads_the_same_tensors_and_keeps_none(bf16_folder, tmp_path):
     path = anchor_from_folder(bf16_folder, tmp_path / "a")
     eager, lazy = read_anchor(path), read_anchor(path, lazy=True)

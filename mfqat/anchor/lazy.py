@@ -21,8 +21,9 @@ from mfqat.storage.tensor_files import TensorFile, TensorInfo
 class LazyTensors(MutableMapping):
     """{name: tensor} read from the anchor's files on each access (see the module docstring)."""
 
-    def __init__(self, refs: Dict[str, Tuple[TensorFile, TensorInfo]]):
+    def __init__(self, refs: Dict[str, Tuple[TensorFile, TensorInfo]], stored: Optional[Dict[str, str]] = None):
         self._refs = dict(refs)
+        self._stored = dict(stored or {})  # name -> the name its file holds it by, where they differ
         self._held: Dict[str, torch.Tensor] = {}
 
     def info(self, name: str) -> TensorInfo:
@@ -40,7 +41,7 @@ class LazyTensors(MutableMapping):
         if name in self._held:
             return self._held[name]
         f, _ = self._refs[name]
-        return f.read(name)
+        return f.read(self._stored.get(name, name))
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         self._refs.pop(name, None)

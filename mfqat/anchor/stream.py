@@ -7,9 +7,12 @@ norms and embeddings stay bfloat16), each target is quantized as it is read, and
 written as they fill (mfqat.storage.tensor_files). Peak memory: one tensor and its quantization.
 
 The same anchor as ``save_anchor(load_model(folder)[0], ...)`` (same targets, codes, scales, metadata),
-except that plain tensors keep the checkpoint's dtype. Checkpoints whose names transformers rewrites on
-load (per-expert MoE names stacked into fused parameters, FP8 block scales, renamed keys) do not map
-tensor by tensor: :func:`streamable` says why, and the caller loads the model instead.
+except that plain tensors keep the checkpoint's dtype. Released MoE checkpoints, whose experts are stored one
+by one and stacked into fused parameters on load, and keys transformers renames on load, stream too: the
+source is read under the model's names by transformers' own conversion mapping (mfqat.anchor.source), one
+fused parameter at a time. Pre-quantized checkpoints (FP8 block scales, MXFP4) and any checkpoint whose
+names or shapes still differ from the model's do not map tensor by tensor: :func:`streamable` says why, and
+the caller loads the model instead.
 """
 from __future__ import annotations
 
@@ -30,64 +33,30 @@ from mfqat.quant.scale_rules import anchor_rules
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
 from mfqat.storage.manifest import seal
 from mfqat.storage.model_card import write_model_card
+from mfqat.anchor.source import SourceCheckpoint
+from mfqat.models import family_for
 from mfqat.storage.shard_files import INDEX_FILE, MAX_SHARD_BYTES, WEIGHTS_FILE
 from mfqat.storage.sharded import unique_state_dict
-from mfqat.storage.tensor_files import ShardWriter, TensorFile, TensorFileError, TensorInfo
+from mfqat.storage.tensor_files import ShardWriter
+
+__all__ = ["SourceCheckpoint", "anchor_from_folder", "close_anchor", "folder_anchor", "folder_tokenizer",
+           "inspect_folder", "meta_model", "streamable"]
 
 # Rows quantized at once: bounds the float32 working copy of a large matrix (an embedding) to ~64 MB a chunk.
 CHUNK_ELEMENTS = 16 * 1024 ** 2
 
 
-class SourceCheckpoint:
-    """The safetensors weights of an HF folder (one file, or shards named by an index), read tensor by tensor."""
-
-    def __init__(self, folder: PathLike):
-        self.folder = Path(folder)
-        index = self.folder / INDEX_FILE
-        if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: not a safetensors index ({e}); re-download the checkpoint") from None
-        elif (self.folder / WEIGHTS_FILE).is_file():
-            names = [WEIGHTS_FILE]
-        else:
-            names = []
-        self.files = []
-        try:
-            for n in names:
-                self.files.append(TensorFile.open(self.folder / n))
-        except (TensorFileError, OSError) as e:
-            self.close()
-            raise ValueError(str(e)) from None
-        self.where: Dict[str, Tuple[TensorFile, TensorInfo]] = {k: (f, i) for f in self.files
-                                                                 for k, i in f.infos.items()}
-
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` in its stored dtype."""
-        return self.where[name][0].read(name)
-
-    def close(self) -> None:
-        """Release the files."""
-        for f in self.files:
-            f.close()
-
-    def __enter__(self) -> "SourceCheckpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def meta_model(folder: PathLike):
-    """(model on the meta device, its config): the structure from config.json, no weights, no memory."""
+    """(model on the meta device, its config): the structure from config.json, no weights, no memory; the
+    class that builds the whole checkpoint (a vision-language release's, vision tower included)."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     transformers.logging.set_verbosity_error()
     config = AutoConfig.from_pretrained(str(folder))
+    auto = getattr(transformers, family_for(config.model_type).hf_auto_class)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     return model, config
 
 
@@ -115,10 +84,12 @@ def inspect_folder(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
     except Exception as e:  # an architecture transformers cannot build from its config
         return f"transformers cannot build the model from its config ({type(e).__name__})", None, None
     with SourceCheckpoint(folder) as src:
+        src.map_to(model)
+        held = set(src.names)
         sd, _ = unique_state_dict(model, model.state_dict())
-        missing = [k for k in sd if k not in src.where]
-        extra = [k for k in src.where if k not in sd and k not in dict(model.named_parameters(remove_duplicate=False))]
-        wrong = [k for k in sd if k in src.where and tuple(src.where[k][1].shape) != tuple(sd[k].shape)]
+        missing = [k for k in sd if k not in held]
+        extra = [k for k in src.names if k not in sd and k not in dict(model.named_parameters(remove_duplicate=False))]
+        wrong = [k for k in sd if k in held and src.shape(k) != tuple(sd[k].shape)]
     if missing or extra or wrong:
         first = (missing or extra or wrong)[0]
         return f"its tensor names or shapes differ from the model's (e.g. {first}: renamed or fused on load)", None, None
@@ -200,7 +171,8 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
     recorded = anchor_rules(f.name, scale_rule, None)
     rule = recorded[f.name]
     src = SourceCheckpoint(folder)
-    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": str(src.where[k][1].dtype).replace("torch.", "")}
+    src.map_to(model)
+    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": str(src.dtype(k)).replace("torch.", "")}
                for k, v in sd.items() if k in targets}
     meta = {"format_version": BASE_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
             "block_size": block_size, "scale_rule": rule, "scale_rules": recorded, "tensors": entries,
@@ -210,11 +182,16 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
 
     def build(k: str) -> MXTensor:
         codes, scales = _quantized(src.read(k), f, block_size, rule, k)
-        return MXTensor(codes, scales, f, block_size, src.where[k][1].dtype, scale_rule=rule, slice_rules=rules)
+        return MXTensor(codes, scales, f, block_size, src.dtype(k), scale_rule=rule, slice_rules=rules)
 
     anchor = Anchor(Path(folder), meta, config=_saved_config(config, f.name, block_size, rule, recorded))
     anchor.quantized = LazyQuantized({k: tuple(e["shape"]) for k, e in entries.items()}, build)
-    anchor.plain = LazyTensors({k: src.where[k] for k in sd if k not in entries})
+    plain = [k for k in sd if k not in entries]
+    anchor.plain = LazyTensors({k: src.location(k) for k in plain if k not in src.fused},
+                               stored={k: src.renamed[k] for k in plain if k in src.renamed})
+    for k in plain:  # a fused parameter kept in full precision (no target): built and held, one per model
+        if k in src.fused:
+            anchor.plain[k] = src.read(k)
     anchor.files = {str(tf.where): tf for tf in src.files}
     anchor.source_order = list(sd)
     return anchor

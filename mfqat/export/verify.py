@@ -167,8 +167,8 @@ class VocabCut:
     def _renumber(self, v):
         if isinstance(v, bool) or v is None:
             return v
-        if isinstance(v, int):
-            return self.new.get(v, v if v < len(self.ids) else None)
+        if isinstance(v, int):  # an id beyond the vocabulary (an image token's) stays beyond the cut one
+            return self.new.get(v, v + len(self.ids) - self.vocab_size if v >= self.vocab_size else v)
         if isinstance(v, list):
             return [self._renumber(x) for x in v]
         return v

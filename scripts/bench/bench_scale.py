@@ -4,9 +4,13 @@
 wall time, next to `mlx_lm.convert -q` on the same folder.
 
 Random-weight Llama checkpoints saved in bfloat16 (sharded safetensors with an index, SmolLM2's
-tokenizer, vocabulary 49152) are built tensor by tensor (never a whole model in memory):
+tokenizer, vocabulary 49152) are built tensor by tensor (never a whole model in memory). Size ``moe2`` is
+a Qwen3.5-MoE-shaped release instead (``Qwen3_5MoeForConditionalGeneration``: 2.1B parameters, hidden 2048,
+8 layers of 3 Gated DeltaNet + 1 gated attention, 64 experts of 512 (8 active) + a shared expert, a small
+vision tower, the experts one by one on disk as ``save_pretrained`` writes them); it is left out of the
+growth laws, which are fitted over the Llama sizes:
 
-    python scripts/bench/bench_scale.py [--sizes 0.1,0.5,1.2,3] [--out out/bench_scale] [--commands ...]
+    python scripts/bench/bench_scale.py [--sizes 0.1,0.5,1.2,3,moe2] [--out out/bench_scale] [--commands ...]
 
 Prints one table (peak GiB, x the bf16 bytes, seconds, ratio to mlx_lm.convert), fits each command's
 growth law peak = a + b x bf16 GiB over the sizes, and writes scale.json and scale_memory.png.
@@ -50,22 +54,53 @@ COMMANDS = {
 }
 
 
-def build(size: str, folder: Path) -> int:
-    """A random bf16 Llama checkpoint of ``size`` in ``folder`` (skipped when present); its bf16 bytes."""
+MOE_TEXT = dict(hidden_size=2048, num_hidden_layers=8, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+                num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=False)
+MOE_VISION = dict(depth=4, hidden_size=512, intermediate_size=1536, num_heads=8, out_hidden_size=2048, patch_size=16,
+                  temporal_patch_size=2)
+
+
+def _llama(size: str):
+    """(config, {name: shape} as stored) of the Llama of ``size``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mfqat.data.sources import load_model
-    from mfqat.storage.tensor_files import ShardWriter
-
-    done = folder / "config.json"
     hidden, layers, inter, heads, kv, tied = SHAPES[size]
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
                       num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
                       max_position_embeddings=2048, dtype="bfloat16")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    names = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: the embedding once
+    return cfg, {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied: the embedding once
+
+
+def _qwen35_moe():
+    """(config, {name: shape} as stored) of the Qwen3.5-MoE-shaped release: the names save_pretrained writes
+    (transformers' own conversion reverted on meta tensors: the experts one by one)."""
+    import torch
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cfg = transformers.Qwen3_5MoeConfig(text_config=MOE_TEXT, vision_config=MOE_VISION, tie_word_embeddings=False,
+                                        dtype="bfloat16")
+    with torch.device("meta"):
+        model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
+    stored = revert_weight_conversion(model, dict(model.state_dict()))
+    return cfg, {n: tuple(t.shape) for n, t in stored.items()}
+
+
+def build(size: str, folder: Path) -> int:
+    """A random bf16 checkpoint of ``size`` in ``folder`` (skipped when present); its bf16 bytes."""
+    import torch
+
+    from mfqat.data.sources import load_model
+    from mfqat.storage.tensor_files import ShardWriter
+
+    done = folder / "config.json"
+    cfg, names = _qwen35_moe() if size == "moe2" else _llama(size)
     nbytes = 2 * sum(torch.Size(s).numel() for s in names.values())
     if done.is_file():
         return nbytes
@@ -73,7 +108,7 @@ def build(size: str, folder: Path) -> int:
     gen = torch.Generator().manual_seed(0)
     writer = ShardWriter(folder, SHARD_BYTES)
     for n, shape in names.items():
-        t = torch.ones(shape) if "norm" in n else torch.randn(shape, generator=gen) * 0.02
+        t = torch.ones(shape) if "norm" in n and len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
         writer.add(n, t.to(torch.bfloat16))
     writer.close()
     load_model(None)[1].save_pretrained(folder)  # SmolLM2's tokenizer (vocabulary 49152)
@@ -165,14 +200,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         m = ref.get(r["size"])
-        ratio = f"{r['peak_gib'] / m['peak_gib']:.2f}" if m else "-"
-        tratio = f"{r['seconds'] / m['seconds']:.2f}" if m else "-"
+        ok = m is not None and m["rc"] == 0
+        ratio = f"{r['peak_gib'] / m['peak_gib']:.2f}" if ok else ("mlx_lm failed" if m else "-")
+        tratio = f"{r['seconds'] / m['seconds']:.2f}" if ok else "-"
         print(f"| {r['size']}B | {r['bf16_gib']:.2f} | {r['command']} | {r['peak_gib']:.2f} | "
               f"{r['peak_gib'] / r['bf16_gib']:.2f} | {r['seconds']:.0f} | {ratio} | {tratio} | {r['rc']} |")
     print("\ngrowth law, peak GiB = a + b x bf16 GiB:")
     laws = {}
     for name in dict.fromkeys(r["command"] for r in rows):
-        law = fit([(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0])
+        law = fit([(r["bf16_gib"], r["peak_gib"]) for r in rows
+                   if r["command"] == name and r["rc"] == 0 and r["size"] in SHAPES])  # the Llama sizes
         if law:
             laws[name] = law
             print(f"  {name}: {law[0]:.2f} + {law[1]:.2f} x")
@@ -188,14 +225,19 @@ def plot(rows, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r["command"] for r in rows):
-        pts = [(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0]
+        pts = [(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0
+               and r["size"] in SHAPES]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
+            line, = ax.plot(*zip(*pts), marker="o", label=name)
+            moe = [(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0
+                   and r["size"] not in SHAPES]
+            if moe:
+                ax.plot(*zip(*moe), marker="*", markersize=12, linestyle="none", color=line.get_color())
     sizes = sorted({r["bf16_gib"] for r in rows})
     ax.plot(sizes, sizes, "k:", label="1x the bf16 bytes")
     ax.set_xlabel("model size (GiB in bfloat16)")
     ax.set_ylabel("peak resident memory (GiB)")
-    ax.set_title("Peak memory by model size: mfqat vs mlx_lm.convert")
+    ax.set_title("Peak memory by model size: mfqat vs mlx_lm.convert (stars: Qwen3.5-MoE-shaped)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
