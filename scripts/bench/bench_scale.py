@@ -92,6 +92,12 @@ def _qwen35_moe():
     return cfg, {n: tuple(t.shape) for n, t in stored.items()}
 
 
+def _norm_init(size: str, name: str) -> float:
+    """A norm weight as the model's own initialisation sets it: Qwen3.5's RMSNorms scale by ``1 + w`` (0),
+    its gated linear-attention norm by ``w`` (1), Llama's by ``w`` (1)."""
+    return 1.0 if size != "moe2" or "linear_attn.norm" in name else 0.0
+
+
 def build(size: str, folder: Path) -> int:
     """A random bf16 checkpoint of ``size`` in ``folder`` (skipped when present); its bf16 bytes."""
     import torch
@@ -108,7 +114,8 @@ def build(size: str, folder: Path) -> int:
     gen = torch.Generator().manual_seed(0)
     writer = ShardWriter(folder, SHARD_BYTES)
     for n, shape in names.items():
-        t = torch.ones(shape) if "norm" in n and len(shape) == 1 else torch.randn(shape, generator=gen) * 0.02
+        t = torch.full(shape, _norm_init(size, n)) if "norm" in n and len(shape) == 1 else \
+            torch.randn(shape, generator=gen) * 0.02
         writer.add(n, t.to(torch.bfloat16))
     writer.close()
     load_model(None)[1].save_pretrained(folder)  # SmolLM2's tokenizer (vocabulary 49152)
