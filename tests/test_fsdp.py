@@ -110,3 +110,82 @@ def test_train_with_the_fsdp_config_shards_and_saves_the_ddp_anchor(tmp_path):
         torch.testing.assert_close(a.quantized[k].importance, b.quantized[k].importance)
     r = _launch("fsdp", tmp_path / "refused", "--save-every", "1")
     assert r.returncode != 0 and "--save-every" in r.stderr and "not supported with FSDP" in r.stderr
+
+
+def _per_rank_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.fsdp import fully_shard
+
+    from mfqat.anchor.sharded_save import RankError, save_anchor_sharded
+    from mfqat.data.sources import tiny_llama
+    from mfqat.storage.sharded import full_state_dict
+
+    model = tiny_llama(vocab_size=320, tie=True)
+    mfqat.prepare(model, mfqat.QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic"))
+    model.train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(7 + rank)
+    for step in range(2):
+        model.mfqat_controller.set_step(model, step, 2)
+        batch = torch.randint(0, 320, (2, 32), generator=g)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sd = full_state_dict(model)  # the full-gather save, as before
+    if rank == 0:
+        mfqat.save_anchor(model, Path(out) / "gather", "mxint8", step=2, schedule={"s": 1}, state_dict=sd)
+    del sd
+    dist.barrier()
+    info = save_anchor_sharded(model, Path(out) / "per-rank", "mxint8", step=2, schedule={"s": 1},
+                               max_shard_bytes=64 * 1024)  # several files per rank
+    try:  # rank 0 refuses to overwrite without overwrite=True: every rank hears of it, none hangs
+        save_anchor_sharded(model, Path(out) / "per-rank", "mxint8")
+        info["refused"] = None
+    except (RankError, FileExistsError, ValueError) as e:
+        info["refused"] = str(e)
+    (Path(out) / f"report{rank}.json").write_text(json.dumps(info))
+    dist.destroy_process_group()
+
+
+def test_per_rank_anchor_equals_the_full_gather_anchor(tmp_path):
+    """Each rank quantizes and writes its own part: the anchor holds the same tensors, codes and metadata
+    as the full-gather save; no rank received more than one whole tensor at a time; it loads."""
+    mp.spawn(_per_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    infos = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
+    info = infos[0]
+    assert info["refused"] and "rank 0" in infos[1]["refused"]  # rank 1 raised rank 0's refusal
+    a, b = mfqat.read_anchor(tmp_path / "gather"), mfqat.read_anchor(tmp_path / "per-rank")
+    assert a.quantized.keys() == b.quantized.keys() and len(a.quantized) > 0
+    assert a.plain.keys() == b.plain.keys() and len(a.plain) > 0
+    for k in a.quantized:
+        assert torch.equal(a.quantized[k].codes, b.quantized[k].codes), k
+        assert torch.equal(a.quantized[k].scales, b.quantized[k].scales), k
+    for k in a.plain:
+        assert a.plain[k].dtype == b.plain[k].dtype and torch.equal(a.plain[k], b.plain[k]), k
+    meta_a, meta_b = (json.loads((tmp_path / m / "mfqat.json").read_text()) for m in ("gather", "per-rank"))
+    for m in (meta_a, meta_b):
+        for k in ("files", "manifest", "digest"):
+            m.pop(k)
+    assert json.dumps(meta_a) == json.dumps(meta_b)  # the same entries, in the same order; ties, step, schedule
+    assert meta_b["tied"] and meta_b["step"] == 2
+    index = json.loads((tmp_path / "per-rank" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == sorted(b.meta["files"]) and len(b.meta["files"]) == info["files"]
+    assert all(n > 0 for n in info["rank_bytes"]) and len(info["rank_bytes"]) == 2  # both ranks wrote a part
+    largest = max(v.numel() * v.element_size() for v in tiny_state().values())
+    assert info["max_gathered_bytes"] == largest < info["state_dict_bytes"]
+    x, y = (mfqat.load_anchor(tmp_path / m, fmt="mxint4").state_dict() for m in ("gather", "per-rank"))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def tiny_state() -> dict:
+    """The unique (untied) tensors of the tied tiny model the worker saves."""
+    from mfqat.data.sources import tiny_llama
+
+    model = tiny_llama(vocab_size=320, tie=True)
+    mfqat.prepare(model, mfqat.QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic"))
+    return {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}

@@ -20,7 +20,7 @@ from torch import nn
 
 from mfqat.qat.config import QATConfig
 from mfqat.qat.prepare import prepare
-from mfqat.storage.sharded import full_state_dict
+from mfqat.storage.sharded import full_state_dict, is_sharded
 
 
 def requested() -> bool:
@@ -85,6 +85,13 @@ def shard(model: nn.Module) -> nn.Module:
         fully_shard(m, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     return model
+
+
+def per_rank_anchor(model: nn.Module, cfg: Optional[QATConfig], lora) -> bool:
+    """True when the anchor of this run is saved rank by rank (:func:`mfqat.anchor.sharded_save.save_anchor_sharded`):
+    a sharded MF-QAT model without LoRA (its merged copy needs the whole model) or learned scales (kept on the
+    full-gather path: :func:`unsharded_copy`)."""
+    return cfg is not None and lora is None and not cfg.learn_scales and is_sharded(model)
 
 
 def unsharded_copy(model: nn.Module, cfg: Optional[QATConfig], is_main: bool) -> Optional[nn.Module]:

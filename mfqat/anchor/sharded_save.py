@@ -1,0 +1,245 @@
+"""The anchor of a sharded (FSDP2) model saved rank by rank: no full state dict on any rank.
+
+:func:`save_anchor_sharded` is a collective (call it on every rank). Each tensor of the model's state
+dict has an owner rank (greedy by size, in state-dict order, the same on every rank); the tensors are
+taken one at a time and only the owner receives the whole tensor (a ``gather`` of the row shards, or
+of the replicated value), quantizes it exactly as :func:`mfqat.anchor.checkpoint.save_anchor` would
+and keeps the codes. So no rank holds more than one whole tensor beyond its own shards and its share
+of the anchor's codes. Each rank then writes its own weight file(s) into rank 0's partial folder
+(``model-0000i-of-0000n.safetensors``, numbered across ranks), and rank 0, after a small gather of
+each rank's metadata (tensor entries, file names, sha256), writes the index, config, tokenizer and
+``mfqat.json`` and swaps the folder in. The result is the anchor ``save_anchor`` writes from the
+gathered state dict, tensor for tensor and entry for entry; only how the tensors are split over
+files differs. The ranks must share the filesystem the anchor is written to.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mfqat._build import __version__
+from mfqat.anchor.checkpoint import META_FILE, anchor_plan, check_state, write_side_files
+from mfqat.anchor.meta import BASE_FORMAT_VERSION, SEARCH_FORMAT_VERSION
+from mfqat.anchor.tensors import full_precision, quantize_targets, recorded_importance
+from mfqat.qat.learned_scales import pop_learned
+from mfqat.quant.scale_rules import SEARCH_RULE
+from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
+from mfqat.storage.manifest import seal
+from mfqat.storage.shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
+from mfqat.storage.sharded import unique_state_dict
+from mfqat.storage.tensor_files import write_safetensors
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of the whole tensor (of a DTensor: the global shape, not this rank's shard)."""
+    return t.numel() * t.element_size()
+
+
+def owners(sizes: Dict[str, int], world: int) -> Dict[str, int]:
+    """{tensor: rank}: each tensor to the least loaded rank so far, in order (ties: the lowest rank)."""
+    load = [0] * world
+    out: Dict[str, int] = {}
+    for name, size in sizes.items():
+        rank = min(range(world), key=lambda r: (load[r], r))
+        out[name] = rank
+        load[rank] += size
+    return out
+
+
+def gather_to(value: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
+    """A collective: the whole ``value`` (a DTensor shard, or a replicated plain tensor) on CPU on rank
+    ``owner``; None on the other ranks. A row-sharded DTensor (FSDP2's ``Shard(0)`` over all ranks) is
+    gathered to the owner only; other layouts fall back to ``full_tensor()`` (on every rank, then dropped)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not isinstance(value, DTensor):
+        return value.detach().cpu() if rank == owner else None
+    mesh = value.device_mesh
+    rows = [len(c) for c in torch.arange(value.shape[0]).chunk(world)] if value.dim() else []
+    rows += [0] * (world - len(rows))
+    local = value.to_local().detach()
+    simple = (tuple(value.placements) == (Shard(0),) and mesh.ndim == 1
+              and mesh.mesh.tolist() == list(range(world)) and local.shape[0] == rows[rank])
+    if not simple:  # the same decision on every rank: placements and the mesh are global
+        full = value.full_tensor().detach()
+        return full.cpu() if rank == owner else None
+    padded = local.new_zeros((max(rows), *value.shape[1:]))
+    padded[:local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)] if rank == owner else None
+    dist.gather(padded, parts, dst=owner, group=mesh.get_group())
+    if rank != owner:
+        return None
+    return torch.cat([p[:n] for p, n in zip(parts, rows)]).cpu()
+
+
+def exchange(obj: dict) -> List[dict]:
+    """A collective: every rank's small JSON-able ``obj``, in rank order, on every rank (as bytes in a
+    tensor: nothing is pickled)."""
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()]))
+    longest = int(max(s.item() for s in sizes))
+    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(parts, torch.cat([data, data.new_zeros(longest - data.numel())]))
+    return [json.loads(bytes(p[:int(s.item())].tolist()).decode()) for p, s in zip(parts, sizes)]
+
+
+class RankError(ValueError):
+    """An error one rank met, raised on every rank at the same point of the save."""
+
+
+def _raise_first(reports: List[dict]) -> None:
+    """Raise on every rank the first error any rank reported (``reports`` in rank order)."""
+    bad = [(r, e["error"]) for r, e in enumerate(reports) if e.get("error")]
+    if bad:
+        rank, why = bad[0]
+        raise RankError(why if rank == dist.get_rank() else f"save_anchor_sharded: rank {rank}: {why}")
+
+
+def _quantize_owned(model: nn.Module, sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int,
+                    scale_rule: str, recorded: Dict[str, str]) -> tuple:
+    """(tensors this rank writes, their mfqat.json entries, the largest tensor it gathered in bytes, the
+    first error or None). Every rank takes part in every gather, also after an error."""
+    rank = dist.get_rank()
+    owner = owners({k: nbytes(v) for k, v in sd.items()}, dist.get_world_size())
+    tensors: Dict[str, torch.Tensor] = {}
+    entries: Dict[str, dict] = {}
+    peak, error = 0, None
+    for k, v in sd.items():
+        full = gather_to(v, owner[k])
+        if full is None:
+            continue
+        peak = max(peak, nbytes(full))
+        if error is None:
+            try:
+                t, e = quantize_targets({k: full}, targets, f, block_size, scale_rule)
+                tensors.update(t)
+                entries.update(e)
+            except ValueError as exc:
+                error = str(exc)
+        del full
+    tensors.update({f"{k}.importance": v for k, v in recorded_importance(model, entries, recorded).items()})
+    return tensors, entries, peak, error
+
+
+def _write_own(tmp: Path, tensors: Dict[str, torch.Tensor], names: List[str], groups: List[List[str]]) -> Dict[str, str]:
+    """Write this rank's groups of tensors as the files ``names`` in ``tmp``; {file: sha256}."""
+    own = tmp / f".rank{dist.get_rank()}"
+    own.mkdir()
+    digests = {}
+    for name, group in zip(names, groups):
+        (written,) = write_safetensors(own, {k: tensors[k] for k in group}, sys.maxsize)
+        os.replace(own / written, tmp / name)
+        digests[name] = sha256_file(tmp / name)
+    own.rmdir()
+    return digests
+
+
+def save_anchor_sharded(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tokenizer=None,
+                        block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
+                        step: Optional[int] = None, schedule: Optional[dict] = None,
+                        max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
+                        scale_rules: Optional[Dict[str, str]] = None) -> dict:
+    """Save the anchor of a sharded (FSDP2) model rank by rank (a collective; see the module docstring).
+
+    The arguments are :func:`mfqat.anchor.checkpoint.save_anchor`'s. Returns, on every rank,
+    ``{"path": the anchor, "ranks": n, "files": n, "max_gathered_bytes": the largest whole tensor any
+    rank received, "rank_bytes": [bytes of weight files each rank wrote], "state_dict_bytes": the whole
+    state dict's bytes}``. Refuses (ValueError, on every
+    rank, before any gather) a model with learned scales (``QATConfig.learn_scales``): save those with
+    ``full_state_dict`` + ``save_anchor``. An error on one rank is raised on every rank.
+    """
+    f, block_size, targets, recorded, scale_rule = anchor_plan(model, fmt, block_size, scale_rule, targets,
+                                                               scale_rules)
+    sd, tied = unique_state_dict(model, model.state_dict())  # this rank's shards; the ties from the parameters
+    if pop_learned(sd, tied):
+        raise ValueError("save_anchor_sharded: the model learned affine scales (learn_scales); gather it with "
+                         "mfqat.storage.sharded.full_state_dict and save it with save_anchor(..., state_dict=sd)")
+    check_state(model, sd, tied, targets, f, block_size)
+    rank = dist.get_rank()
+    stack, refused, failure = contextlib.ExitStack(), None, None
+    opened: dict = {"tmp": None, "error": None}
+    if rank == 0:
+        try:  # the overwrite rules and the writer lock: rank 0 holds the partial folder every rank writes into
+            opened["tmp"] = str(stack.enter_context(atomic_directory(path, overwrite=overwrite, kind="anchor")))
+        except (OSError, ValueError) as e:
+            refused, opened["error"] = e, str(e)
+    opened = exchange(opened)[0]
+    if refused is not None:
+        raise refused
+    _raise_first([opened])
+    try:
+        with stack:
+            counts, names = _write_ranks(model, Path(opened["tmp"]), sd, targets, f, block_size, scale_rule,
+                                         recorded, max_shard_bytes, tokenizer, tied, step, schedule, Path(path).name)
+    except RankError:
+        raise
+    except Exception as e:  # noqa: BLE001 - rank 0's own step (the metadata, the swap): told to every rank
+        if rank != 0:
+            raise
+        failure = e
+    final = exchange({"error": f"{type(failure).__name__}: {failure}" if failure else None})
+    if failure is not None:
+        raise failure
+    _raise_first(final[:1])  # every rank returns once the anchor is in place
+    return {"path": str(Path(path)), "ranks": dist.get_world_size(), "files": len(names),
+            "max_gathered_bytes": max(c["peak"] for c in counts), "rank_bytes": [c["bytes"] for c in counts],
+            "state_dict_bytes": sum(nbytes(v) for v in sd.values())}
+
+
+def _write_ranks(model: nn.Module, tmp: Path, sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int,
+                 scale_rule: str, recorded: Dict[str, str], max_shard_bytes: int, tokenizer, tied: Dict[str, str],
+                 step: Optional[int], schedule: Optional[dict], name: str) -> tuple:
+    """Every rank quantizes and writes its part into ``tmp``; rank 0 then writes the rest. ([each rank's
+    counts], [file names])."""
+    rank = dist.get_rank()
+    tensors, entries, peak, error = _quantize_owned(model, sd, targets, f, block_size, scale_rule, recorded)
+    groups = plan_shards({k: nbytes(v) for k, v in tensors.items()}, max_shard_bytes) if tensors else []
+    if error is None and not tmp.is_dir():
+        error = f"{tmp} is not visible on rank {rank}: the ranks must share the filesystem the anchor is written to"
+    counts = exchange({"error": error, "files": len(groups), "peak": peak,
+                       "bytes": sum(nbytes(v) for v in tensors.values())})
+    _raise_first(counts)
+    names = shard_file_names(sum(c["files"] for c in counts))
+    first = sum(c["files"] for c in counts[:rank])
+    report = {"error": None, "entries": entries, "groups": groups, "files": {}, "bytes": counts[rank]["bytes"]}
+    try:
+        report["files"] = _write_own(tmp, tensors, names[first:first + len(groups)], groups)
+    except OSError as e:
+        report["error"] = f"{tmp}: {e}"
+    del tensors
+    reports = exchange(report)
+    _raise_first(reports)
+    if rank == 0:
+        _finish(tmp, model, tokenizer, f.name, block_size, scale_rule, recorded, sd, tied, reports, step, schedule,
+                name)
+    return counts, names
+
+
+def _finish(tmp: Path, model: nn.Module, tokenizer, fmt: str, block_size: int, scale_rule: str,
+            recorded: Dict[str, str], sd: Dict[str, torch.Tensor], tied: Dict[str, str], reports: List[dict],
+            step: Optional[int], schedule: Optional[dict], name: str) -> None:
+    """Rank 0: the index, config, tokenizer, model card and sealed mfqat.json of the ranks' files."""
+    found = {k: e for r in reports for k, e in r["entries"].items()}
+    entries = {k: found[k] for k in sd if k in found}  # state-dict order, as save_anchor writes them
+    files = {n: d for r in reports for n, d in r["files"].items()}
+    names = sorted(files)
+    shards = [g for r in reports for g in r["groups"]]
+    write_index(tmp, names, shards, sum(r["bytes"] for r in reports))
+    write_side_files(tmp, model, tokenizer, fmt, block_size, scale_rule, recorded, name)
+    meta = {"format_version": SEARCH_FORMAT_VERSION if SEARCH_RULE in recorded.values() else BASE_FORMAT_VERSION,
+            "mfqat_version": __version__, "anchor_format": fmt,
+            "block_size": block_size, "scale_rule": scale_rule, "scale_rules": recorded,
+            "tensors": entries, "tied": tied,
+            "full_precision": full_precision(model, sd, entries, block_size), "schedule": schedule, "step": step,
+            "files": {n: files[n] for n in names}}
+    write_json(tmp / META_FILE, seal(meta, tmp, META_FILE))
