@@ -95,12 +95,19 @@ def test_train_with_the_fsdp_config_shards_and_saves_the_ddp_anchor(tmp_path):
     """`accelerate launch --config_file fsdp.yaml scripts/train.py` on CPU: really sharded (not the DDP
     fallback), joint MF-QAT steps reduced once per step, the anchor byte-identical to the DDP run's."""
     for config in ("fsdp", "ddp"):
-        r = _launch(config, tmp_path / config, "--grad-clip", "0")
+        r = _launch(config, tmp_path / config, "--grad-clip", "0", "--eval-formats", "mxint4")
         assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["fsdp"].startswith("fully_shard") and "fsdp" not in json.loads(
         (tmp_path / "ddp" / "summary.json").read_text())
     assert summary["formats"] == ["mxint8+mxint6+mxint4"] * 3  # the joint step: 3 backwards per step
+    saved = summary["anchor_save"]  # each rank wrote its part; none received more than one whole tensor at a time
+    assert saved["path"] == "per-rank" and saved["ranks"] == 2 and all(n > 0 for n in saved["rank_bytes"])
+    assert 0 < saved["max_gathered_bytes"] < saved["state_dict_bytes"] / 2
+    ddp_eval = json.loads((tmp_path / "ddp" / "summary.json").read_text())["eval"]
+    assert [r["format"] for r in summary["eval"]] == [r["format"] for r in ddp_eval]  # evaluated sharded
+    for r, d in zip(summary["eval"], ddp_eval):
+        assert abs(r["perplexity"] - d["perplexity"]) < 1e-3 * d["perplexity"], (r, d)
     a, b = (mfqat.read_anchor(tmp_path / c / "anchor") for c in ("ddp", "fsdp"))
     assert a.quantized.keys() == b.quantized.keys() and a.plain.keys() == b.plain.keys()
     assert all(torch.equal(a.quantized[k].codes, b.quantized[k].codes) for k in a.quantized)
@@ -108,6 +115,14 @@ def test_train_with_the_fsdp_config_shards_and_saves_the_ddp_anchor(tmp_path):
     for k in a.quantized:  # the default recipe's search rule: the gathered copy keeps rank 0's importance
         assert b.quantized[k].importance is not None, k
         torch.testing.assert_close(a.quantized[k].importance, b.quantized[k].importance)
+    r = _launch("fsdp", tmp_path / "master", "--grad-clip", "0", "--save-master")  # the master keeps the gather
+    assert r.returncode == 0, r.stderr[-3000:]
+    master = json.loads((tmp_path / "master" / "summary.json").read_text())
+    assert master["anchor_save"]["path"] == "per-rank" and (tmp_path / "master" / "master" / "config.json").is_file()
+    (fp,), top = master["eval"], summary["eval"][-1]  # evaluated on rank 0's gathered copy: the same perplexity
+    assert fp["format"] == top["format"] and abs(fp["perplexity"] - top["perplexity"]) < 1e-3 * top["perplexity"]
+    c = mfqat.read_anchor(tmp_path / "master" / "anchor")
+    assert all(torch.equal(a.quantized[k].codes, c.quantized[k].codes) for k in a.quantized)
     r = _launch("fsdp", tmp_path / "refused", "--save-every", "1")
     assert r.returncode != 0 and "--save-every" in r.stderr and "not supported with FSDP" in r.stderr
 
