@@ -134,9 +134,10 @@ def _per_rank_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from mfqat.anchor.sharded_save import RankError, save_anchor_sharded
-    from mfqat.data.sources import tiny_llama
+    from mfqat.data.sources import byte_tokenizer, tiny_llama
     from mfqat.storage.sharded import full_state_dict
 
+    tok = byte_tokenizer()
     model = tiny_llama(vocab_size=320, tie=True)
     mfqat.prepare(model, mfqat.QATConfig(formats=["mxint8", "mxint4"], schedule="cyclic"))
     model.train()
@@ -153,10 +154,10 @@ def _per_rank_worker(rank: int, port: int, out: str) -> None:
         opt.zero_grad()
     sd = full_state_dict(model)  # the full-gather save, as before
     if rank == 0:
-        mfqat.save_anchor(model, Path(out) / "gather", "mxint8", step=2, schedule={"s": 1}, state_dict=sd)
+        mfqat.save_anchor(model, Path(out) / "gather", "mxint8", tok, step=2, schedule={"s": 1}, state_dict=sd)
     del sd
     dist.barrier()
-    info = save_anchor_sharded(model, Path(out) / "per-rank", "mxint8", step=2, schedule={"s": 1},
+    info = save_anchor_sharded(model, Path(out) / "per-rank", "mxint8", tok, step=2, schedule={"s": 1},
                                max_shard_bytes=64 * 1024)  # several files per rank
     try:  # rank 0 refuses to overwrite without overwrite=True: every rank hears of it, none hangs
         save_anchor_sharded(model, Path(out) / "per-rank", "mxint8")
@@ -195,6 +196,12 @@ def test_per_rank_anchor_equals_the_full_gather_anchor(tmp_path):
     assert info["max_gathered_bytes"] == largest < info["state_dict_bytes"]
     x, y = (mfqat.load_anchor(tmp_path / m, fmt="mxint4").state_dict() for m in ("gather", "per-rank"))
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    from mfqat.export import to_mlx
+
+    for m in ("gather", "per-rank"):  # the MLX export reads it unchanged: the same file, byte for byte
+        to_mlx(tmp_path / m, tmp_path / f"mlx-{m}", recipe="uniform:affine4", verify=False)
+    assert (tmp_path / "mlx-gather" / "model.safetensors").read_bytes() == \
+        (tmp_path / "mlx-per-rank" / "model.safetensors").read_bytes()
 
 
 def tiny_state() -> dict:
