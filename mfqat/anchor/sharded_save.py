@@ -1,23 +1,22 @@
 """The anchor of a sharded (FSDP2) model saved rank by rank: no full state dict on any rank.
 
 :func:`save_anchor_sharded` is a collective (call it on every rank). Each tensor of the model's state
-dict has an owner rank (greedy by size, in state-dict order, the same on every rank); the tensors are
-taken one at a time and only the owner receives the whole tensor (a ``gather`` of the row shards, or
-of the replicated value), quantizes it exactly as :func:`mfqat.anchor.checkpoint.save_anchor` would
-and keeps the codes. So no rank holds more than one whole tensor beyond its own shards and its share
-of the anchor's codes. Each rank then writes its own weight file(s) into rank 0's partial folder
-(``model-0000i-of-0000n.safetensors``, numbered across ranks), and rank 0, after a small gather of
-each rank's metadata (tensor entries, file names, sha256), writes the index, config, tokenizer and
-``mfqat.json`` and swaps the folder in. The result is the anchor ``save_anchor`` writes from the
-gathered state dict, tensor for tensor and entry for entry; only how the tensors are split over
-files differs. The ranks must share the filesystem the anchor is written to.
+dict has an owner rank (the largest first, each to the least loaded rank by the bytes it takes in the
+anchor; the same on every rank). The tensors are taken one at a time and only the owner receives the
+whole tensor (a ``gather`` of the row shards, or of the replicated value), quantizes it exactly as
+:func:`mfqat.anchor.checkpoint.save_anchor` would and writes it at once into its own weight file(s) in
+rank 0's partial folder. So no rank holds more than one whole tensor (and its codes) beyond its own
+shards. The files are then named ``model-0000i-of-0000n.safetensors``, numbered across ranks, and
+rank 0, after a small gather of each rank's metadata (tensor entries, file names, sha256), writes the
+index, config, tokenizer and ``mfqat.json`` and swaps the folder in. The result is the anchor
+``save_anchor`` writes from the gathered state dict, tensor for tensor and entry for entry; only how
+the tensors are split over files differs. The ranks must share the filesystem the anchor is written to.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -33,9 +32,9 @@ from mfqat.qat.learned_scales import pop_learned
 from mfqat.quant.scale_rules import SEARCH_RULE
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
 from mfqat.storage.manifest import seal
-from mfqat.storage.shard_files import MAX_SHARD_BYTES, plan_shards, shard_file_names, write_index
+from mfqat.storage.shard_files import INDEX_FILE, MAX_SHARD_BYTES, shard_file_names, write_index
 from mfqat.storage.sharded import unique_state_dict
-from mfqat.storage.tensor_files import write_safetensors
+from mfqat.storage.tensor_files import ShardWriter
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -44,14 +43,15 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def owners(sizes: Dict[str, int], world: int) -> Dict[str, int]:
-    """{tensor: rank}: each tensor to the least loaded rank so far, in order (ties: the lowest rank)."""
+    """{tensor: rank}, the same on every rank: the largest tensors first, each to the least loaded rank so
+    far (ties: the earlier tensor, the lower rank); in ``sizes``' order."""
     load = [0] * world
     out: Dict[str, int] = {}
-    for name, size in sizes.items():
+    for name in sorted(sizes, key=lambda n: -sizes[n]):  # stable: equal sizes keep their order
         rank = min(range(world), key=lambda r: (load[r], r))
         out[name] = rank
-        load[rank] += size
-    return out
+        load[rank] += sizes[name]
+    return {name: out[name] for name in sizes}
 
 
 def gather_to(value: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
@@ -74,11 +74,10 @@ def gather_to(value: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
         return full.cpu() if rank == owner else None
     padded = local.new_zeros((max(rows), *value.shape[1:]))
     padded[:local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in range(world)] if rank == owner else None
-    dist.gather(padded, parts, dst=owner, group=mesh.get_group())
-    if rank != owner:
-        return None
-    return torch.cat([p[:n] for p, n in zip(parts, rows)]).cpu()
+    whole = local.new_empty((max(rows) * world, *value.shape[1:])) if rank == owner else None
+    dist.gather(padded, list(whole.split(max(rows))) if whole is not None else None, dst=owner,
+                group=mesh.get_group())  # into one buffer: torch.chunk pads only after the last row
+    return whole[:value.shape[0]].cpu() if whole is not None else None
 
 
 def exchange(obj: dict) -> List[dict]:
@@ -105,15 +104,29 @@ def _raise_first(reports: List[dict]) -> None:
         raise RankError(why if rank == dist.get_rank() else f"save_anchor_sharded: rank {rank}: {why}")
 
 
-def _quantize_owned(model: nn.Module, sd: Dict[str, torch.Tensor], targets: List[str], f, block_size: int,
-                    scale_rule: str, recorded: Dict[str, str]) -> tuple:
-    """(tensors this rank writes, their mfqat.json entries, the largest tensor it gathered in bytes, the
-    first error or None). Every rank takes part in every gather, also after an error."""
-    rank = dist.get_rank()
-    owner = owners({k: nbytes(v) for k, v in sd.items()}, dist.get_world_size())
-    tensors: Dict[str, torch.Tensor] = {}
+def output_bytes(name: str, value: torch.Tensor, targets: List[str], f, block_size: int) -> int:
+    """Bytes tensor ``name`` takes in the anchor: a target's codes and E8M0 scales, any other tensor as it is."""
+    if name in targets:
+        return value.numel() * f.bits // 8 + value.numel() // block_size
+    return nbytes(value)
+
+
+def _quantize_owned(model: nn.Module, own: Path, sd: Dict[str, torch.Tensor], targets: List[str], f,
+                    block_size: int, scale_rule: str, recorded: Dict[str, str], max_shard_bytes: int) -> dict:
+    """Gather, quantize and write (into ``own``, as each tensor is ready) the tensors this rank owns.
+    Returns {"error": the first error or None, "peak": the largest tensor gathered in bytes, "bytes": bytes
+    written, "entries": their mfqat.json entries, "files": [file names in ``own``], "groups": [[tensors of
+    each file]]}. Every rank takes part in every gather, also after an error."""
+    rank, error, writer = dist.get_rank(), None, None
+    try:
+        own.mkdir()
+        writer = ShardWriter(own, max_shard_bytes)
+    except OSError as e:
+        error = (f"{own.parent} is not writable from rank {rank} ({e.strerror or e}): the ranks must share the "
+                 "filesystem the anchor is written to")
+    owner = owners({k: output_bytes(k, v, targets, f, block_size) for k, v in sd.items()}, dist.get_world_size())
     entries: Dict[str, dict] = {}
-    peak, error = 0, None
+    peak = 0
     for k, v in sd.items():
         full = gather_to(v, owner[k])
         if full is None:
@@ -121,27 +134,29 @@ def _quantize_owned(model: nn.Module, sd: Dict[str, torch.Tensor], targets: List
         peak = max(peak, nbytes(full))
         if error is None:
             try:
-                t, e = quantize_targets({k: full}, targets, f, block_size, scale_rule)
-                tensors.update(t)
+                tensors, e = quantize_targets({k: full}, targets, f, block_size, scale_rule)
+                for name, value in tensors.items():
+                    writer.add(name, value)
                 entries.update(e)
-            except ValueError as exc:
+            except (ValueError, OSError) as exc:
                 error = str(exc)
         del full
-    tensors.update({f"{k}.importance": v for k, v in recorded_importance(model, entries, recorded).items()})
-    return tensors, entries, peak, error
-
-
-def _write_own(tmp: Path, tensors: Dict[str, torch.Tensor], names: List[str], groups: List[List[str]]) -> Dict[str, str]:
-    """Write this rank's groups of tensors as the files ``names`` in ``tmp``; {file: sha256}."""
-    own = tmp / f".rank{dist.get_rank()}"
-    own.mkdir()
-    digests = {}
-    for name, group in zip(names, groups):
-        (written,) = write_safetensors(own, {k: tensors[k] for k in group}, sys.maxsize)
-        os.replace(own / written, tmp / name)
-        digests[name] = sha256_file(tmp / name)
-    own.rmdir()
-    return digests
+    files: List[str] = []
+    groups: List[List[str]] = []
+    if error is None:
+        try:
+            for k, imp in recorded_importance(model, entries, recorded).items():
+                writer.add(f"{k}.importance", imp)
+            if writer.names:
+                files = writer.close()
+                groups = [[n for n, i in writer.names.items() if i == j] for j in range(len(files))]
+                (own / INDEX_FILE).unlink(missing_ok=True)  # rank 0 writes the index of every rank's files
+        except OSError as exc:
+            error = str(exc)
+    if error is not None and writer is not None:
+        writer.abort()
+    return {"error": error, "peak": peak, "bytes": writer.total if writer else 0, "entries": entries,
+            "files": files, "groups": groups}
 
 
 def save_anchor_sharded(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tokenizer=None,
@@ -202,21 +217,20 @@ def _write_ranks(model: nn.Module, tmp: Path, sd: Dict[str, torch.Tensor], targe
     """Every rank quantizes and writes its part into ``tmp``; rank 0 then writes the rest. ([each rank's
     counts], [file names])."""
     rank = dist.get_rank()
-    tensors, entries, peak, error = _quantize_owned(model, sd, targets, f, block_size, scale_rule, recorded)
-    groups = plan_shards({k: nbytes(v) for k, v in tensors.items()}, max_shard_bytes) if tensors else []
-    if error is None and not tmp.is_dir():
-        error = f"{tmp} is not visible on rank {rank}: the ranks must share the filesystem the anchor is written to"
-    counts = exchange({"error": error, "files": len(groups), "peak": peak,
-                       "bytes": sum(nbytes(v) for v in tensors.values())})
+    own = tmp / f".rank{rank}"
+    mine = _quantize_owned(model, own, sd, targets, f, block_size, scale_rule, recorded, max_shard_bytes)
+    counts = exchange({k: mine[k] for k in ("error", "peak", "bytes")} | {"files": len(mine["files"])})
     _raise_first(counts)
     names = shard_file_names(sum(c["files"] for c in counts))
     first = sum(c["files"] for c in counts[:rank])
-    report = {"error": None, "entries": entries, "groups": groups, "files": {}, "bytes": counts[rank]["bytes"]}
-    try:
-        report["files"] = _write_own(tmp, tensors, names[first:first + len(groups)], groups)
+    report = {"error": None, "entries": mine["entries"], "groups": mine["groups"], "files": {}, "bytes": mine["bytes"]}
+    try:  # each file gets its name among every rank's files
+        for local, final in zip(mine["files"], names[first:first + len(mine["files"])]):
+            os.replace(own / local, tmp / final)
+            report["files"][final] = sha256_file(tmp / final)
+        own.rmdir()
     except OSError as e:
         report["error"] = f"{tmp}: {e}"
-    del tensors
     reports = exchange(report)
     _raise_first(reports)
     if rank == 0:
