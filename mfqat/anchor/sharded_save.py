@@ -82,14 +82,15 @@ def gather_to(value: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
 
 def exchange(obj: dict) -> List[dict]:
     """A collective: every rank's small JSON-able ``obj``, in rank order, on every rank (as bytes in a
-    tensor: nothing is pickled)."""
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([data.numel()]))
+    tensor: nothing is pickled; on the GPU under NCCL, which moves no CPU tensor)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=device))
     longest = int(max(s.item() for s in sizes))
-    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in sizes]
+    parts = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes]
     dist.all_gather(parts, torch.cat([data, data.new_zeros(longest - data.numel())]))
-    return [json.loads(bytes(p[:int(s.item())].tolist()).decode()) for p, s in zip(parts, sizes)]
+    return [json.loads(bytes(p[:int(s.item())].cpu().tolist()).decode()) for p, s in zip(parts, sizes)]
 
 
 class RankError(ValueError):
