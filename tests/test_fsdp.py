@@ -1,5 +1,6 @@
 """FSDP2 on 2 CPU gloo ranks: MF-QAT steps run sharded, the anchor is written from the gathered full
-state dict and equals the DDP anchor of the same seed; a sharded model without it gets a clear error."""
+state dict and equals the DDP anchor of the same seed; a sharded model without it gets a clear error.
+The anchor saved rank by rank (save_anchor_sharded, what mfqat train uses) equals the full-gather one."""
 import json
 import os
 from pathlib import Path

@@ -7,8 +7,11 @@ processes (``cpu=False``). On such a machine the training loop keeps accelerate'
 then the root), as accelerate's FSDP2 plugin would on GPUs. Options such a run cannot honour are
 refused (:func:`check_args`), never ignored.
 
-After training, every rank joins the gather of the full state dict; rank 0 loads it into a fresh
-unsharded copy (:func:`unsharded_copy`) that the anchor, ``--save-master`` and the evaluation use.
+After training, an MF-QAT run without LoRA or learned scales saves its anchor rank by rank
+(:func:`per_rank_anchor`, :func:`mfqat.anchor.sharded_save.save_anchor_sharded`) and evaluates the
+sharded model on every rank. Otherwise (and for ``--save-master``) every rank joins the gather of the
+full state dict; rank 0 loads it into a fresh unsharded copy (:func:`unsharded_copy`) that the anchor,
+``--save-master`` and the evaluation use.
 """
 from __future__ import annotations
 
