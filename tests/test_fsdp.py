@@ -168,6 +168,14 @@ def _per_rank_worker(rank: int, port: int, out: str) -> None:
         info["refused"] = None
     except (RankError, FileExistsError, ValueError) as e:
         info["refused"] = str(e)
+    with torch.no_grad():  # a NaN in rank 1's shard of one weight: its owner refuses, every rank raises, nothing is left
+        if rank == 1:
+            model.model.layers[1].mlp.down_proj.weight.to_local()[0, 0] = float("nan")
+    try:
+        save_anchor_sharded(model, Path(out) / "nan", "mxint8")
+        info["nan"] = None
+    except ValueError as e:
+        info["nan"] = str(e)
     (Path(out) / f"report{rank}.json").write_text(json.dumps(info))
     dist.destroy_process_group()
 
@@ -179,6 +187,8 @@ def test_per_rank_anchor_equals_the_full_gather_anchor(tmp_path):
     infos = [json.loads((tmp_path / f"report{r}.json").read_text()) for r in range(2)]
     info = infos[0]
     assert info["refused"] and "rank 0" in infos[1]["refused"]  # rank 1 raised rank 0's refusal
+    assert all("down_proj.weight" in i["nan"] and "NaN" in i["nan"] for i in infos), infos
+    assert not (tmp_path / "nan").exists() and not [p for p in tmp_path.iterdir() if "nan" in p.name]
     a, b = mfqat.read_anchor(tmp_path / "gather"), mfqat.read_anchor(tmp_path / "per-rank")
     assert a.quantized.keys() == b.quantized.keys() and len(a.quantized) > 0
     assert a.plain.keys() == b.plain.keys() and len(a.plain) > 0
