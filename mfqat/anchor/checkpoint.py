@@ -133,6 +133,52 @@ def _write_learned(folder: Path, widths: Dict[str, Dict[str, MXTensor]], group_s
     return out
 
 
+def anchor_plan(model: nn.Module, fmt: Optional[str], block_size: int, scale_rule: str,
+                targets: Optional[List[str]], scale_rules: Optional[Dict[str, str]]) -> tuple:
+    """(format, block size, targets, recorded scale-rule table, the anchor format's rule) that
+    :func:`save_anchor` quantizes with (the arguments of the same names, checked; see there)."""
+    f = get_format(fmt or next((m.anchor_format for _, m in qat_modules(model) if m.anchor_format), "mxint8"))
+    if not f.is_mx:
+        raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"save_anchor: block_size={block_size!r} is not an integer; give the number of elements "
+                        f"per block (e.g. {f.default_block_size})")
+    f.check_block_size(block_size)  # 0, negative or a size the format does not take: one line, before any work
+    if targets is None:
+        prepared = [t for n, m in qat_modules(model) for t in m.target_names(n)]
+        targets = prepared or default_targets(model, block_size)
+        block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
+    model_rules = next((m.scale_rules for _, m in qat_modules(model) if m.scale_rules), None)
+    recorded = anchor_rules(f.name, scale_rule, scale_rules if scale_rules is not None else model_rules)
+    return f, block_size, targets, recorded, recorded[f.name]
+
+
+def check_state(model: nn.Module, sd: Dict[str, torch.Tensor], tied: Dict[str, str], targets: List[str], f,
+                block_size: int) -> None:
+    """Refuse a state dict that holds LoRA adapters, lacks a target, or quantizes nothing (ValueError)."""
+    if any("lora_" in k for k in sd):
+        raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
+    missing = [t for t in targets if t not in sd and t not in tied]
+    if missing:
+        raise ValueError(f"targets not found in the model's state dict: {missing[:5]}")
+    if not any(k in targets for k in sd):  # an anchor of no quantized tensor would still be labelled with its formats
+        odd = next(iter(unblockable(model, block_size).items()), None)
+        raise ValueError(f"save_anchor: block_size {block_size} quantizes no tensor" + (f" ({odd[0]}: {odd[1]})"
+                         if odd else " (the model has no decoder-block Linear to quantize)") + "; refusing an anchor "
+                         "that would be labelled " + f.name + " while holding only full-precision weights")
+
+
+def write_side_files(tmp: Path, model: nn.Module, tokenizer, fmt: str, block_size: int, scale_rule: str,
+                     recorded: Dict[str, str], name: str) -> None:
+    """config.json (with its quantization_config), the tokenizer files and the model card of an anchor."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        write_anchor_config(config, tmp, fmt, block_size, scale_rule, recorded)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    write_model_card(tmp, "anchor", getattr(config, "_name_or_path", None) or None, [fmt], name=name)
+
+
 def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tokenizer=None,
                 block_size: int = 32, scale_rule: str = "floor", targets: Optional[List[str]] = None,
                 step: Optional[int] = None, schedule: Optional[dict] = None,
@@ -154,35 +200,14 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     anchor is quantized with its format's rule and records its family's table, which ``load_anchor``
     slices with (:func:`mfqat.quant.scale_rules.anchor_rules`).
     """
-    f = get_format(fmt or next((m.anchor_format for _, m in qat_modules(model) if m.anchor_format), "mxint8"))
-    if not f.is_mx:
-        raise ValueError(f"anchors are stored in an MX format (mxint8 or mxfp8 recommended), not '{f.name}'")
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"save_anchor: block_size={block_size!r} is not an integer; give the number of elements "
-                        f"per block (e.g. {f.default_block_size})")
-    f.check_block_size(block_size)  # 0, negative or a size the format does not take: one line, before any work
+    f, block_size, targets, recorded, scale_rule = anchor_plan(model, fmt, block_size, scale_rule, targets,
+                                                               scale_rules)
     sd, tied = unique_state_dict(model, state_dict)
     learned = pop_learned(sd, tied)  # QATConfig.learn_scales: stored as the anchor's widths, not as tensors
-    if any("lora_" in k for k in sd):
-        raise ValueError("the model holds LoRA adapters: merge them first (peft: model.merge_and_unload())")
-    if targets is None:
-        prepared = [t for n, m in qat_modules(model) for t in m.target_names(n)]
-        targets = prepared or default_targets(model, block_size)
-        block_size = next((m.block_size for _, m in qat_modules(model)), block_size)
-    model_rules = next((m.scale_rules for _, m in qat_modules(model) if m.scale_rules), None)
-    recorded = anchor_rules(f.name, scale_rule, scale_rules if scale_rules is not None else model_rules)
-    scale_rule = recorded[f.name]
+    check_state(model, sd, tied, targets, f, block_size)
     tensors, entries = quantize_targets(sd, targets, f, block_size, scale_rule)
     tensors.update({f"{k}.importance": v for k, v in recorded_importance(model, entries, recorded).items()})
     version = SEARCH_FORMAT_VERSION if SEARCH_RULE in recorded.values() else BASE_FORMAT_VERSION
-    missing = [t for t in targets if t not in entries and t not in tied]
-    if missing:
-        raise ValueError(f"targets not found in the model's state dict: {missing[:5]}")
-    if not entries:  # an anchor of no quantized tensor would still be labelled with its formats everywhere
-        odd = next(iter(unblockable(model, block_size).items()), None)
-        raise ValueError(f"save_anchor: block_size {block_size} quantizes no tensor" + (f" ({odd[0]}: {odd[1]})"
-                         if odd else " (the model has no decoder-block Linear to quantize)") + "; refusing an anchor "
-                         "that would be labelled " + f.name + " while holding only full-precision weights")
     fp = full_precision(model, sd, entries, block_size)
     group = next((m.affine_group_size for _, m in qat_modules(model)), DERIVED_GROUP_SIZE)
     learned = {k: v for k, v in learned.items() if k[0] in entries}  # a layer left out of the anchor: no width
@@ -195,12 +220,7 @@ def save_anchor(model: nn.Module, path: PathLike, fmt: Optional[str] = None, tok
     if widths:
         version = max(version, LEARNED_SCALES_VERSION)
     with atomic_directory(path, overwrite=overwrite, kind="anchor") as tmp:
-        config = getattr(model, "config", None)
-        if config is not None:
-            write_anchor_config(config, tmp, f.name, block_size, scale_rule, recorded)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_model_card(tmp, "anchor", getattr(config, "_name_or_path", None) or None, [f.name], name=Path(path).name)
+        write_side_files(tmp, model, tokenizer, f.name, block_size, scale_rule, recorded, Path(path).name)
         files = write_safetensors(tmp, tensors, max_shard_bytes)
         meta = {"format_version": version, "mfqat_version": __version__, "anchor_format": f.name,
                 "block_size": block_size, "scale_rule": scale_rule, "scale_rules": recorded,

@@ -4,7 +4,8 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``, or accelerate's FSDP plugin) turn
 into a DTensor holding this rank's shard; ``model.state_dict()`` then returns those shards, which
 have no local storage to quantize or to tell tied weights apart. :func:`full_state_dict` gathers
 them (a collective: call it on every rank) into full CPU tensors on rank 0, which
-``save_anchor(model, ..., state_dict=sd)`` then writes.
+``save_anchor(model, ..., state_dict=sd)`` then writes. ``mfqat.anchor.sharded_save.save_anchor_sharded``
+saves the anchor without it: each rank gathers, quantizes and writes only the tensors it owns.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def unique_state_dict(model: nn.Module, state_dict: Optional[Dict[str, torch.Ten
     if is_sharded(model):
         raise ValueError("mfqat.save_anchor: the model is sharded (FSDP2 DTensor parameters); gather it on "
                          "every rank with sd = mfqat.storage.sharded.full_state_dict(model), then call "
-                         "save_anchor(model, ..., state_dict=sd) on rank 0")
+                         "save_anchor(model, ..., state_dict=sd) on rank 0, or call "
+                         "mfqat.anchor.sharded_save.save_anchor_sharded(model, ...) on every rank")
     seen: Dict[int, str] = {}
     out: Dict[str, torch.Tensor] = {}
     tied: Dict[str, str] = {}

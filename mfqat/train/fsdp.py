@@ -7,8 +7,11 @@ processes (``cpu=False``). On such a machine the training loop keeps accelerate'
 then the root), as accelerate's FSDP2 plugin would on GPUs. Options such a run cannot honour are
 refused (:func:`check_args`), never ignored.
 
-After training, every rank joins the gather of the full state dict; rank 0 loads it into a fresh
-unsharded copy (:func:`unsharded_copy`) that the anchor, ``--save-master`` and the evaluation use.
+After training, an MF-QAT run without LoRA or learned scales saves its anchor rank by rank
+(:func:`per_rank_anchor`, :func:`mfqat.anchor.sharded_save.save_anchor_sharded`) and evaluates the
+sharded model on every rank. Otherwise (and for ``--save-master``) every rank joins the gather of the
+full state dict; rank 0 loads it into a fresh unsharded copy (:func:`unsharded_copy`) that the anchor,
+``--save-master`` and the evaluation use.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from torch import nn
 
 from mfqat.qat.config import QATConfig
 from mfqat.qat.prepare import prepare
-from mfqat.storage.sharded import full_state_dict
+from mfqat.storage.sharded import full_state_dict, is_sharded
 
 
 def requested() -> bool:
@@ -85,6 +88,13 @@ def shard(model: nn.Module) -> nn.Module:
         fully_shard(m, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     return model
+
+
+def per_rank_anchor(model: nn.Module, cfg: Optional[QATConfig], lora) -> bool:
+    """True when the anchor of this run is saved rank by rank (:func:`mfqat.anchor.sharded_save.save_anchor_sharded`):
+    a sharded MF-QAT model without LoRA (its merged copy needs the whole model) or learned scales (kept on the
+    full-gather path: :func:`unsharded_copy`)."""
+    return cfg is not None and lora is None and not cfg.learn_scales and is_sharded(model)
 
 
 def unsharded_copy(model: nn.Module, cfg: Optional[QATConfig], is_main: bool) -> Optional[nn.Module]:

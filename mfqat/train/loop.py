@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mfqat.progress import progress, quiet_dependency_logs
 from mfqat.anchor.checkpoint import save_anchor
+from mfqat.anchor.sharded_save import save_anchor_sharded
 from mfqat.data.sources import byte_tokenizer, load_model, tiny_llama
 from mfqat.eval.elastic import evaluate_formats, ptq_state
 from mfqat.eval.perplexity import perplexity
@@ -76,6 +77,27 @@ def micro_step(args, acc, model, base, ctl, cfg, batch: torch.Tensor, step: int,
                 if ctl and args.distill else model(input_ids=batch, labels=batch).loss)
         acc.backward(loss * scale)
     return {formats[0]: loss.item()}
+
+
+def final_eval(args, cfg, base, saved, held: torch.Tensor, lora, show: bool = True) -> List[dict]:
+    """The run's closing table: perplexity in each --eval-formats format, then in full precision."""
+    rows = []
+    for f in [x for x in args.eval_formats.split(",") if x]:
+        if cfg:  # the saved model's QAT forward in format f (through the anchor: what load_anchor(fmt=f)
+            # gives). With LoRA that is the merged copy, quantized with the adapters in its weights; the
+            # unmerged model would add the adapters in full precision beside the quantized base.
+            set_format(saved, f)
+            ppl = perplexity(saved, held, desc=f"eval {f}" if show else None)
+        else:  # plain fine-tune: post-training quantization of the fine-tuned weights
+            ppl = evaluate_formats(base, {f: ptq_state(base, f)}, held)[0]["perplexity"]
+        rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "perplexity": ppl})
+    if cfg:
+        set_format(saved, None)
+        set_format(base, None)
+    top = "fp (master)" if lora is None else f"{args.base} base + LoRA"
+    rows.append({"format": top, "bits/weight": base_bits_per_weight(args.base),
+                 "perplexity": perplexity(base, held, desc="eval fp" if show else None)})
+    return rows
 
 
 def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> dict:
@@ -216,11 +238,15 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                 torch.save(gc.state_dict(), grad_compress.residual_file(ckpt, acc.process_index))
             if importance:  # and its own importance sums
                 importance_state.save_state(base, ckpt, acc.process_index)
-            sd = full_state_dict(base) if cfg and is_sharded(base) else None  # every rank joins the gather
+            by_rank = fsdp.per_rank_anchor(base, cfg, lora)
+            if by_rank:  # every rank quantizes and writes its own part (no full state dict anywhere)
+                save_anchor_sharded(base, ckpt / "mfqat_anchor", anchor_format, tok, step=step,
+                                    schedule=cfg.to_dict(), overwrite=True)
+            sd = full_state_dict(base) if cfg and is_sharded(base) and not by_rank else None  # every rank gathers
             acc.wait_for_everyone()  # every rank's files are written before rank 0 seals the folder
             if acc.is_main_process:
                 (ckpt / SCHEDULER_FILE).write_text(json.dumps(sched.state_dict()))
-                if cfg:
+                if cfg and not by_rank:
                     save_anchor(merged_copy(base), ckpt / "mfqat_anchor", anchor_format, tok, step=step,
                                 schedule=cfg.to_dict(), overwrite=True, state_dict=sd)
                 seal_checkpoint(ckpt, step, extra={"run": run_identity(args)})  # last: --resume refuses a folder without it
@@ -240,17 +266,29 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
                           for p in base.parameters()])
         Path(f"{args.dump_weights}.rank{acc.process_index}").write_text(repr(flat.double().sum().item()) + " " +
                                                                         repr(flat.abs().double().sum().item()))
-    if is_sharded(base):  # every rank joins the gather; rank 0 finishes on an unsharded copy
+    if is_sharded(base):
+        summary["fsdp"] = "fully_shard (torch FSDP2) on CPU ranks" if self_shard else "accelerate FSDP"
+    by_rank = fsdp.per_rank_anchor(base, cfg, lora)
+    if by_rank:  # FSDP: every rank quantizes and writes its own part of the anchor (mfqat.anchor.sharded_save)
+        saved_by = save_anchor_sharded(base, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
+                                       overwrite=True)  # only this command's own earlier anchor (checked up front)
+        summary["anchor_save"] = {"path": "per-rank", **{k: saved_by[k] for k in (
+            "ranks", "files", "max_gathered_bytes", "rank_bytes", "state_dict_bytes")}}
+    elif is_sharded(base):
+        summary["anchor_save"] = {"path": "full-gather"}
+    sharded_eval = by_rank and not args.save_master  # the evaluation runs sharded, on every rank
+    if is_sharded(base) and not sharded_eval:  # every rank joins the gather; rank 0 finishes on an unsharded copy
         sharded_importance = importance.state_dict() if importance else None
         base = fsdp.unsharded_copy(base, cfg, acc.is_main_process)
         if sharded_importance is not None and base is not None:  # the copy is a new model: carry the sums
             ImportanceStatistic(base).load_state_dict(sharded_importance)
-        summary["fsdp"] = "fully_shard (torch FSDP2) on CPU ranks" if self_shard else "accelerate FSDP"
+    # what the anchor holds: LoRA merged into the weights
+    saved = merged_copy(base) if cfg and (acc.is_main_process or sharded_eval) else None
     if acc.is_main_process:
-        saved = merged_copy(base) if cfg else None  # what the anchor holds: LoRA merged into the weights
-        if cfg:
+        if cfg and not by_rank:
             save_anchor(saved, out / "anchor", anchor_format, tok, step=step, schedule=cfg.to_dict(),
                         overwrite=True)  # only this command's own earlier anchor (checked up front)
+        if cfg:
             summary["anchor"] = str(run.folder("anchor", "anchor"))
         if lora is not None:
             save_adapter(base, out / "adapter", tok)
@@ -259,22 +297,9 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         if args.save_master:
             save_master(base, tok, out / "master")
             summary["master"] = str(run.folder("master", "hf-model"))
-        rows = []
-        for f in [x for x in args.eval_formats.split(",") if x]:
-            if cfg:  # the saved model's QAT forward in format f (through the anchor: what load_anchor(fmt=f)
-                # gives). With LoRA that is the merged copy, quantized with the adapters in its weights; the
-                # unmerged model would add the adapters in full precision beside the quantized base.
-                set_format(saved, f)
-                ppl = perplexity(saved, held, desc=f"eval {f}")
-            else:  # plain fine-tune: post-training quantization of the fine-tuned weights
-                ppl = evaluate_formats(base, {f: ptq_state(base, f)}, held)[0]["perplexity"]
-            rows.append({"format": f, "bits/weight": get_format(f).bits_per_weight(32), "perplexity": ppl})
-        if cfg:
-            set_format(saved, None)
-            set_format(base, None)
-        top = "fp (master)" if lora is None else f"{args.base} base + LoRA"
-        rows.append({"format": top, "bits/weight": base_bits_per_weight(args.base),
-                     "perplexity": perplexity(base, held, desc="eval fp")})
+    if acc.is_main_process or sharded_eval:  # sharded: every rank runs the same forwards (they are collectives)
+        rows = final_eval(args, cfg, base, saved, held, lora, show=acc.is_main_process)
+    if acc.is_main_process:
         summary["eval"] = rows
         if wanted:
             acc.log({f"eval/{r['format'].split()[0]}_ppl": r["perplexity"] for r in rows}, step=step)
