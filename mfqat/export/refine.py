@@ -79,6 +79,27 @@ def _unnibble(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+class _AffineWeight(torch.autograd.Function):
+    """``W = q * s + b`` (codes ``q`` grouped along the last axis) whose backward keeps the uint8 codes it is given
+    rather than the float32 copy autograd would save for ``q * s``; the same values and gradients, bit for bit
+    (a product then a sum in float32, the gradients reduced over each group's axis as autograd reduces them)."""
+
+    @staticmethod
+    def forward(ctx, codes: torch.Tensor, s: torch.Tensor, b: torch.Tensor, shape: tuple, bs: int) -> torch.Tensor:
+        w = codes.float().reshape(*shape[:-1], shape[-1] // bs, bs)
+        w.mul_(s.unsqueeze(-1)).add_(b.unsqueeze(-1))
+        ctx.save_for_backward(codes)
+        ctx.bs = bs
+        return w.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (codes,) = ctx.saved_tensors
+        g = grad.reshape(*codes.shape[:-1], codes.shape[-1] // ctx.bs, ctx.bs)
+        grad_s = (g * codes.reshape(g.shape)).sum(-1)
+        return None, grad_s, g.sum(-1), None, None
+
+
 class _Groups(nn.Module):
     """The learned (a, c) of one affine tensor and the weights they give. The codes are kept as the tensor's
     uint8 codes (two a byte for widths up to 4 bits); :meth:`weight` builds the float32 weights when a forward
@@ -90,12 +111,13 @@ class _Groups(nn.Module):
         self.codes = _nibbles(q.codes) if self.nibbles else q.codes
         self.shape, self.layout = tuple(q.shape), (q.fmt, q.block_size, q.dtype)
         self.scale_rule = q.scale_rule
-        self.s0, self.b0 = q.scales.float(), q.biases.float()
-        self.a = nn.Parameter(torch.zeros_like(self.s0))
-        self.c = nn.Parameter(torch.zeros_like(self.s0))
+        self.s0, self.b0 = q.scales, q.biases  # as derived (bfloat16): upcast exactly where they are used
+        self.a = nn.Parameter(torch.zeros_like(self.s0, dtype=torch.float32))
+        self.c = nn.Parameter(torch.zeros_like(self.s0, dtype=torch.float32))
 
     def scales_biases(self, straight_through: bool = True):
-        s, b = self.s0 * (1 + self.a), self.b0 + self.s0 * self.c
+        s0, b0 = self.s0.float(), self.b0.float()
+        s, b = s0 * (1 + self.a), b0 + s0 * self.c
         if straight_through:
             return _ste_bf16(s), _ste_bf16(b)
         return s.detach().to(torch.bfloat16).float(), b.detach().to(torch.bfloat16).float()
@@ -107,9 +129,7 @@ class _Groups(nn.Module):
     def weight(self) -> torch.Tensor:
         """``W = q * s + b`` in float32, the codes grouped along the last axis."""
         s, b = self.scales_biases()
-        shape, bs = self.shape, self.layout[1]
-        codes = self.unpacked().float().reshape(*shape[:-1], shape[-1] // bs, bs)
-        return (codes * s.unsqueeze(-1) + b.unsqueeze(-1)).reshape(shape)
+        return _AffineWeight.apply(self.unpacked(), s, b, self.shape, self.layout[1])
 
     def learned(self) -> MXTensor:
         """The tensor with its learned bfloat16 scales and biases (same codes)."""
