@@ -114,3 +114,15 @@ def test_dtype_bfloat16_with_bf16_autocast_is_accepted():
     from mfqat.train.args import build_parser, check_train_args
 
     check_train_args(build_parser().parse_args(["--dtype", "bfloat16", "--mixed-precision", "bf16"]))
+
+
+def test_resume_refuses_a_checkpoint_of_another_master_dtype(tmp_path):
+    from mfqat.train.args import build_parser, check_resume, run_identity
+
+    ck = tmp_path / "checkpoint-1"
+    ck.mkdir()
+    written = build_parser().parse_args(["--model", "tiny"])  # a float32 run wrote it
+    (ck / "mfqat_step.json").write_text(json.dumps({"step": 1, "run": run_identity(written)}))
+    check_resume(build_parser().parse_args(["--model", "tiny", "--resume", str(ck)]))
+    with pytest.raises(ValueError, match="--dtype float32 there, bfloat16 here"):  # Adam's float32 state
+        check_resume(build_parser().parse_args(["--model", "tiny", "--dtype", "bfloat16", "--resume", str(ck)]))
