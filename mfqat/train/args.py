@@ -85,9 +85,10 @@ def build_parser(prog: str = "mfqat train") -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--dtype", default="float32", choices=list(MASTER_DTYPES),
                    help="dtype of the master weights, their gradients and the optimizer state (bfloat16: half "
-                        "the memory of float32; AdamW steps are rounded to bfloat16, so an update below a "
-                        "weight's last bit is lost: use a learning rate large enough, e.g. 1e-4). The MF-QAT "
-                        "forward computes the same quantized weights as from a float32 copy")
+                        "the memory of float32, but each AdamW update is rounded to bfloat16: a weight moves only "
+                        "when its step exceeds half its last bit, 0.2-0.4%% of its magnitude, so a small "
+                        "--lr trains less than in float32). The MF-QAT forward computes the same quantized "
+                        "weights as from a float32 copy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--output-dir", "--save-path", dest="out", default="runs/mfqat")
     p.add_argument("--overwrite", "--overwrite-output-dir", dest="overwrite", action="store_true",

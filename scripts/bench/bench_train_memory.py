@@ -11,7 +11,7 @@ For each size, master dtype (--dtypes) and activation checkpointing setting (--c
 * mfqat: ``mfqat train --model SRC --dtype D`` with the default joint recipe (mxint_joint_search: one
   forward + backward per format, mxint8/6/4, per step), the same batch, sequence length, steps and AdamW,
   ``--eval-blocks 1``; it ends by saving its anchor, which the plain loop does not do;
-* mfqat --no-qat (--no-qat-rows): the same command without MF-QAT, which separates the cost of mfqat's
+* mfqat --no-qat (``--variants plain,mfqat,no-qat``): the same command without MF-QAT, which separates the cost of mfqat's
   loop (accelerate, data, the final eval and save) from that of the MF-QAT wrappers.
 
 The sources are the random bfloat16 Llama checkpoints of bench_scale.py (its builder: SmolLM2's tokenizer,
@@ -86,10 +86,10 @@ def commands(src: Path, work: Path, dtype: str, ckpt: str, a) -> dict:
                       str(a.lr), str(plain_json)], plain_json),
            "mfqat": ([PY, "-m", "mfqat", "train", "--model", str(src), *shared, "--out", str(work / f"mfqat-{tag}")],
                      work / f"mfqat-{tag}" / "summary.json")}
-    if a.no_qat_rows:
-        out["mfqat --no-qat"] = ([PY, "-m", "mfqat", "train", "--model", str(src), *shared, "--no-qat", "--out",
-                                  str(work / f"noqat-{tag}")], work / f"noqat-{tag}" / "summary.json")
-    return out
+    out["mfqat --no-qat"] = ([PY, "-m", "mfqat", "train", "--model", str(src), *shared, "--no-qat", "--out",
+                              str(work / f"noqat-{tag}")], work / f"noqat-{tag}" / "summary.json")
+    wanted = {"plain": "plain", "mfqat": "mfqat", "no-qat": "mfqat --no-qat"}
+    return {wanted[v]: out[wanted[v]] for v in a.variants.split(",")}
 
 
 def run_one(cmd, result: Path, log: Path, limit_gib: float) -> dict:
@@ -127,7 +127,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--no-qat-rows", action="store_true", help="also run mfqat train --no-qat")
+    ap.add_argument("--variants", default="plain,mfqat", help="comma list of plain, mfqat, no-qat (mfqat train "
+                    "--no-qat: mfqat's loop without MF-QAT)")
     ap.add_argument("--out", default="out/bench_train_memory")
     ap.add_argument("--src-root", default=None, help="folder of the src-SIZEB checkpoints (default: --out; "
                     "bench_scale.py's out/bench_scale holds the same ones)")
