@@ -36,8 +36,7 @@ from mfqat.train.args import (build_parser, check_resume, check_train_args, chec
                               run_identity)
 from mfqat.train.setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data,
                                load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
-                               master_dtype,
-                               peak_memory_mib, save_master)
+                               master_dtype, peak_memory_mib, save_master)
 from mfqat.train import fsdp, grad_compress
 from mfqat.train.summary import run_summary, write_summary
 from mfqat.storage.io import RunFolder
