@@ -81,7 +81,7 @@ def commands(src: Path, work: Path, dtype: str, ckpt: str, a) -> dict:
     plain_json = work / f"plain-{tag}.json"
     shared = ["--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--steps", str(a.steps),
               "--lr", str(a.lr), "--dtype", dtype, "--eval-blocks", "1", "--overwrite",
-              *(["--gradient-checkpointing"] if ckpt == "on" else [])]
+              *(["--gradient-checkpointing"] if ckpt == "on" else []), *a.mfqat_args.split()]
     out = {"plain": ([PY, "-c", PLAIN, str(src), dtype, str(a.batch_size), str(a.seq_len), str(a.steps), ckpt,
                       str(a.lr), str(plain_json)], plain_json),
            "mfqat": ([PY, "-m", "mfqat", "train", "--model", str(src), *shared, "--out", str(work / f"mfqat-{tag}")],
@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--variants", default="plain,mfqat", help="comma list of plain, mfqat, no-qat (mfqat train "
                     "--no-qat: mfqat's loop without MF-QAT)")
+    ap.add_argument("--mfqat-args", default="", help="more `mfqat train` flags, e.g. \"--qat-config mxint_joint\" "
+                    "(default: its default recipe)")
     ap.add_argument("--out", default="out/bench_train_memory")
     ap.add_argument("--src-root", default=None, help="folder of the src-SIZEB checkpoints (default: --out; "
                     "bench_scale.py's out/bench_scale holds the same ones)")
