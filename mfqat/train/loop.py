@@ -37,7 +37,7 @@ from mfqat.train.args import (build_parser, check_resume, check_train_args, chec
                               run_identity)
 from mfqat.train.setup import (_forever, check_model_fits, check_run_values, check_token_ids, load_data,
                                load_importance, load_qat_config, log_with, make_lr_lambda,  # noqa: F401
-                               peak_memory_mib, save_master)
+                               master_dtype, peak_memory_mib, save_master)
 from mfqat.train import fsdp, grad_compress
 from mfqat.train.summary import run_summary, write_summary
 from mfqat.storage.io import RunFolder
@@ -95,7 +95,8 @@ def final_eval(args, cfg, base, saved, held: torch.Tensor, lora, show: bool = Tr
         set_format(saved, None)
         set_format(base, None)
     top = "fp (master)" if lora is None else f"{args.base} base + LoRA"
-    rows.append({"format": top, "bits/weight": base_bits_per_weight(args.base),
+    bits = base_bits_per_weight(args.base, torch.finfo(master_dtype(args)).bits)
+    rows.append({"format": top, "bits/weight": bits,
                  "perplexity": perplexity(base, held, desc="eval fp" if show else None)})
     return rows
 
@@ -132,7 +133,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
         fsdp.check_args(args, acc)
     elif fsdp.requested() and acc.num_processes == 1:
         print("[mfqat] warning: FSDP config with a single process: nothing to shard, training unsharded")
-    model, tok = (tiny_llama(vocab_size=320), None) if args.model == "tiny" else load_model(args.model)
+    dtype = master_dtype(args)  # --dtype: the master weights, their gradients and the optimizer state
+    model, tok = (tiny_llama(vocab_size=320).to(dtype), None) if args.model == "tiny" else load_model(args.model, dtype)
     check_model_fits(model, args.seq_len)
     train, held = load_data(args, tok, acc.num_processes)  # tiny: the text's bytes are the token ids
     what = f"--dataset {args.dataset}" if args.dataset else f"--text {args.text or 'pydoc'}"
@@ -255,7 +257,8 @@ def main(argv: Optional[List[str]] = None, trackers: Optional[list] = None) -> d
     train_s = time.perf_counter() - t0
     acc.wait_for_everyone()
     summary = run_summary(args.steps, train_s, losses, formats=fmts, peak_memory_mib=peak_memory_mib(),
-                          optimizer=type(getattr(opt, "optimizer", opt)).__name__)  # the class behind accelerate's wrapper
+                          optimizer=type(getattr(opt, "optimizer", opt)).__name__,  # the class behind accelerate's wrapper
+                          master_dtype=args.dtype)
     if cfg is not None and cfg.activation_observer:  # mean over layers of the clipped fraction of inputs
         summary["activation_clip_rate"] = mean_clip_rate(base)
     if gc:

@@ -145,10 +145,11 @@ def trainable_summary(model: nn.Module) -> dict:
     return {"trainable_params": trainable, "total_params": total}
 
 
-def base_bits_per_weight(base: str) -> float:
-    """Storage of the frozen base per weight: 32 (fp), NF4 + double quant (4.127), LLM.int8 (8, plus
-    one float32 scale per row, which this figure leaves out)."""
-    return {"fp": 32.0, "nf4": get_format("nf4_dq").bits_per_weight(64), "int8": 8.0}[base]
+def base_bits_per_weight(base: str, master_bits: float = 32.0) -> float:
+    """Storage of the frozen base per weight: ``master_bits`` (fp: 32 for float32 master weights, 16 for
+    bfloat16), NF4 + double quant (4.127), LLM.int8 (8, plus one float32 scale per row, which this figure
+    leaves out)."""
+    return {"fp": float(master_bits), "nf4": get_format("nf4_dq").bits_per_weight(64), "int8": 8.0}[base]
 
 
 def maybe_lora(model: nn.Module, args, qat: bool) -> Optional[nn.Module]:

@@ -52,6 +52,11 @@ def load_qat_config(args) -> QATConfig:
         raise ValueError(f"--qat-config {source or '(command line)'}: {e}") from None
 
 
+def master_dtype(args) -> torch.dtype:
+    """The torch dtype of --dtype (the master weights, their gradients and the optimizer state)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[getattr(args, "dtype", "float32")]
+
+
 def trained_formats(cfg: QATConfig) -> list:
     """Every format a config trains (``formats`` and ``layer_formats``), each once, in order."""
     return list(dict.fromkeys(cfg.formats + [f for v in cfg.layer_formats.values() for f in v]))
