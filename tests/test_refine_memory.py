@@ -225,3 +225,27 @@ def test_one_steps_gradients_equal_the_whole_models_bit_for_bit(anchors, tok, ti
     _kl(model.logits(_student_source(a, plan, new, _teacher_source(a)), ids), target, 1.0).backward()
     for n in old:
         assert torch.equal(new[n].a.grad, old[n].a.grad) and torch.equal(new[n].c.grad, old[n].c.grad), n
+
+
+@pytest.mark.parametrize("shape", [(5, 128), (2, 3, 64)])
+def test_the_affine_weight_function_gives_autograds_values_and_gradients_in_row_chunks(shape, monkeypatch):
+    """The refine weight W = q * s + b built by one autograd Function (it keeps the uint8 codes, not a float32
+    copy) and its gradients reduced a few rows at a time (uneven last chunk, stacked experts): bit for bit what
+    autograd gives for the plain expression."""
+    import mfqat.export.refine as refine
+
+    monkeypatch.setattr(refine, "_CHUNK_ELEMENTS", 300)  # 2 rows of 128 (4 of 64) a chunk
+    gen = torch.Generator().manual_seed(0)
+    bs = 32
+    codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.uint8)
+    groups = shape[:-1] + (shape[-1] // bs,)
+    s0, b0 = torch.randn(groups, generator=gen), torch.randn(groups, generator=gen)
+    grad = torch.randn(shape, generator=gen)
+    s1, b1 = s0.clone().requires_grad_(), b0.clone().requires_grad_()
+    w1 = refine._AffineWeight.apply(codes, s1, b1, shape, bs)
+    w1.backward(grad)
+    s2, b2 = s0.clone().requires_grad_(), b0.clone().requires_grad_()
+    w2 = (codes.float().reshape(*groups, bs) * s2.unsqueeze(-1) + b2.unsqueeze(-1)).reshape(shape)
+    w2.backward(grad)
+    assert torch.equal(w1, w2)
+    assert torch.equal(s1.grad, s2.grad) and torch.equal(b1.grad, b2.grad)

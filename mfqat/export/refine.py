@@ -79,6 +79,9 @@ def _unnibble(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+_CHUNK_ELEMENTS = 16 * 1024 ** 2  # the backward's product of a gradient and its codes, 64 MB of float32 at a time
+
+
 class _AffineWeight(torch.autograd.Function):
     """``W = q * s + b`` (codes ``q`` grouped along the last axis) whose backward keeps the uint8 codes it is given
     rather than the float32 copy autograd would save for ``q * s``; the same values and gradients, bit for bit
@@ -95,9 +98,15 @@ class _AffineWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (codes,) = ctx.saved_tensors
-        g = grad.reshape(*codes.shape[:-1], codes.shape[-1] // ctx.bs, ctx.bs)
-        grad_s = (g * codes.reshape(g.shape)).sum(-1)
-        return None, grad_s, g.sum(-1), None, None
+        bs = ctx.bs
+        g = grad.reshape(-1, codes.shape[-1] // bs, bs)
+        q = codes.reshape(g.shape)
+        grad_s = torch.empty(g.shape[:-1], dtype=g.dtype)
+        step = max(1, _CHUNK_ELEMENTS // max(codes.shape[-1], 1))  # rows at a time: no float32 copy of the matrix
+        for lo in range(0, g.shape[0], step):
+            grad_s[lo:lo + step] = (g[lo:lo + step] * q[lo:lo + step]).sum(-1)
+        lead = codes.shape[:-1] + (codes.shape[-1] // bs,)
+        return None, grad_s.reshape(lead), g.sum(-1).reshape(lead), None, None
 
 
 class _Groups(nn.Module):

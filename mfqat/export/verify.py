@@ -1,6 +1,7 @@
 """The export check: MLX's dequantized tensors and mlx_lm's logits against PyTorch on the same weights."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -68,9 +69,11 @@ def reference_state(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = la
 
 
 def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = lambda name: True,
-                      vocab: Optional["VocabCut"] = None):
+                      vocab: Optional["VocabCut"] = None, upcast: bool = False):
     """(name, float32 tensor) of :func:`reference_state`, one at a time (large matrices dequantized in row
-    chunks: Plan.chunk_rows); ``vocab``: only the kept rows of the tensors indexed by token id."""
+    chunks: Plan.chunk_rows); ``vocab``: only the kept rows of the tensors indexed by token id; ``upcast``:
+    bfloat16 affine scales and biases applied in float32 arithmetic, as MLX computes once the check has
+    upcast them (:func:`compare_logits`), instead of MLX's native bfloat16 two roundings."""
     family = plan.family
     for k in anchor.plain:
         if keep(k) and k not in plan.formats:
@@ -79,7 +82,7 @@ def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = 
             yield k, (vocab.rows_of(k, v) if vocab else v)
     for name in plan.formats:
         if keep(name):
-            yield name, _dequantized(anchor, plan, name, vocab)
+            yield name, _dequantized(anchor, plan, name, vocab, upcast)
     for name in plan.kept16:
         if keep(name) and name in anchor.quantized:
             v = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
@@ -100,23 +103,31 @@ def reference_tensor(anchor: Anchor, plan: Plan, name: str) -> Optional[torch.Te
     return None
 
 
-def _dequantized(anchor: Anchor, plan: Plan, name: str, vocab: Optional["VocabCut"]) -> torch.Tensor:
+def _decoded(q, upcast: bool) -> torch.Tensor:
+    """``q`` dequantized to float32; ``upcast``: a bfloat16 affine tensor's arithmetic in float32."""
+    if upcast and q.dtype == torch.bfloat16 and q.biases is not None:
+        q = dataclasses.replace(q, dtype=torch.float32)
+    return q.dequantize(torch.float32)
+
+
+def _dequantized(anchor: Anchor, plan: Plan, name: str, vocab: Optional["VocabCut"],
+                 upcast: bool = False) -> torch.Tensor:
     """Planned tensor ``name`` dequantized to float32 (row chunks for large matrices; with ``vocab``, only its
-    kept rows when it is indexed by token id)."""
+    kept rows when it is indexed by token id; ``upcast``: see :func:`reference_tensors`)."""
     shape = anchor.shape(name)
     picked = vocab.index(name, shape) if vocab else None
     rows = plan.chunk_rows(anchor, name)
     if rows is None:
-        v = plan.tensor(anchor, name).dequantize(torch.float32)
+        v = _decoded(plan.tensor(anchor, name), upcast)
         return v if picked is None else v[picked]
     out = torch.empty((len(picked),) + tuple(shape[1:]) if picked is not None else shape, dtype=torch.float32)
     for lo, hi, q in plan.tensor_chunks(anchor, name, rows):
         if picked is None:
-            out[lo:hi] = q.dequantize(torch.float32)
+            out[lo:hi] = _decoded(q, upcast)
             continue
         inside = ((picked >= lo) & (picked < hi)).nonzero().flatten()
         if len(inside):
-            out[inside] = q.dequantize(torch.float32)[picked[inside] - lo]
+            out[inside] = _decoded(q, upcast)[picked[inside] - lo]
     return out
 
 
@@ -547,7 +558,8 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
         pt = auto.from_config(pt_config, dtype=torch.float32)
     own = dict(pt.state_dict(keep_vars=True))
     loaded, unexpected = set(), []
-    for k, v in reference_tensors(anchor, plan, keep, vocab):  # copied in one at a time, never a second model
+    upcast = compute == "float32-upcast"  # the reference computes as the upcast MLX model does
+    for k, v in reference_tensors(anchor, plan, keep, vocab, upcast):  # one at a time, never a second model
         if k not in own or tuple(own[k].shape) != tuple(v.shape):
             unexpected.append(k)
             continue
