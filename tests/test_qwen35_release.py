@@ -199,6 +199,20 @@ def test_a_moe_release_streams_tensor_by_tensor_as_its_loaded_model_quantizes(to
     assert files(tmp_path / "d") == files(tmp_path / "two")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_eval_of_a_release_anchor_builds_the_whole_vl_model(releases, tmp_path, capsys, dtype):
+    """`mfqat eval ANCHOR --dtype bfloat16` fills an empty model tensor by tensor: it must be the release's own
+    class (model.language_model.*, the vision tower), not the text-only causal LM."""
+    from mfqat.anchor.stream import anchor_from_folder
+    from mfqat.cli import main as cli_main
+
+    anchor = anchor_from_folder(releases["qwen3_5_moe"], tmp_path / "a")
+    cli_main(["eval", str(anchor), "--formats", "mxint4", "--blocks", "2", "--seq-len", "32", "--dtype", dtype,
+              "--plot", str(tmp_path / "p.png")])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mxint4")]
+    assert rows and float(rows[0].split("|")[3]) > 1 and (tmp_path / "p.png").is_file()
+
+
 @pytest.mark.slow
 def test_a_moe_whose_router_is_close_to_a_tie_passes_the_logits_check(tok, tmp_path):
     """16 experts, every weight random and every norm at 1: the router's k-th and (k+1)-th logits are close, so

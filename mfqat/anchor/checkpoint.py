@@ -365,13 +365,18 @@ def read_anchor(path: PathLike, verify: bool = True, lazy: bool = False) -> Anch
 
 
 def empty_model(config: dict, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The Hugging Face model of ``config`` with its weights allocated but not initialised (they are about to
-    be loaded: random init of a billion parameters costs minutes)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    """The Hugging Face model of ``config`` - the class that builds the whole checkpoint, a vision-language
+    release's included, as :func:`model_class` picks it - with its weights allocated but not initialised
+    (they are about to be loaded: random init of a billion parameters costs minutes)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
     from transformers.initialization import no_init_weights
 
+    from mfqat.models import family_for
+
+    auto = getattr(transformers, family_for(config["model_type"]).hf_auto_class)
     with no_init_weights():
-        return AutoModelForCausalLM.from_config(CONFIG_MAPPING[config["model_type"]].from_dict(config), dtype=dtype)
+        return auto.from_config(CONFIG_MAPPING[config["model_type"]].from_dict(config), dtype=dtype)
 
 
 def load_format(model: nn.Module, anchor: Anchor, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE,
