@@ -60,6 +60,17 @@ def _worker(rank: int, port: int, out: str, tie: bool) -> None:
     dist.destroy_process_group()
 
 
+def _assert_same_tensors(a, b) -> None:
+    """Two anchors hold the same quantized tensors (codes, scales) and plain tensors (dtype, values)."""
+    assert a.quantized.keys() == b.quantized.keys() and len(a.quantized) > 0
+    assert a.plain.keys() == b.plain.keys() and len(a.plain) > 0
+    for k in a.quantized:
+        assert torch.equal(a.quantized[k].codes, b.quantized[k].codes), k
+        assert torch.equal(a.quantized[k].scales, b.quantized[k].scales), k
+    for k in a.plain:
+        assert a.plain[k].dtype == b.plain[k].dtype and torch.equal(a.plain[k], b.plain[k]), k
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_fsdp_anchor_equals_ddp_anchor(tmp_path, tie):
     mp.spawn(_worker, args=(free_port(), str(tmp_path), tie), nprocs=2, join=True)
@@ -68,13 +79,7 @@ def test_fsdp_anchor_equals_ddp_anchor(tmp_path, tie):
     a, b = mfqat.read_anchor(tmp_path / "ddp"), mfqat.read_anchor(tmp_path / "fsdp")
     meta_a, meta_b = (json.loads((tmp_path / m / "mfqat.json").read_text()) for m in ("ddp", "fsdp"))
     assert meta_a["tied"] == meta_b["tied"] and bool(meta_a["tied"]) == tie
-    assert a.quantized.keys() == b.quantized.keys() and len(a.quantized) > 0
-    assert a.plain.keys() == b.plain.keys() and len(a.plain) > 0
-    for k in a.quantized:
-        assert torch.equal(a.quantized[k].codes, b.quantized[k].codes), k
-        assert torch.equal(a.quantized[k].scales, b.quantized[k].scales), k
-    for k in a.plain:
-        assert torch.equal(a.plain[k], b.plain[k]), k
+    _assert_same_tensors(a, b)
     from mfqat.data.sources import tiny_llama
     init = tiny_llama(vocab_size=320, tie=tie).state_dict()["model.embed_tokens.weight"]
     assert not torch.equal(b.plain["model.embed_tokens.weight"], init)  # the sharded steps trained it
@@ -190,13 +195,7 @@ def test_per_rank_anchor_equals_the_full_gather_anchor(tmp_path):
     assert all("down_proj.weight" in i["nan"] and "NaN" in i["nan"] for i in infos), infos
     assert not (tmp_path / "nan").exists() and not [p for p in tmp_path.iterdir() if "nan" in p.name]
     a, b = mfqat.read_anchor(tmp_path / "gather"), mfqat.read_anchor(tmp_path / "per-rank")
-    assert a.quantized.keys() == b.quantized.keys() and len(a.quantized) > 0
-    assert a.plain.keys() == b.plain.keys() and len(a.plain) > 0
-    for k in a.quantized:
-        assert torch.equal(a.quantized[k].codes, b.quantized[k].codes), k
-        assert torch.equal(a.quantized[k].scales, b.quantized[k].scales), k
-    for k in a.plain:
-        assert a.plain[k].dtype == b.plain[k].dtype and torch.equal(a.plain[k], b.plain[k]), k
+    _assert_same_tensors(a, b)
     meta_a, meta_b = (json.loads((tmp_path / m / "mfqat.json").read_text()) for m in ("gather", "per-rank"))
     for m in (meta_a, meta_b):
         for k in ("files", "manifest", "digest"):
