@@ -244,7 +244,7 @@ def plot(rows, path: Path) -> None:
     ax.plot(sizes, sizes, "k:", label="1x the bf16 bytes")
     ax.set_xlabel("model size (GiB in bfloat16)")
     ax.set_ylabel("peak resident memory (GiB)")
-    ax.set_title("Peak memory by model size: mfqat vs mlx_lm.convert (stars: Qwen3.5-MoE-shaped)")
+    ax.set_title("Peak memory: mfqat vs mlx_lm.convert (stars: a Qwen3.5-MoE release)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
