@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -55,10 +56,27 @@ def mx_format(request):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or a server the test starts)."""
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous or a server the test starts), drawn at random
+    *below* the kernel's ephemeral range: a port the kernel hands out (``bind(0)``) is also what other tests'
+    outgoing gloo connections are given, and a rank that connected to one of those instead of its own store
+    aborted (seen with 2 xdist workers running two-rank tests at once)."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no free port below the range: let the kernel pick one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
