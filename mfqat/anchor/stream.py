@@ -25,16 +25,16 @@ import torch
 from mfqat._build import __version__
 from mfqat.anchor.config import model_config, quantization_config, write_anchor_config
 from mfqat.anchor.meta import BASE_FORMAT_VERSION
+from mfqat.anchor.source import SourceCheckpoint
 from mfqat.anchor.tensors import default_targets, full_precision
 from mfqat.formats import get_format
+from mfqat.models import family_for
 from mfqat.progress import progress
 from mfqat.quant.api import quantize
 from mfqat.quant.scale_rules import anchor_rules
 from mfqat.storage.io import PathLike, atomic_directory, sha256_file, write_json
 from mfqat.storage.manifest import seal
 from mfqat.storage.model_card import write_model_card
-from mfqat.anchor.source import SourceCheckpoint
-from mfqat.models import family_for
 from mfqat.storage.shard_files import INDEX_FILE, MAX_SHARD_BYTES, WEIGHTS_FILE
 from mfqat.storage.sharded import unique_state_dict
 from mfqat.storage.tensor_files import ShardWriter
@@ -88,7 +88,8 @@ def inspect_folder(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
         held = set(src.names)
         sd, _ = unique_state_dict(model, model.state_dict())
         missing = [k for k in sd if k not in held]
-        extra = [k for k in src.names if k not in sd and k not in dict(model.named_parameters(remove_duplicate=False))]
+        aliases = dict(model.named_parameters(remove_duplicate=False))  # tied names the state dict dropped
+        extra = [k for k in src.names if k not in sd and k not in aliases]
         wrong = [k for k in sd if k in held and src.shape(k) != tuple(sd[k].shape)]
     if missing or extra or wrong:
         first = (missing or extra or wrong)[0]
