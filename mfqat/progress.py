@@ -61,6 +61,14 @@ def progress(iterable: Optional[Iterable] = None, **kwargs) -> tqdm:
     return _LogTqdm(iterable, **kwargs)
 
 
+def announce(message: str) -> None:
+    """One line for the user on stderr before a long step (what it will do, what it costs), written so that a
+    progress bar on screen is not broken; nothing when ``MFQAT_PROGRESS=0``."""
+    if os.environ.get("MFQAT_PROGRESS", "").strip().lower() in ("0", "false", "no", "off"):
+        return
+    tqdm.write(message, file=sys.stderr)
+
+
 class _DropMessages(logging.Filter):
     """Drop the log records whose message contains every one of ``needles``."""
 

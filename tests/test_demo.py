@@ -16,12 +16,14 @@ def test_demo_smoke(tiny_dir, tmp_path, capsys):
     assert by["mxint3"]["+ scale search"] != by["mxint3"]["MF-QAT ppl"]  # the search moved blocks
     assert (tmp_path / "demo" / "ppl_vs_bpw.png").stat().st_size > 5000
     rows = s["exports"]["rows"]
-    assert set(rows) == {"mfqat uniform:affine4", "mfqat uniform:affine4 +refine32", "mfqat auto:4.7:affine",
+    assert set(rows) == {"mfqat uniform:affine4 --no-refine", "mfqat uniform:affine4", "mfqat auto:4.7:affine",
                          "mlx_lm q4 g64", "mlx_lm mixed_4_6"}
-    refined = rows["mfqat uniform:affine4 +refine32"]
-    assert refined["stored_bits_per_weight"] == pytest.approx(rows["mfqat uniform:affine4"]["stored_bits_per_weight"], abs=1e-6)
-    assert refined["weights_bit_exact"] and refined["perplexity"] != rows["mfqat uniform:affine4"]["perplexity"]
-    ours, theirs = rows["mfqat uniform:affine4"], rows["mlx_lm q4 g64"]
+    refined, plain = rows["mfqat uniform:affine4"], rows["mfqat uniform:affine4 --no-refine"]  # the default refines
+    assert refined["refine_steps"] == 64 and rows["mfqat auto:4.7:affine"]["refine_steps"] == 64  # a tiny model: 64
+    assert plain["refine_steps"] is None
+    assert refined["stored_bits_per_weight"] == pytest.approx(plain["stored_bits_per_weight"], abs=1e-6)
+    assert refined["weights_bit_exact"] and refined["perplexity"] != plain["perplexity"]
+    ours, theirs = plain, rows["mlx_lm q4 g64"]
     assert ours["stored_bits_per_weight"] == pytest.approx(theirs["stored_bits_per_weight"], abs=5e-3)  # same tensors (file headers differ)
     assert ours["weights_bit_exact"] and ours["completion"]
     assert rows["mfqat auto:4.7:affine"]["stored_bits_per_weight"] <= rows["mlx_lm mixed_4_6"]["stored_bits_per_weight"] + 0.2

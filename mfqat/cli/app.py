@@ -122,11 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--scale-search", action="store_true", help="output-aware per-block MX scale choice when "
                    "lowering the anchor to mxint6..mxint3 (importance-weighted error, calibrated on --calib-text; "
                    "docs/numerics.md)")
-    x.add_argument("--refine", action="store_true", help="learn the affine tensors' group scales and biases (codes "
-                   "and bytes unchanged) so the export's next-token distribution matches the anchor's on --calib-text "
-                   "(KL, Adam; mlx-lm DWQ's lever, run in PyTorch; mfqat.export.refine.RefineConfig)")
-    x.add_argument("--refine-steps", type=int, default=64, help="--refine: Adam steps of 4 x 128 calibration tokens")
-    x.add_argument("--refine-lr", type=float, default=1e-3, help="--refine: learning rate of the relative scale / bias")
+    how = x.add_mutually_exclusive_group()
+    how.add_argument("--refine", action="store_true", help="the default for a plan with affine tensors, required "
+                     "here: learn the affine tensors' group scales and biases (codes and bytes unchanged) so the "
+                     "export's next-token distribution matches the anchor's on --calib-text (KL, Adam; mlx-lm DWQ's "
+                     "lever, run in PyTorch; mfqat.export.refine.RefineConfig); an error when the plan has no affine "
+                     "tensor")
+    how.add_argument("--no-refine", action="store_true", help="export the derived affine scales and biases as they "
+                     "are (round to nearest, as mlx_lm.convert): no calibration, seconds instead of minutes")
+    x.add_argument("--refine-steps", type=int, default=None, help="refine: Adam steps of 4 x 128 calibration "
+                   "tokens (default by model size: 64 up to 0.3B parameters, 32 up to 1B, 16 up to 4B, then 8)")
+    x.add_argument("--refine-lr", type=float, default=1e-3, help="refine: learning rate of the relative scale / bias")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="MLX affine scales/biases; auto: as mlx_lm.convert writes for the model (bfloat16 for a "
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")
@@ -145,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
                    help="the affine group the widths are learned for (export-mlx --group-size must match)")
     r.add_argument("--calib-text", default=None, help=CALIB_HELP)
-    r.add_argument("--steps", type=int, default=64, help="Adam steps of 4 x 128 calibration tokens per width")
+    r.add_argument("--steps", type=int, default=None, help="Adam steps of 4 x 128 calibration tokens per width "
+                   "(default by model size: 64 up to 0.3B parameters, 32 up to 1B, 16 up to 4B, then 8)")
     r.add_argument("--lr", type=float, default=1e-3, help="learning rate of the relative scale / bias")
     r.add_argument("--overwrite", action="store_true", help="learn again a width the anchor already holds")
     y = sub.add_parser("verify", help="check an anchor / MLX export / convert output against its manifest")

@@ -378,6 +378,13 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             need_auto_budget(a)
             finite(a)
             at_least(a, {"refine_steps": 1})
+            if a.refine and "affine" not in a.recipe:
+                raise UsageError(f"--refine learns affine scales and biases, and recipe {a.recipe!r} plans none: use "
+                                 "uniform:affineK, auto:BPW:affine or seed:affine (without --refine, an MX recipe "
+                                 "is exported as it is)")
+            if a.no_refine and a.refine_steps is not None:
+                raise UsageError(f"--refine-steps {a.refine_steps} with --no-refine: drop one (--no-refine exports "
+                                 "the derived scales, with no refine steps)")
             positive(a, "refine_lr")
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "

@@ -144,19 +144,22 @@ def export(a: argparse.Namespace) -> None:
 
     calib = mixed_text(a.calib_text, model=a.anchor) if a.calib_text else None
     refine = None
-    if a.refine:
+    if not a.no_refine:  # the default: refine the plan's affine tensors, if it has any
         from mfqat.export.refine import RefineConfig
-        refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr)
+        refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr, optional=not a.refine)
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
                  imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,
                  max_memory=getattr(a, "max_memory", None))
     v = rep.get("verify", {})
-    if "refine" in rep:
+    if "skipped" in rep.get("refine", {}):
+        print(f"refine: skipped: {rep['refine']['skipped']}")
+    elif "refine" in rep:
         r = rep["refine"]
         print(f"refine: {r['tensors']} affine tensors, {r['steps']} steps, validation KL to the anchor "
               f"{r['validation_kl_before']:.4f} -> {r['validation_kl_after']:.4f} "
-              f"({'kept' if r['kept'] else 'not lower: the derived scales were kept'}), {r['seconds']:.0f}s")
+              f"({'kept' if r['kept'] else 'not lower: the derived scales were kept'}), {r['seconds']:.0f}s "
+              f"(estimated {r['estimated_seconds']:.0f}s)")
     print(f"wrote {a.out}: recipe {a.recipe}, nominal {rep['bits_per_weight']:.3f} bits/weight, stored "
           f"{rep['stored_bits_per_weight']:.3f} bits/weight on disk ({rep['stored_bits_per_weight_quantized']:.3f} "
           f"for the quantized matrices, {rep['scale_dtype']} scales), "

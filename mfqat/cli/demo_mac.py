@@ -1,8 +1,10 @@
 """The demo's Mac stage: what a Mac user would ship, against ``mlx_lm.convert`` of the same weights.
 
-mfqat exports the demo's anchor in MLX's own affine layout (``uniform:affine4`` at mlx_lm's 4.5
-bits/weight, the same with ``--refine``'s learned scales and biases at the same bytes, and
-``auto:4.7:affine``, a sensitivity-based mix of widths at mlx_lm's ``mixed_4_6`` size); ``mlx_lm.convert`` quantizes the run's full-precision master weights (q4 g64, mixed_4_6).
+mfqat exports the demo's anchor in MLX's own affine layout as ``mfqat export-mlx`` does by default:
+``uniform:affine4`` at mlx_lm's 4.5 bits/weight and ``auto:4.7:affine`` (a sensitivity-based mix of
+widths at mlx_lm's ``mixed_4_6`` size), both refined (learned scales and biases, same bytes; steps by
+model size), and ``uniform:affine4 --no-refine`` (the derived scales, round to nearest as mlx-lm's);
+``mlx_lm.convert`` quantizes the run's full-precision master weights (q4 g64, mixed_4_6).
 Every row: stored bits/weight from the files and perplexity of the exact weights MLX holds
 (mfqat.eval.mlx_weights: computed in PyTorch, MLX's CPU backend being slow in bfloat16); mfqat's
 rows also load in mlx_lm, generate, and carry the exporter's MLX-vs-PyTorch check.
@@ -16,7 +18,8 @@ import torch
 
 from mfqat.eval.report import format_table
 
-MAC_RECIPES = (("uniform:affine4", None), ("uniform:affine4", 32), ("auto:4.7:affine", None))  # (recipe, refine steps)
+# (recipe, export-mlx's refine flag): the default refines (to_mlx refine="auto"), --no-refine does not
+MAC_RECIPES = (("uniform:affine4", "--no-refine"), ("uniform:affine4", ""), ("auto:4.7:affine", ""))
 MLX_LM_OPTIONS = {"q4 g64": dict(q_bits=4, q_group_size=64), "mixed_4_6": dict(quant_predicate="mixed_4_6")}
 GENERATE_TOKENS = 12
 
@@ -31,19 +34,18 @@ def mac_exports(anchor: Path, master: Optional[Path], model, held: torch.Tensor,
 
     n_params = sum(p.numel() for p in model.parameters())
     rows: Dict[str, dict] = {}
-    from mfqat.export.refine import RefineConfig
-
-    for recipe, steps in MAC_RECIPES:
-        label = recipe + (f" +refine{steps}" if steps else "")
-        d = out_dir / ("mlx-" + label.replace(":", "-").replace(" +", "-"))
+    for recipe, flag in MAC_RECIPES:
+        label = f"{recipe} {flag}".strip()
+        d = out_dir / ("mlx-" + label.replace(":", "-").replace(" --", "-"))
         rep = to_mlx(anchor, d, recipe=recipe, prompt=prompt, overwrite=True,
-                     refine=RefineConfig(steps=steps) if steps else None)
+                     refine=None if flag == "--no-refine" else "auto")
         m, tok = mlx_load(str(d))
         rows[f"mfqat {label}"] = {
             "dir": str(d), "stored_bits_per_weight": rep["stored_bits_per_weight"],
             "perplexity": mlx_folder_perplexity(d, model, {"held": held})["held"],
             "weights_bit_exact": rep["verify"]["weights_bit_exact"],
             "max_abs_logit_diff": rep["verify"]["max_abs_logit_diff"],
+            "refine_steps": rep.get("refine", {}).get("steps"),
             "completion": generate(m, tok, prompt=prompt, max_tokens=GENERATE_TOKENS)}
     for name, options in (MLX_LM_OPTIONS.items() if master else ()):
         d = mlx_lm_convert(master, out_dir / ("mlx_lm-" + name.replace(" ", "-")), **options)
@@ -60,5 +62,6 @@ def print_mac(rows: Dict[str, dict], prompt: str) -> None:
     print(format_table(table, ["MLX model", "stored bits/weight", "perplexity"]))
     for k, v in rows.items():
         if "completion" in v:
-            print(f"{k}: weights bit-exact in MLX: {v['weights_bit_exact']}, max |logit diff| vs PyTorch "
+            refined = f"refined {v['refine_steps']} steps; " if v.get("refine_steps") else ""
+            print(f"{k}: {refined}weights bit-exact in MLX: {v['weights_bit_exact']}, max |logit diff| vs PyTorch "
                   f"{v['max_abs_logit_diff']:.2e}; {prompt} ...{v['completion']}")

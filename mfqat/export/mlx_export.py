@@ -26,7 +26,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -141,7 +141,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
            group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
            imatrix_path: Optional[str] = None, scale_search: bool = False,
-           refine: Optional["RefineConfig"] = None, max_memory: Optional[int] = None) -> dict:
+           refine: Union["RefineConfig", str, None] = None, max_memory: Optional[int] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -158,7 +158,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
     ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
     against the anchor on ``calib_text`` (mfqat.export.refine.RefineConfig, DWQ's lever; codes and
-    bytes unchanged). ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
+    bytes unchanged); ``"auto"`` (``mfqat export-mlx``'s default) refines the plan's affine tensors with
+    steps chosen by model size, and exports an MX plan (or widths the anchor already stores) unrefined. ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
     logits check when it fits, else the check on the model's first layers).
 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
@@ -170,6 +171,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     import time
 
     t0 = time.perf_counter()
+    refine = _refine_config(refine)
     src = Path(source)
     is_anchor = (src / "mfqat.json").is_file()
     if awq and is_anchor:
@@ -182,7 +184,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         else:
             scratch = tmp / "ptq-anchor"
             anchor, own_tok = _ptq_anchor(source, scratch, awq, calib_text, report, ptq_anchor_format(recipe),
-                                          imatrix_path, written=refine is not None)
+                                          imatrix_path, written=refine is not None and _may_refine(recipe, refine))
         holds_model = scale_search or recipe.startswith("auto:") or imatrix_path is not None
         if holds_model:  # these steps run the whole model: they hold it anyway, and read each tensor many times
             anchor.materialize()  # (--refine alone does not: mfqat.export.refine reads one module's tensors at a time)
@@ -238,6 +240,23 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         report["seconds"] = time.perf_counter() - t0
         write_json(tmp / "mfqat_export.json", seal(report, tmp, "mfqat_export.json"))
     return report
+
+
+def _refine_config(refine: Union["RefineConfig", str, None]) -> Optional["RefineConfig"]:
+    """``refine`` as a RefineConfig: "auto" is an optional refine with steps by model size."""
+    from mfqat.export.refine import RefineConfig
+
+    if isinstance(refine, str):
+        if refine != "auto":
+            raise ValueError(f"refine={refine!r}: pass a RefineConfig, 'auto' or None")
+        return RefineConfig(optional=True)
+    return refine
+
+
+def _may_refine(recipe: str, refine: "RefineConfig") -> bool:
+    """Whether the recipe can plan affine tensors for ``refine`` to learn (an optional refine of an MX recipe
+    learns nothing, so its PTQ anchor need not be written)."""
+    return not refine.optional or "affine" in recipe
 
 
 def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], report: dict,

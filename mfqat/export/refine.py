@@ -12,18 +12,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.learned_scales import pick
 from mfqat.export.lazy_model import LazyModel
+from mfqat.export.mlx_sizes import anchor_parameters
 from mfqat.export.recipes import Plan
 from mfqat.export.verify import reference_tensor
 from mfqat.formats import get_format
-from mfqat.progress import progress
+from mfqat.progress import announce, progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE
 from mfqat.quant.mxtensor import MXTensor
 
@@ -45,9 +47,14 @@ class RefineConfig:
 
     ``n_valid`` further blocks measure the same KL before and after; the learned values are kept
     only when they lower it (else the export keeps the derived ones and says so).
+
+    ``steps`` None: chosen by the model's parameter count (:func:`default_steps`, :data:`STEPS_BY_SIZE`).
+    ``optional`` (``export-mlx``'s default, ``refine="auto"``): a plan with no affine tensor to learn - an MX
+    or NVFP4 recipe, or widths whose learned scales the anchor already stores (``mfqat refine``) - is
+    exported without refining instead of refused.
     """
 
-    steps: int = 64
+    steps: Optional[int] = None
     lr: float = 1e-3
     batch: int = 4
     seq_len: int = 128
@@ -55,13 +62,50 @@ class RefineConfig:
     n_valid: int = 4
     temperature: float = 1.0
     seed: int = 0
+    optional: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "n_blocks", "n_valid"):
+            if getattr(self, name) is None and name == "steps":
+                continue
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"refine: {name} must be at least 1, got {getattr(self, name)}")
         if not self.lr > 0 or not self.temperature > 0:
             raise ValueError(f"refine: lr and temperature must be positive, got {self.lr}, {self.temperature}")
+
+
+# Default refine steps by model size (parameters up to, steps): a step's compute grows with the model, so a
+# bigger model takes fewer steps. 64 steps of SmolLM2-135M take ~6 minutes on 2 CPU cores and lower its
+# held-out perplexity by a quarter at 4.5 bits (BENCHMARKS.md); 8 steps (DWQ's token count at 4 x 128 tokens)
+# still keep most of that gain.
+STEPS_BY_SIZE = ((300_000_000, 64), (1_000_000_000, 32), (4_000_000_000, 16), (float("inf"), 8))
+# Multiply-adds of one refine step per parameter and token: teacher forward, student forward, the decoder
+# layers' forward again in backward (recomputed) and the backward's two products.
+_PASSES_PER_STEP = 5
+_EFFICIENCY = 0.5  # the refine's share of a plain float32 matmul's speed (measured: SmolLM2-135M, 2 CPU cores)
+
+
+def default_steps(n_params: int) -> int:
+    """Refine steps for a model of ``n_params`` parameters (:data:`STEPS_BY_SIZE`)."""
+    return next(steps for limit, steps in STEPS_BY_SIZE if n_params <= limit)
+
+
+def _matmul_flops() -> float:
+    """This machine's float32 matmul speed (FLOP/s), timed on a 512 x 1024 x 1024 product (~0.1 s)."""
+    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    a @ b  # warm-up
+    t0, reps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.1:
+        a @ b
+        reps += 1
+    return 2 * 512 * 1024 * 1024 * reps / (time.perf_counter() - t0)
+
+
+def estimated_seconds(n_params: int, cfg: "RefineConfig", steps: int, flops: Optional[float] = None) -> float:
+    """A rough cost of refining a model of ``n_params`` parameters ``steps`` steps here: its multiply-adds (training
+    steps plus the validation KL before and after) at :data:`_EFFICIENCY` of this machine's matmul speed."""
+    tokens = steps * cfg.batch * cfg.seq_len * _PASSES_PER_STEP + 4 * cfg.n_valid * cfg.seq_len
+    return 2.0 * n_params * tokens / ((flops or _matmul_flops()) * _EFFICIENCY)
 
 
 def _ste_bf16(x: torch.Tensor) -> torch.Tensor:
@@ -177,17 +221,28 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
     return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
 
 
-def _affine_names(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig) -> List[str]:
-    """The plan's affine tensors (what refine learns); ValueError when there is none or too little text."""
+def _affine_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[str], str]:
+    """(the plan's affine tensors refine learns, why there are none). Without ``cfg.optional``, a plan with no
+    affine tensor is a ValueError; with it, so is (an empty list and the reason) a plan that uses a width the
+    anchor stores learned scales for (``mfqat refine``): the user's stored scales are exported as they are."""
     names = [n for n, f in plan.formats.items() if get_format(f).family == "affine"]
-    if not names:
+    if not names and not cfg.optional:
         raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, and recipe plan has no affine "
                          "tensor: use uniform:affineK, auto:BPW:affine or seed:affine")
+    if not names:
+        return [], "the plan has no affine tensor (refine learns affine scales and biases)"
+    stored = sorted({f for n, f in plan.formats.items() if n in names and pick(anchor.learned_scales, f, plan.group_of(f))})
+    if cfg.optional and stored:
+        return [], (f"the anchor stores learned scales for {', '.join(stored)} (mfqat refine); they are used as "
+                    "stored (--refine learns every affine tensor again, from them)")
+    return names, ""
+
+
+def _check_calibration(calib: torch.Tensor, cfg: RefineConfig) -> None:
     if calib.shape[0] < cfg.n_blocks + cfg.n_valid:
         raise ValueError(f"refine: the calibration text gives {calib.shape[0]} blocks of {calib.shape[1]} tokens, "
-                         f"{cfg.n_blocks + cfg.n_valid} needed (n_blocks + n_valid): pass a longer --calib-text "
-                         "or fewer blocks")
-    return names
+                         f"{cfg.n_blocks + cfg.n_valid} needed (n_blocks + n_valid): pass a longer --calib-text, "
+                         "or --no-refine")
 
 
 def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -> float:
@@ -197,13 +252,13 @@ def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -
 
 
 def _train(groups: Dict[str, _Groups], student: Logits, teacher: Logits, train: torch.Tensor,
-           cfg: RefineConfig) -> List[float]:
-    """``cfg.steps`` Adam steps on every group's (a, c), each on ``cfg.batch`` blocks drawn (seeded) from
+           cfg: RefineConfig, steps: int) -> List[float]:
+    """``steps`` Adam steps on every group's (a, c), each on ``cfg.batch`` blocks drawn (seeded) from
     ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
     opt = torch.optim.Adam([p for g in groups.values() for p in (g.a, g.c)], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
-    bar = progress(range(cfg.steps), desc="refine scales/biases", unit="step")
+    bar = progress(range(steps), desc="refine scales/biases", unit="step")
     for _ in bar:
         ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
         with torch.no_grad():
@@ -218,10 +273,26 @@ def _train(groups: Dict[str, _Groups], student: Logits, teacher: Logits, train: 
     return losses
 
 
-def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None) -> dict:
+def plan_refine(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> dict:
+    """What :func:`refine` will do, before it runs: the tensors it learns (``names``; empty with ``skipped``, the
+    reason, when an optional refine has nothing to learn), the steps (``cfg.steps`` or by model size), where
+    they come from, and the estimated seconds on this machine."""
+    names, why = _affine_names(anchor, plan, cfg)
+    if not names:
+        return {"names": [], "skipped": why}
+    n_params = anchor_parameters(anchor)
+    steps = cfg.steps if cfg.steps is not None else default_steps(n_params)
+    return {"names": names, "steps": steps, "parameters": n_params,
+            "steps_from": "given" if cfg.steps is not None else "model size (mfqat.export.refine.STEPS_BY_SIZE)",
+            "estimated_seconds": estimated_seconds(n_params, cfg, steps)}
+
+
+def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None,
+           planned: Optional[dict] = None) -> dict:
     """Learn the scales and biases of ``plan``'s affine tensors on ``calib`` token blocks
     (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
-    Returns the report entry (tensors, steps, KL before / after, seconds).
+    Returns the report entry (tensors, steps, KL before / after, estimated and measured seconds; only
+    ``skipped`` when an optional refine has nothing to learn). ``planned``: :func:`plan_refine`'s answer.
 
     Memory: the affine codes (a byte a weight, half that up to 4 bits) and each group's (a, c) with their Adam
     state; the teacher (the anchor in its format) and the student (the export) are one model on the meta device
@@ -229,7 +300,11 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     read or not) or built from the codes, decoder layers recomputed in backward."""
     cfg = cfg or RefineConfig()
     t0 = time.perf_counter()
-    names = _affine_names(anchor, plan, calib, cfg)
+    planned = planned or plan_refine(anchor, plan, cfg)
+    if not planned["names"]:
+        return {"skipped": planned["skipped"]}
+    _check_calibration(calib, cfg)
+    names, steps = planned["names"], planned["steps"]
     train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
     groups = {n: _Groups(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
     model = LazyModel(anchor)
@@ -243,28 +318,46 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
         return model.logits(export_weights, ids)
 
     before = _valid_kl(student, teacher, valid, cfg.temperature)
-    losses = _train(groups, student, teacher, train, cfg)
+    losses = _train(groups, student, teacher, train, cfg, steps)
     after = _valid_kl(student, teacher, valid, cfg.temperature)
     kept = after < before
     if kept:  # each group's packed codes go as its learned tensor comes
         plan.learned_scales = {n: groups.pop(n).learned() for n in list(groups)}
-    return {"tensors": len(names), "steps": cfg.steps, "lr": cfg.lr, "batch": cfg.batch, "seq_len": cfg.seq_len,
-            "calibration_blocks": cfg.n_blocks, "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
+    return {"tensors": len(names), "steps": steps, "steps_from": planned["steps_from"], "lr": cfg.lr,
+            "batch": cfg.batch, "seq_len": cfg.seq_len, "calibration_blocks": cfg.n_blocks,
+            "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
             "validation_kl_before": before, "validation_kl_after": after, "kept": kept,
-            "train_kl_first_last": [losses[0], losses[-1]], "seconds": time.perf_counter() - t0}
+            "train_kl_first_last": [losses[0], losses[-1]], "estimated_seconds": planned["estimated_seconds"],
+            "seconds": time.perf_counter() - t0}
+
+
+def describe_plan(planned: dict, cfg: RefineConfig) -> str:
+    """One line for the user before a refine starts: what it learns, how long it should take, how to skip it."""
+    if not planned["names"]:
+        return f"refine: skipped: {planned['skipped']}"
+    minutes = planned["estimated_seconds"] / 60
+    return (f"refine: {len(planned['names'])} affine tensors, {planned['steps']} steps of {cfg.batch} x {cfg.seq_len} "
+            f"tokens (steps by {'--refine-steps' if planned['steps_from'] == 'given' else 'model size'}, "
+            f"{planned['parameters'] / 1e9:.2f}B parameters): about {minutes:.0f} min here"
+            + (" (--no-refine skips it)" if cfg.optional else ""))
 
 
 def apply_refine(anchor: Anchor, plan: Plan, tokenizer_dir: Path, calib_text: Optional[str],
                  cfg: Optional[RefineConfig] = None) -> dict:
-    """Tokenize the calibration text (default: the pydoc training split) and :func:`refine`."""
+    """Tokenize the calibration text (default: the pydoc training split) and :func:`refine`; the plan and its
+    estimated cost are announced first (mfqat.progress.announce)."""
     from transformers import AutoTokenizer
 
     from mfqat.data.sources import calibration_blocks, describe_calibration
 
     cfg = cfg or RefineConfig()
+    planned = plan_refine(anchor, plan, cfg)
+    announce(describe_plan(planned, cfg))
+    if not planned["names"]:
+        return {"skipped": planned["skipped"]}
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     calib = calibration_blocks(tok, calib_text, n_blocks=cfg.n_blocks + cfg.n_valid, seq_len=cfg.seq_len)
-    return {**refine(anchor, plan, calib, cfg), "calibration": describe_calibration(calib_text)}
+    return {**refine(anchor, plan, calib, cfg, planned), "calibration": describe_calibration(calib_text)}
 
 
 def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROUP_SIZE,

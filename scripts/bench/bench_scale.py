@@ -41,13 +41,14 @@ COMMANDS = {
     "mlx_lm.convert -q": lambda src, out: [PY, "-m", "mlx_lm", "convert", "--hf-path", str(src), "--mlx-path",
                                            str(out / "mlx_lm"), "-q"],
     "export-mlx HF uniform:affine4": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(src), "--out",
-                                                       str(out / "mfqat"), "--recipe", "uniform:affine4"],
+                                                       str(out / "mfqat"), "--recipe", "uniform:affine4",
+                                                       "--no-refine"],  # round to nearest, as mlx_lm.convert -q
     "PTQ anchor (anchor_from_folder)": lambda src, out: [PY, "-c", "import sys; from mfqat.anchor.stream import "
                                                          "anchor_from_folder as a; a(sys.argv[1], sys.argv[2])",
                                                          str(src), str(out / "anchor")],
     "export-mlx ANCHOR uniform:affine4": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(out / "anchor"),
                                                            "--out", str(out / "mfqat-a"), "--recipe",
-                                                           "uniform:affine4"],
+                                                           "uniform:affine4", "--no-refine"],
     "eval ANCHOR --formats mxint4 --dtype bfloat16": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
                                                       "mxint4", "--blocks", "2", "--seq-len", "128", "--dtype", "bfloat16", "--plot",
                                                       str(out / "eval.png")],
