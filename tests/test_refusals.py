@@ -410,6 +410,54 @@ def test_an_unknown_scale_dtype_is_refused_naming_it(dtype):
         resolve_scale_dtype(dtype, {})
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_budget_check_takes_a_lazy_anchors_auto_scale_dtype_from_its_headers(tmp_path, monkeypatch, dtype):
+    """check_stored_budget (the command line's check before an export) works from names and shapes; with no dtype
+    in config.json the auto scale dtype comes from the weights' dtype, which a lazily read anchor gives from its
+    safetensors headers: the same answer as the weights themselves, no tensor read."""
+    from mfqat.export.recipes import check_stored_budget
+    from mfqat.storage.tensor_files import TensorFile
+
+    path = mfqat.save_anchor(tiny_llama().to(getattr(torch, dtype)), tmp_path / "a", "mxint8")
+
+    def refusal(anchor, scale_dtype="auto") -> str:
+        anchor.config = {k: v for k, v in anchor.config.items() if k not in ("dtype", "torch_dtype")}
+        with pytest.raises(ValueError, match="recipe 'auto:1'") as e:
+            check_stored_budget(anchor, "auto:1", scale_dtype=scale_dtype)
+        return str(e.value)
+
+    whole = read_anchor(path)
+    assert {k: v.dtype for k, v in whole.plain.items()} == {k: getattr(torch, dtype) for k in whole.plain}
+    explicit = {d: refusal(whole, d) for d in ("bfloat16", "float32")}
+    assert explicit["bfloat16"] != explicit["float32"], "the smallest budget does not depend on the scale dtype"
+    assert refusal(whole) == explicit[dtype]
+    lazy = read_anchor(path, lazy=True)
+    monkeypatch.setattr(TensorFile, "read", lambda self, name: pytest.fail(f"{name} was read"))
+    assert refusal(lazy) == explicit[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_export_from_a_folder_without_a_dtype_in_its_config_reads_each_tensor_once(tmp_path, monkeypatch, dtype):
+    """The auto scale dtype of an HF folder whose config.json names no dtype is the weights' (bfloat16 scales for
+    a bfloat16 model, float32 for a float32 one), from the headers: the export reads each tensor once, the
+    embedding included (it was read a second time just to look at its dtype)."""
+    from collections import Counter
+
+    from mfqat.export import to_mlx
+    from mfqat.storage.tensor_files import TensorFile
+
+    src, tok = tmp_path / "src", tiny_tokenizer()
+    tiny_llama(vocab_size=len(tok), tie=True).to(getattr(torch, dtype)).save_pretrained(src)
+    tok.save_pretrained(src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}))
+    reads, read = Counter(), TensorFile.read
+    monkeypatch.setattr(TensorFile, "read", lambda self, name: reads.update([name]) or read(self, name))
+    rep = to_mlx(src, tmp_path / "out", recipe="uniform:mxint4", verify=False)
+    assert rep["scale_dtype"] == dtype
+    assert reads["model.embed_tokens.weight"] == 1 and set(reads.values()) == {1}, reads
+
+
 # --- a PEFT adapter converted for mlx-lm: only what mlx-lm's plain LoRA layer computes ------------------
 
 def _peft_adapter(folder, **config):

@@ -416,6 +416,99 @@ def test_tampered_tied_aliases_are_refused(anchor, tmp_path, tied, expect):
         read_anchor(a)
 
 
+def _edit_weights(folder: Path, drop) -> None:
+    """Rewrite each weight file of an anchor without the tensors ``drop(name)`` picks and re-seal mfqat.json (the
+    weight files' hashes too): the tensors are gone as a user's tool could remove them, every hash matching."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    meta = json.loads((folder / "mfqat.json").read_text())
+    for name in meta["files"]:
+        tensors = load_file(str(folder / name))
+        save_file({k: v for k, v in tensors.items() if not drop(k)}, str(folder / name), metadata={"format": "pt"})
+    files = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in meta["files"]}
+    _reseal(folder, lambda m: m.update(files=files, tensors={k: e for k, e in m["tensors"].items()
+                                                             if not drop(f"{k}.codes")}))
+
+
+def _eval(folder: Path, plot: Path) -> list:
+    """The argv of `mfqat eval FOLDER --dtype bfloat16` (the model built empty, filled tensor by tensor)."""
+    return ["eval", str(folder), "--formats", "mxint4", "--blocks", "2", "--seq-len", "32", "--dtype", "bfloat16",
+            "--text", str(Path(__file__).resolve().parents[1] / "README.md"), "--plot", str(plot)]
+
+
+def _bump_layers(folder: Path) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _reseal(folder, lambda m: None)
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (_bump_layers, "no value for 9 tensor(s) of the model its config.json builds (model.layers.2.self_attn.q_proj"),
+    (lambda a: _edit_weights(a, lambda k: k == "model.norm.weight"), "no value for 1 tensor(s) of the model its "
+     "config.json builds (model.norm.weight)"),
+    (lambda a: _edit_weights(a, lambda k: k.startswith("model.layers.1.mlp.down_proj.weight.")), "no value for 1 "
+     "tensor(s) of the model its config.json builds (model.layers.1.mlp.down_proj.weight)"),
+], ids=["config-names-a-layer-more", "plain-tensor-dropped", "quantized-tensor-dropped"])
+def test_eval_of_an_anchor_lacking_a_tensor_is_refused_before_it_runs_on_uninitialised_weights(anchor, tmp_path,
+                                                                                                capsys, edit, expect):
+    """`mfqat eval` builds the model without initialising it and fills it tensor by tensor: a tensor the anchor
+    does not hold (every hash matching) would stay garbage memory; it is refused, named, with the anchor. The
+    untouched (tied) anchor evaluates: its lm_head comes from the tie, not from the weights."""
+    import shutil
+
+    main(_eval(anchor, tmp_path / "ok.png"))
+    assert "| mxint4" in capsys.readouterr().out and (tmp_path / "ok.png").is_file()
+    bad = shutil.copytree(anchor, tmp_path / "bad")
+    edit(bad)
+    err = one_line_exit_2(_eval(bad, tmp_path / "p.png"), capsys, expect)
+    assert f"mfqat eval: error: {bad}: " in err and "save or copy the anchor again" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_eval_of_a_vision_language_release_anchor_needs_every_tensor_but_a_wholly_dropped_tower(tmp_path, capsys):
+    """A Qwen3.5 release's anchor evaluates in the whole VL model; with its vision tower wholly removed (a
+    text-only anchor) too, the tower left unfilled (a text forward never runs it); with part of the tower or a
+    language-model tensor removed it is refused naming the tensor."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from mfqat.anchor.stream import anchor_from_folder
+
+    tok = tiny_tokenizer()
+    text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                intermediate_size=128, vocab_size=len(tok))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  temporal_patch_size=2)
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+                                                 ).save_pretrained(tmp_path / "release")
+    tok.save_pretrained(tmp_path / "release")
+    whole = anchor_from_folder(tmp_path / "release", tmp_path / "a")
+
+    def row(folder, plot):
+        main(_eval(folder, tmp_path / plot))
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("| mxint4")]
+
+    text_only = shutil.copytree(whole, tmp_path / "text-only")
+    _edit_weights(text_only, lambda k: k.startswith("model.visual."))
+    assert row(whole, "whole.png") == row(text_only, "text-only.png") != []
+    part = shutil.copytree(whole, tmp_path / "part")
+    _edit_weights(part, lambda k: k == "model.visual.merger.linear_fc2.weight")
+    one_line_exit_2(_eval(part, tmp_path / "p.png"), capsys, "no value for 1 tensor(s) of the model its config.json "
+                    "builds (model.visual.merger.linear_fc2.weight)")
+    lm = shutil.copytree(whole, tmp_path / "lm")
+    _edit_weights(lm, lambda k: k == "model.language_model.norm.weight")
+    one_line_exit_2(_eval(lm, tmp_path / "p.png"), capsys, "(model.language_model.norm.weight)")
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_eval_with_a_tokenizer_beyond_the_models_vocabulary_is_one_line(tmp_path, capsys):
     tok = tiny_tokenizer()
     small = mfqat.save_anchor(tiny_llama(vocab_size=len(tok) // 2, tie=True), tmp_path / "small", "mxint8", tok)

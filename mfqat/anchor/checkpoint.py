@@ -19,7 +19,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -379,12 +379,33 @@ def empty_model(config: dict, dtype: torch.dtype = torch.float32) -> nn.Module:
         return auto.from_config(CONFIG_MAPPING[config["model_type"]].from_dict(config), dtype=dtype)
 
 
+def unfilled(anchor: Anchor, names: Iterable[str]) -> List[str]:
+    """The tensors among ``names`` (a model's state-dict keys) that must come from the anchor and that it
+    does not hold: not a tied alias (``meta['tied']``: ``tie_weights`` fills it), not a vision tower's tensor
+    when the anchor holds no tower tensor at all (a text-only anchor: a text forward never runs the tower)."""
+    from mfqat.models import family_for
+
+    held = set(anchor.quantized) | set(anchor.plain)
+    tied = set(anchor.meta.get("tied", {}))
+    family = family_for((anchor.config or {}).get("model_type"))
+    text_only = not any(map(family.tower, held))
+    return [k for k in names if k not in held and k not in tied and not (text_only and family.tower(k))]
+
+
 def load_format(model: nn.Module, anchor: Anchor, fmt: Optional[str], group_size: int = DERIVED_GROUP_SIZE,
                 plain: bool = True) -> None:
     """Load the anchor in ``fmt`` into ``model`` in place, one tensor at a time (a lazily read anchor is never
     held whole): each quantized tensor lowered and dequantized into the model's dtype, then (``plain``) the
-    tensors kept in full precision. AnchorError when a name or shape does not match the model."""
+    tensors kept in full precision. AnchorError when a name or shape does not match the model, and (``plain``:
+    the model is being filled, e.g. one of :func:`empty_model` whose memory is uninitialised) before anything
+    is read when the anchor lacks a tensor the model needs (:func:`unfilled`), which would stay garbage."""
     own = dict(model.state_dict(keep_vars=True))
+    missing = unfilled(anchor, own) if plain else []
+    if missing:
+        raise AnchorError(f"{anchor.path}: the anchor holds no value for {len(missing)} tensor(s) of the model "
+                          f"its config.json builds ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); "
+                          "they would be left uninitialised. The weights are incomplete or config.json names more "
+                          "than they hold (a truncated or hand-edited anchor): save or copy the anchor again")
     names = [(k, True) for k in anchor.quantized] + ([(k, False) for k in anchor.plain] if plain else [])
     for k, quantized in names:
         if k not in own or tuple(own[k].shape) != tuple(anchor.shape(k)):
@@ -414,8 +435,6 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
                  dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
                  _stacklevel: int = 2) -> nn.Module:
     """The Hugging Face model of an anchor already read, its quantized weights in ``fmt`` (see load_anchor)."""
-    from mfqat.models import family_for
-
     path = anchor.path
     sd = anchor.state_dict(fmt, dtype, group_size)
     odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if str(why).startswith("in_features")]
@@ -423,11 +442,9 @@ def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, t
         warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
                       f"of the block size {anchor.meta['block_size']})", stacklevel=_stacklevel)
     auto, config = model_class(anchor)
-    family = family_for(anchor.config["model_type"])
     model = auto.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    tied = set(anchor.meta.get("tied", {}))
-    real_missing = [k for k in missing if k not in tied and not (family.tower(k) and not any(map(family.tower, sd)))]
+    real_missing = unfilled(anchor, missing)
     if real_missing or unexpected:
         raise AnchorError(f"{path}: weights do not match config.json: missing {real_missing[:5]}, "
                           f"unexpected {unexpected[:5]}")

@@ -120,3 +120,8 @@ def tensor_info(mapping, name: str) -> Optional[TensorInfo]:
         return mapping.info(name)
     v = mapping[name]
     return TensorInfo(v.dtype, tuple(v.shape), 0, v.numel() * v.element_size())
+
+
+def tensor_infos(mapping) -> Iterator[TensorInfo]:
+    """(dtype, shape) of each tensor of ``mapping`` in its order, none read where the mapping is lazy."""
+    return (tensor_info(mapping, k) for k in mapping)

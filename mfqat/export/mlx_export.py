@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from mfqat.anchor.lazy import tensor_infos
 from mfqat.anchor.learned_scales import pick
 from mfqat.anchor.checkpoint import Anchor, AnchorError, read_anchor, save_anchor
 from mfqat.anchor.stream import close_anchor
@@ -203,7 +204,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             report["scale_search"] = apply_scale_search(anchor, tok_dir, calib_text, imatrix_path=None if awq else imatrix_path)
         source_cfg = Path(source) / "config.json"
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
-        scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, anchor.plain.values())
+        scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, tensor_infos(anchor.plain))
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size,
                           scale_dtype=scale_dtype, max_shard_bytes=max_shard_bytes)  # auto: budgets these bytes
         if "scale_search" in report and imatrix_path is not None and not awq:  # weighs nothing of this recipe?

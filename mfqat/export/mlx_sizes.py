@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple, Union
 
 import torch
+
+from mfqat.storage.tensor_files import TensorInfo
 
 MLX_GROUP_SIZES: Dict[str, Tuple[int, ...]] = {"affine": (32, 64, 128), "mxfp4": (32,), "mxfp8": (32,), "nvfp4": (16,)}
 SCALE_DTYPES = ("auto", "float32", "bfloat16")
@@ -34,19 +36,21 @@ def check_mlx_group_size(block_size: int, storages: Iterable[Tuple[str, Optional
     return block_size
 
 
-def model_dtype(config: dict, weights: Iterable[torch.Tensor] = ()) -> Optional[str]:
+def model_dtype(config: dict, weights: Iterable[Union[torch.Tensor, TensorInfo]] = ()) -> Optional[str]:
     """The dtype ``mlx_lm.convert`` quantizes a model in: config.json's ``torch_dtype`` (transformers 5
-    writes ``dtype``), else that of the weights themselves."""
+    writes ``dtype``), else that of the weights themselves (the first floating one; tensors or, to read
+    nothing from a lazily read anchor, their headers: mfqat.anchor.lazy.tensor_infos)."""
     for key in ("torch_dtype", "dtype"):
         if isinstance(config.get(key), str):
             return config[key]
     for w in weights:
-        if w.is_floating_point():
+        if w.dtype.is_floating_point:
             return str(w.dtype).replace("torch.", "")
     return None
 
 
-def resolve_scale_dtype(scale_dtype: str, config: dict, weights: Iterable[torch.Tensor] = ()) -> str:
+def resolve_scale_dtype(scale_dtype: str, config: dict,
+                        weights: Iterable[Union[torch.Tensor, TensorInfo]] = ()) -> str:
     """``auto``: the affine scale dtype ``mlx_lm.convert`` writes for this model (its dtype): bfloat16
     for a bfloat16 model, float32 for a float32 one. A float16 model gets bfloat16 (same size; float16
     cannot hold every power-of-two MX scale). Power-of-two scales are exact in both."""

@@ -17,7 +17,7 @@ import torch
 
 from mfqat._moved import renamed
 from mfqat.anchor.checkpoint import Anchor
-from mfqat.anchor.lazy import tensor_info
+from mfqat.anchor.lazy import tensor_info, tensor_infos
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
 from mfqat.formats import canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
@@ -374,7 +374,7 @@ def check_stored_budget(anchor: Anchor, recipe: str, derived_group: int = DERIVE
         drop_towers(anchor)
     plan = Plan(group_size=anchor.meta.get("block_size", 32), derived_group=derived_group, family=check_family(anchor))
     names = list(anchor.quantized) + _matrix_weights(anchor)
-    scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, anchor.plain.values())
+    scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, tensor_infos(anchor.plain))
     planned = sum(int(torch.Size(_shape(anchor, n)).numel()) for n in names)
     stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes).check(recipe, budget, levels, planned)
 
@@ -431,7 +431,7 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
                              "e.g. auto:4.5")
         names = list(anchor.quantized) + _matrix_weights(anchor)
         _check_group_size(anchor, names, group)
-        scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, anchor.plain.values())
+        scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, tensor_infos(anchor.plain))
         stored = stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes)
         formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text, family=want,
                                                       derived_group=derived_group, stored=stored, recipe=recipe)
