@@ -205,7 +205,8 @@ def test_one_steps_gradients_equal_the_whole_models_bit_for_bit(anchors, tok, ti
     """The float32 gradients of every (a, c) (the learned bfloat16 values can hide an ulp): one step's KL
     backward through the lazily filled, checkpointed model against the whole student of the old algorithm."""
     from mfqat.export.lazy_model import LazyModel
-    from mfqat.export.refine import _Groups, _kl, _student_source, _teacher_source
+    from mfqat.export.lazy_model import anchor_source as _teacher_source
+    from mfqat.export.refine import _Groups, _kl, _student_source
 
     a = read_anchor(anchors[tie], lazy=True)
     plan = build_plan(a, "uniform:affine4")

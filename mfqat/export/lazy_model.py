@@ -18,7 +18,8 @@ source once per forward and shared, as a state dict with tied weights would give
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -73,6 +74,24 @@ def _slots(model: nn.Module, anchor: Anchor) -> Dict[nn.Module, List[Tuple[str, 
     return out
 
 
+class _DirectUse:
+    """The weights of a module whose parent reads them without calling the module (Qwen3.5's Gated DeltaNet hands
+    ``conv1d.weight`` to a kernel): transformers marks such parents with ``force_accelerate_hooks``, which calls
+    the child's accelerate hook (``_hf_hook``: ``pre_forward`` / ``post_forward``) around the parent's forward;
+    this one puts the weights in and takes them out as the module's own hooks do."""
+
+    def __init__(self, put_in, take_out):
+        self.put_in, self.take_out = put_in, take_out
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        self.put_in(module, args)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output):
+        self.take_out(module, (), output)
+        return output
+
+
 class LazyModel:
     """An anchor's model run on weights a source puts in per module (see the module docstring)."""
 
@@ -87,9 +106,12 @@ class LazyModel:
         self.source: Optional[Source] = None
         self._cache: Dict[str, torch.Tensor] = {}
         for module, entries in self.slots.items():
-            module.register_forward_pre_hook(self._put_in(entries))
+            put_in = self._put_in(entries)
+            module.register_forward_pre_hook(put_in)
             meta = [(kind, attr, getattr(module, kind)[attr]) for kind, attr, _ in entries]
-            module.register_forward_hook(self._take_out(meta), always_call=True)
+            take_out = self._take_out(meta)
+            module.register_forward_hook(take_out, always_call=True)
+            module._hf_hook = _DirectUse(put_in, take_out)
         prefix, layers = decoder_layers(self.model)
         inside = [n for n in self.shared if prefix and n.startswith(prefix + ".")]
         self.checkpointed = bool(checkpoint_layers and layers is not None and not inside)
@@ -135,10 +157,27 @@ class LazyModel:
             return checkpoint(again, *args, use_reentrant=False, **kwargs)
         return run
 
-    def logits(self, source: Source, ids: torch.Tensor) -> torch.Tensor:
-        """The model's logits for token ids ``ids`` (batch x seq) on the weights ``source`` gives."""
+    @contextmanager
+    def running(self, source: Source) -> Iterator[nn.Module]:
+        """The model, for forwards on the weights ``source`` gives (a shared tensor asked once per forward run
+        inside this block: open one block per forward whose source differs)."""
         self.source, self._cache = source, {}
         try:
-            return self.model(ids, use_cache=False).logits
+            yield self.model
         finally:
             self.source, self._cache = None, {}
+
+    def logits(self, source: Source, ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits for token ids ``ids`` (batch x seq) on the weights ``source`` gives."""
+        with self.running(source) as model:
+            return model(ids, use_cache=False).logits
+
+
+def anchor_source(anchor: Anchor) -> Source:
+    """name -> the anchor's tensor in its own format, float32 (what anchor_model(anchor) holds), read when asked."""
+    def source(name: str) -> torch.Tensor:
+        if name in anchor.quantized:
+            return anchor.quantized[name].dequantize(torch.float32)
+        v = anchor.plain[name]
+        return v.to(torch.float32) if v.is_floating_point() else v
+    return source

@@ -166,8 +166,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
     written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
     tensor whatever the model's size. ``--refine`` keeps the affine codes (a byte a weight) and runs the model one
-    module's weights at a time (mfqat.export.refine); ``auto:``, ``--scale-search`` and imatrix exports hold the
-    model. Returns the report.
+    module's weights at a time (mfqat.export.refine), and so does ``auto:``'s sensitivity pass
+    (mfqat.export.sensitivity); ``--scale-search`` and imatrix exports hold the model. Returns the report.
     """
     import time
 
@@ -185,10 +185,11 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         else:
             scratch = tmp / "ptq-anchor"
             anchor, own_tok = _ptq_anchor(source, scratch, awq, calib_text, report, ptq_anchor_format(recipe),
-                                          imatrix_path, written=refine is not None and _may_refine(recipe, refine))
-        holds_model = scale_search or recipe.startswith("auto:") or imatrix_path is not None
+                                          imatrix_path, written=recipe.startswith("auto:") or (
+                                              refine is not None and _may_refine(recipe, refine)))
+        holds_model = scale_search or imatrix_path is not None
         if holds_model:  # these steps run the whole model: they hold it anyway, and read each tensor many times
-            anchor.materialize()  # (--refine alone does not: mfqat.export.refine reads one module's tensors at a time)
+            anchor.materialize()  # (--refine and auto: do not: they read one module's tensors at a time as it runs)
         if (dropped := drop_towers(anchor)):  # a VL release's vision tower: not in mlx-lm's model (warns)
             report["dropped"] = dropped
         tok_dir = Path(tokenizer) if tokenizer else own_tok

@@ -20,7 +20,7 @@ from torch import nn
 
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.learned_scales import pick
-from mfqat.export.lazy_model import LazyModel
+from mfqat.export.lazy_model import LazyModel, anchor_source
 from mfqat.export.mlx_sizes import anchor_parameters
 from mfqat.export.recipes import Plan
 from mfqat.export.verify import reference_tensor
@@ -190,16 +190,6 @@ class _Groups(nn.Module):
         return MXTensor(self.unpacked(), s, *self.layout, b, self.scale_rule)
 
 
-def _teacher_source(anchor: Anchor) -> Callable[[str], torch.Tensor]:
-    """name -> the anchor's tensor in its own format, float32 (what anchor_model(anchor) holds)."""
-    def source(name: str) -> torch.Tensor:
-        if name in anchor.quantized:
-            return anchor.quantized[name].dequantize(torch.float32)
-        v = anchor.plain[name]
-        return v.to(torch.float32) if v.is_floating_point() else v
-    return source
-
-
 def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, _Groups],
                     teacher: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """name -> the export's tensor: the learned weights of an affine tensor, else the export check's reference
@@ -308,7 +298,7 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
     groups = {n: _Groups(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
     model = LazyModel(anchor)
-    anchor_weights = _teacher_source(anchor)
+    anchor_weights = anchor_source(anchor)
     export_weights = _student_source(anchor, plan, groups, anchor_weights)
 
     def teacher(ids: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from mfqat.anchor.checkpoint import Anchor, anchor_model
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.export.lazy_model import LazyModel, anchor_source
 from mfqat.export.replay import LayerReplay, start_layers
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive, is_derived
 from mfqat.quant.derive import derived_group as group_of_derived
@@ -176,33 +177,35 @@ def calibration_blocks(anchor: Anchor, calib_text: Optional[str], n_blocks: int 
     return blocks_of(AutoTokenizer.from_pretrained(str(anchor.path)), calib_text, n_blocks, seq_len)
 
 
-def _log_probs(model, blocks: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(model(input_ids=blocks).logits.float(), dim=-1)
-
-
 class _ProbeKL:
-    """KL(reference || model as it is now) over ``blocks``, averaged over the tokens.
+    """KL(reference || model with one tensor changed) over ``blocks``, averaged over the tokens, on the anchor's
+    model run lazily (mfqat.export.lazy_model: each module's weights read from the anchor as it runs, so the
+    pass holds one module's weights at a time, not the model).
 
     ``replay=True`` (the default pass): each probe runs only the decoder layers from the first one
     its tensor feeds (mfqat.export.replay), the layers before it returning their reference outputs:
     the same logits as a full forward, bit for bit. ``replay=False``: a full forward per probe (the
     plain pass, kept for comparison: scripts/bench/bench_auto.py, tests/test_sensitivity.py)."""
 
-    def __init__(self, model, blocks: torch.Tensor, names: List[str], replay: bool = True):
-        self.model, self.blocks = model, blocks
+    def __init__(self, anchor: Anchor, blocks: torch.Tensor, names: List[str], replay: bool = True):
+        self.lazy, self.blocks = LazyModel(anchor, checkpoint_layers=False), blocks
+        self.weights = anchor_source(anchor)
+        model = self.lazy.model
         self.replay = LayerReplay(model) if replay else None
         self.start = start_layers(model, names) if replay else {}
-        with torch.no_grad():
-            logits = self.replay.record(input_ids=blocks) if replay else model(input_ids=blocks).logits
+        with torch.no_grad(), self.lazy.running(self.weights) as m:
+            logits = self.replay.record(input_ids=blocks) if replay else m(input_ids=blocks).logits
         self.ref = torch.log_softmax(logits.float(), dim=-1)
         self.p_ref = self.ref.exp()
 
-    def __call__(self, name: str) -> float:
-        """The KL with tensor ``name`` changed in place (every other tensor as in the reference)."""
-        with torch.no_grad():
+    def __call__(self, name: str, value: torch.Tensor) -> float:
+        """The KL with tensor ``name`` (by its anchor name) set to ``value``, every other tensor the anchor's."""
+        def source(n: str) -> torch.Tensor:
+            return value if n == name else self.weights(n)
+
+        with torch.no_grad(), self.lazy.running(source) as model:
             if self.replay is None:
-                logits = self.model(input_ids=self.blocks).logits
+                logits = model(input_ids=self.blocks).logits
             else:
                 logits = self.replay.logits_from(self.start[name], input_ids=self.blocks)
             low = torch.log_softmax(logits.float(), dim=-1)
@@ -214,27 +217,24 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
             replay: bool = True) -> Dict[str, TensorSensitivity]:
     """KL(anchor-format model || model with only tensor t in ``probe``) for every tensor, plus each
     tensor's relative weight error at every level (default: the anchor family's ladder).
-    ``replay=False``: a full forward per tensor (the same numbers, slower; see _ProbeKL)."""
-    model = anchor_model(anchor)  # the anchor as read (a PTQ source is never written: no path to re-read)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    kl_of = _ProbeKL(model, blocks, names, replay)
+    ``replay=False``: a full forward per tensor (the same numbers, slower; see _ProbeKL). The model is
+    never held: each forward reads its modules' weights from the anchor (read lazily or not) as they run."""
+    kl_of = _ProbeKL(anchor, blocks, names, replay)
     levels = levels or ladder(anchor.format)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
-        param = params[name]
-        original = param.data.clone()
+        original = kl_of.weights(name)
         errors = {}
-        norm = original.float().pow(2).sum().item() or 1.0
+        norm = original.pow(2).sum().item() or 1.0
         values = anchor_values(anchor, name) if any(is_derived(f) for f in levels) else None  # once, not per width
         for f in levels:
             w = in_format(anchor, name, f, derived_group, values).dequantize(torch.float32)
-            errors[f] = (w - original.float()).pow(2).sum().item() / norm
+            errors[f] = (w - original).pow(2).sum().item() / norm
             if f == probe:
                 probe_w = w
-        param.data.copy_(probe_w.to(param.dtype))
-        kl = kl_of(name)
-        param.data.copy_(original)
+        kl = kl_of(name, probe_w)
         out[name] = TensorSensitivity(name, original.numel(), probe, max(kl, 0.0), errors)
+        del original, values, probe_w
     return out
 
 

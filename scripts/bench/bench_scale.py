@@ -49,6 +49,11 @@ COMMANDS = {
     "export-mlx ANCHOR uniform:affine4": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(out / "anchor"),
                                                            "--out", str(out / "mfqat-a"), "--recipe",
                                                            "uniform:affine4", "--no-refine"],
+    "export-mlx HF auto:4.5": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(src), "--out", str(out / "auto"),
+                                                "--recipe", "auto:4.5"],  # MX widths: the sensitivity pass, no refine
+    "export-mlx HF auto:4.5:affine": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(src), "--out",
+                                                       str(out / "auto-affine"), "--recipe", "auto:4.5:affine"],
+    # (the default: the sensitivity pass, then refine with steps by model size)
     "eval ANCHOR --formats mxint4 --dtype bfloat16": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
                                                       "mxint4", "--blocks", "2", "--seq-len", "128", "--dtype", "bfloat16", "--plot",
                                                       str(out / "eval.png")],
