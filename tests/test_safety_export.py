@@ -109,3 +109,18 @@ def test_the_upcast_logit_check_catches_a_rope_theta_the_old_ten_percent_let_thr
         with pytest.raises(RuntimeError, match="export check failed: the logits .* above the tolerance"):
             to_mlx(anchor, tmp_path / "new", recipe="uniform:affine4", max_memory=budget)
         assert not (tmp_path / "new").exists()
+
+
+def test_mxfp_embeddings_run_in_float32_in_the_logit_check(tmp_path):
+    """MLX dequantizes MXFP/NVFP4 embeddings to bfloat16. OLMo2's first projection reads the embedding with no
+    norm between, so the check's MLX model computed in bfloat16 from there: a valid tiny OLMo2 mxfp8 export
+    failed the float32 check (7.3e-3 > 1e-3). The check makes those embeddings return float32 (the values are
+    exact in bfloat16), and the export passes at ~3e-7."""
+    from mfqat.models.catalog import SUPPORTED, build
+
+    tok = tiny_tokenizer()
+    model_type, extra = SUPPORTED["olmo2"]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxfp8", tok)
+    for recipe in ("uniform:mxfp8", "uniform:nvfp4"):
+        v = to_mlx(anchor, tmp_path / recipe[8:], recipe=recipe)["verify"]
+        assert v["mlx_compute"] == "float32" and v["max_abs_logit_diff"] < 1e-5, (recipe, v)
