@@ -8,7 +8,7 @@ twice: with the whole-model check and with the cut check (max_memory=1: compare_
 and its compute ("float32" or "float32-upcast"), then the worst ratio per compute. One JSON line per
 export goes to --jsonl (when given) as it finishes.
 
-    python scripts/dev/probe_logit_check.py                        # every family, both variants (~6 min on 2 cores)
+    python scripts/dev/probe_logit_check.py                        # every family, both variants (~8 min on 2 cores)
     python scripts/dev/probe_logit_check.py --only llama,qwen3_moe --checks whole
     python scripts/dev/probe_logit_check.py --only none --smollm2  # SmolLM2 at affine4 and mxint4
 """
