@@ -42,7 +42,7 @@ def test_mxint_exports(anchors, tmp_path, recipe):
 def test_mxfp_exports(anchors, tmp_path, recipe):
     rep = to_mlx(anchors["fp"], tmp_path / "m", recipe=recipe)
     assert check_weights_independently(anchors["fp"], tmp_path / "m", rep) == 15
-    assert rep["verify"]["max_abs_logit_diff"] < 5e-2  # MXFP exports compute in bfloat16 in MLX
+    assert rep["verify"]["max_abs_logit_diff"] < 1e-4  # the check runs MLX's bfloat16 MXFP embedding in float32
     meta = json.loads((tmp_path / "m" / "mfqat_export.json").read_text())
     assert meta["tensors"].keys() == rep["tensors"].keys()
 
@@ -137,7 +137,7 @@ def test_bfloat16_scales_and_sharding(anchors, tmp_path):
     rep = to_mlx(anchors["int"], tmp_path / "m", recipe="seed", scale_dtype="bfloat16", max_shard_bytes=40_000)
     assert check_weights_independently(anchors["int"], tmp_path / "m", rep) == 15
     assert rep["verify"]["mlx_compute"] == "float32-upcast"  # bf16 scales: checked upcast (LOGIT_RTOL)
-    assert rep["verify"]["max_abs_logit_diff"] < 5e-2
+    assert rep["verify"]["max_abs_logit_diff"] < 1e-4  # the reference dequantizes in the same float32 arithmetic
     index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in (tmp_path / "m").glob("model-*.safetensors"))
     assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)

@@ -82,3 +82,45 @@ def test_files_the_anchor_manifest_lacks_are_not_sealed_into_the_export(anchor, 
     assert "chat_template.jinja" not in meta["manifest"] and "tokenizer.json" in meta["manifest"]
     to_mlx(planted, tmp_path / "t", verify=False, tokenizer=str(planted))  # the user's explicit choice
     assert (tmp_path / "t" / "chat_template.jinja").read_text() == "{{ 'planted' }}"
+
+
+def test_the_upcast_logit_check_catches_a_rope_theta_the_old_ten_percent_let_through(tmp_path, monkeypatch):
+    """transformers 5 nests rope_theta in rope_parameters; an export that forgot to copy it out
+    (mfqat.models.family._copy_rope) would run mlx-lm's qwen2 default of 1e6 instead of 10000. On a tiny
+    Qwen2 (initializer_range 0.04: logits near 1) exported at affine4 (bfloat16 scales: the float32-upcast
+    check) that moves the logits by ~3.8% of max |logit| and changes 8% of the next-token argmaxes: a broken
+    model, which the old tolerance (10% of max |logit|) passed. A correct export differs by ~5e-7."""
+    from mfqat.export import verify
+    from mfqat.models import family
+    from mfqat.models.catalog import SUPPORTED, build
+
+    tok = tiny_tokenizer()
+    model_type, extra = SUPPORTED["qwen2"]
+    anchor = mfqat.save_anchor(build(model_type, {**extra, "initializer_range": 0.04}, len(tok)),
+                               tmp_path / "a", "mxint8", tok)
+    monkeypatch.setattr(family, "_copy_rope", lambda cfg: cfg)  # the bug: rope keys left where mlx-lm never looks
+    with monkeypatch.context() as old:
+        old.setitem(verify.LOGIT_RTOL, "float32-upcast", 0.1)
+        v = to_mlx(anchor, tmp_path / "old", recipe="uniform:affine4")["verify"]
+    assert "rope_theta" not in json.loads((tmp_path / "old" / "config.json").read_text())  # really planted
+    ratio = v["max_abs_logit_diff"] / (v["logit_tolerance"] / 0.1)  # / max(1, max |logit|)
+    assert v["mlx_compute"] == "float32-upcast" and 0.01 < ratio < 0.1 and v["argmax_agreement"] < 1
+    for budget in (None, 1):  # the whole-model check and the cut check (compare_truncated)
+        with pytest.raises(RuntimeError, match="export check failed: the logits .* above the tolerance"):
+            to_mlx(anchor, tmp_path / "new", recipe="uniform:affine4", max_memory=budget)
+        assert not (tmp_path / "new").exists()
+
+
+def test_mxfp_embeddings_run_in_float32_in_the_logit_check(tmp_path):
+    """MLX dequantizes MXFP/NVFP4 embeddings to bfloat16. OLMo2's first projection reads the embedding with no
+    norm between, so the check's MLX model computed in bfloat16 from there: a valid tiny OLMo2 mxfp8 export
+    failed the float32 check (7.3e-3 > 1e-3). The check makes those embeddings return float32 (the values are
+    exact in bfloat16), and the export passes at ~3e-7."""
+    from mfqat.models.catalog import SUPPORTED, build
+
+    tok = tiny_tokenizer()
+    model_type, extra = SUPPORTED["olmo2"]
+    anchor = mfqat.save_anchor(build(model_type, extra, len(tok)), tmp_path / "a", "mxfp8", tok)
+    for recipe in ("uniform:mxfp8", "uniform:nvfp4"):
+        v = to_mlx(anchor, tmp_path / recipe[8:], recipe=recipe)["verify"]
+        assert v["mlx_compute"] == "float32" and v["max_abs_logit_diff"] < 1e-5, (recipe, v)

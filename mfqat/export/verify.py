@@ -20,13 +20,21 @@ from mfqat.storage.tensor_files import ShardWriter, TensorFile
 
 # The exported logits must match PyTorch's (float32, same weights) within LOGIT_RTOL[check] x
 # max(1, max |PyTorch logit|) on the check prompt. The weights are checked bit-exact first, so this
-# checks the model around them (config, per-module bits, rope, tying). float32 scales: MLX computes
-# in float32, observed ~3e-7 absolute. bfloat16 parameters (scales, biases, norms) are upcast to
-# float32 for the check ("float32-upcast"): MLX's bfloat16 arithmetic drifts with depth (15-23% of
-# max |logit| on SmolLM2-135M at affine3..8, which would hide a broken model) and is ~100x slower on
-# CPU; upcast, only the scale arithmetic of the dequantization differs (float32 instead of bfloat16's
-# two roundings): observed 1.6-2.5% on SmolLM2-135M at affine3/4/8 with argmax agreement 1.0.
-LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 0.1}
+# checks the model around them (config, per-module bits, rope, norms, tying). "float32": MLX computes in
+# float32 (float32 affine scales, MXFP/NVFP4 modes). "float32-upcast": bfloat16 parameters (scales, biases,
+# norms) upcast to float32 (MLX's bfloat16 arithmetic drifts with depth: 15-23% of max |logit| on
+# SmolLM2-135M, and is ~100x slower on CPU) and the reference dequantizes in the same float32 arithmetic
+# (_decoded), so both sides run the same numbers and only the order of float32 operations differs.
+# Measured (scripts/dev/probe_logit_check.py: every catalog family, affine2..8 at group 32/64/128, mxint,
+# mxfp, nvfp4, seed/dynamic2 plans, whole and cut check), as ratio = |diff| / max(1, max |logit|):
+# float32-upcast: <= 1.9e-5 on the tests' tiny models, <= 2.5e-4 on the same models twice as wide with
+# initializer_range 0.2 (logits ~10, sharp attention), 3.2e-6 on SmolLM2-135M affine4 (1.1e-4 absolute);
+# 3e-3 is 12x the worst. float32: <= 2.3e-4 (the wider models; <= 1.7e-5 on the tests' models, 4.0e-6 on
+# SmolLM2 mxint4), kept at 1e-3. MXFP/NVFP4 embeddings run in float32 for the check (_float32_embeddings):
+# MLX dequantizes them to bfloat16, which failed valid OLMo2/Gemma2 MXFP exports (7.3e-3 on the tiny OLMo2).
+# A planted bug the old 0.1 hid: rope_theta left in rope_parameters (mlx-lm's qwen2 then runs 1e6) moved a
+# tiny Qwen2's logits by 3.8% of max |logit| with 8% of next-token argmaxes changed (tests/test_safety_export.py).
+LOGIT_RTOL = {"float32": 1e-3, "float32-upcast": 3e-3}
 # The logits are compared at every position of the check prompt, repeated to at least this many tokens:
 # a port that differs only past a short context (a sliding window mlx-lm ignores, rope scaling) shows.
 CHECK_TOKENS = 64
@@ -527,6 +535,27 @@ def check_ids(tok, prompt: str, tokens: int = CHECK_TOKENS) -> list:
     return (ids * -(-tokens // max(len(ids), 1)))[:max(tokens, len(ids))]
 
 
+def _float32_embeddings(model) -> int:
+    """Make ``model``'s MXFP/NVFP4 quantized embeddings return float32 (in place; how many): MLX dequantizes
+    those modes to bfloat16, so the hidden states would start in bfloat16 and the check would measure that
+    rounding (7.3e-3 of max |logit| on a tiny OLMo2 at mxfp8, whose first projection reads the embedding
+    without a norm between) instead of the model around the weights. The values are exact in bfloat16; only
+    the activations' dtype changes. Affine embeddings already dequantize to their scales' (upcast) dtype."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class Float32QuantizedEmbedding(nn.QuantizedEmbedding):
+        def __call__(self, x):
+            return super().__call__(x).astype(mx.float32)
+
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedEmbedding and getattr(m, "mode", "affine") != "affine":
+            m.__class__ = Float32QuantizedEmbedding
+            n += 1
+    return n
+
+
 def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: Optional[dict] = None,
                    keep: Callable[[str], bool] = lambda name: True, vocab: Optional[VocabCut] = None,
                    ids: Optional[list] = None) -> dict:
@@ -548,6 +577,7 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
     compute = "float32-upcast" if bf16_scales else "float32"  # see LOGIT_RTOL
     if any(a.dtype == mx.bfloat16 for _, a in params):  # bf16 norms upcast exactly (PyTorch holds them so)
         model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()))
+    _float32_embeddings(model)
     mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
     del model
     pt_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
