@@ -212,7 +212,7 @@ class _NVFP4Weight(torch.autograd.Function):
 
 def _e2m1(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8) -> their float32 values (mfqat.quant.nvfp4.LUT: bit 3 the sign, -0 kept)."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.int()]
 
 
 class _Groups(nn.Module):
