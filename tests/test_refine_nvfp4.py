@@ -17,7 +17,7 @@ from mfqat.quant.api import quantize_nvfp4  # noqa: E402
 from mfqat.quant.nvfp4 import E2M1, E4M3, e4m3_decode  # noqa: E402
 from mfqat.quant.reference import mx_codes_to_values  # noqa: E402
 
-SMALL = dict(steps=16, lr=1e-3, batch=2, seq_len=32, n_blocks=16, n_valid=4)
+SMALL = dict(steps=16, lr=8e-3, batch=2, seq_len=32, n_blocks=16, n_valid=4)
 
 
 def _np(x) -> np.ndarray:

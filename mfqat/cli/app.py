@@ -133,8 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "minutes")
     x.add_argument("--refine-steps", type=int, default=None, help="refine: Adam steps of 4 x 128 calibration "
                    "tokens (default by model size: 64 up to 0.3B parameters, 32 up to 1B, 16 up to 4B, then 8)")
-    x.add_argument("--refine-lr", type=float, default=1e-3, help="refine: learning rate of the relative scale / bias "
-                   "(nvfp4 scales: 8 times it, mfqat.export.refine.NVFP4_LR_SCALE)")
+    x.add_argument("--refine-lr", type=float, default=1e-3, help="refine: learning rate of the relative scale / bias")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="MLX affine scales/biases; auto: as mlx_lm.convert writes for the model (bfloat16 for a "
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")

@@ -34,9 +34,6 @@ from mfqat.quant.nvfp4 import LUT as E2M1_VALUES
 from mfqat.quant.nvfp4 import NVFP4_RANGE, e4m3_decode, e4m3_encode
 
 E4M3_MIN, E4M3_MAX = 2.0 ** -9, 448.0  # the smallest positive (subnormal) and the largest E4M3 value
-# The nvfp4 block scales' learning rate over ``RefineConfig.lr``: an E4M3 scale moves only when s0 * (1 + a)
-# crosses half a step of its grid (1/32 to 1/16 of it), which at the affine rate takes most of a default refine.
-NVFP4_LR_SCALE = 8.0
 
 
 @dataclass
@@ -358,10 +355,7 @@ def _train(groups: Dict[str, nn.Module], student: Logits, teacher: Logits, train
            cfg: RefineConfig, steps: int) -> List[float]:
     """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a), each on ``cfg.batch`` blocks drawn (seeded) from
     ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
-    # an E4M3 step is 1/16 to 1/8 of the scale: an nvfp4 a learns NVFP4_LR_SCALE times faster than an affine one
-    param_groups = [{"params": [p for g in groups.values() if not isinstance(g, _Blocks) for p in g.parameters()]},
-                    {"params": [g.a for g in groups.values() if isinstance(g, _Blocks)], "lr": cfg.lr * NVFP4_LR_SCALE}]
-    opt = torch.optim.Adam([pg for pg in param_groups if pg["params"]], lr=cfg.lr)
+    opt = torch.optim.Adam([p for g in groups.values() for p in g.parameters()], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
     bar = progress(range(steps), desc="refine scales/biases", unit="step")
