@@ -353,8 +353,8 @@ def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -
 
 def _train(groups: Dict[str, nn.Module], student: Logits, teacher: Logits, train: torch.Tensor,
            cfg: RefineConfig, steps: int) -> List[float]:
-    """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a), each on ``cfg.batch`` blocks drawn (seeded) from
-    ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
+    """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a), each on ``cfg.batch`` blocks drawn
+    (seeded) from ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
     opt = torch.optim.Adam([p for g in groups.values() for p in g.parameters()], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
@@ -389,8 +389,8 @@ def plan_refine(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> dict:
 
 def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None,
            planned: Optional[dict] = None) -> dict:
-    """Learn the scales and biases of ``plan``'s affine tensors and the block scales of its nvfp4 tensors on ``calib`` token blocks
-    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
+    """Learn the scales and biases of ``plan``'s affine tensors and the block scales of its nvfp4 tensors on
+    ``calib`` token blocks (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
     Returns the report entry (tensors, steps, KL before / after, estimated and measured seconds; only
     ``skipped`` when an optional refine has nothing to learn). ``planned``: :func:`plan_refine`'s answer.
 
