@@ -1,11 +1,13 @@
-"""``export-mlx --refine``: learned group scales and biases for the affine tensors of an export.
+"""``export-mlx --refine``: learned group scales and biases for the affine tensors of an export, learned
+block scales for its nvfp4 tensors.
 
 The lever of mlx-lm's DWQ (distilled weight quantization), run in PyTorch on the export's own
 plan: every affine tensor keeps its codes ``q`` and learns its bfloat16 scale ``s`` and bias ``b``
-per group so that the exported model's next-token distribution matches the anchor's own (the
-teacher: the anchor in its format, MXINT8/MXFP8, what MF-QAT trained) on calibration text.
-The result is still MLX's plain affine layout (same bytes, stock ``mlx_lm.load``), and the
-export check still compares it bit for bit with PyTorch's dequantization.
+per group, every nvfp4 tensor keeps its E2M1 codes and learns its E4M3 scale per block of 16, so
+that the exported model's next-token distribution matches the anchor's own (the teacher: the anchor
+in its format, MXINT8/MXFP8, what MF-QAT trained) on calibration text. The result is still MLX's
+plain affine / nvfp4 layout (same bytes, stock ``mlx_lm.load``), and the export check still compares
+it bit for bit with PyTorch's dequantization. MX tensors (MXINT / MXFP, E8M0 exponents) are not learned.
 """
 from __future__ import annotations
 
@@ -28,11 +30,15 @@ from mfqat.formats import get_format
 from mfqat.progress import announce, progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE
 from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.nvfp4 import LUT as E2M1_VALUES
+from mfqat.quant.nvfp4 import NVFP4_RANGE, e4m3_decode, e4m3_encode
+
+E4M3_MIN, E4M3_MAX = 2.0 ** -9, 448.0  # the smallest positive (subnormal) and the largest E4M3 value
 
 
 @dataclass
 class RefineConfig:
-    """Distil the affine scales and biases of an export against its anchor (codes fixed).
+    """Distil the affine scales and biases and the nvfp4 block scales of an export against its anchor (codes fixed).
 
     For every affine tensor of the plan, with codes ``q`` and the derived scale ``s0`` and bias
     ``b0`` of each group, two parameters per group ``a``, ``c`` (both 0 at the start) give::
@@ -40,7 +46,13 @@ class RefineConfig:
         s = bf16(s0 * (1 + a))      b = bf16(b0 + s0 * c)      W = q * s + b
 
     (bfloat16 rounding straight-through), so one learning rate suits every tensor whatever its
-    magnitude. ``a`` and ``c`` minimise, with Adam, on ``n_blocks`` blocks of ``seq_len``
+    magnitude. For every nvfp4 tensor, with E2M1 codes ``P``, the derived E4M3 scale ``s0`` of each
+    block of 16 and the tensor's optional global scale ``g`` (kept), one parameter per block ``a``::
+
+        s = e4m3(clamp(s0 * (1 + a), 2^-9, 448))      W = e2m1(P) * (s * fl32(g / 2688))
+
+    (E4M3 rounding straight-through; a block whose ``s0`` is 0 or NaN keeps it: no learned scale
+    rounds to zero or overflows). ``a`` and ``c`` minimise, with Adam, on ``n_blocks`` blocks of ``seq_len``
     calibration tokens (``batch`` blocks a step)::
 
         T^2 * KL( softmax(z_anchor / T) || softmax(z_export / T) )     per token, averaged
@@ -49,8 +61,8 @@ class RefineConfig:
     only when they lower it (else the export keeps the derived ones and says so).
 
     ``steps`` None: chosen by the model's parameter count (:func:`default_steps`, :data:`STEPS_BY_SIZE`).
-    ``optional`` (``export-mlx``'s default, ``refine="auto"``): a plan with no affine tensor to learn - an MX
-    or NVFP4 recipe, or widths whose learned scales the anchor already stores (``mfqat refine``) - is
+    ``optional`` (``export-mlx``'s default, ``refine="auto"``): a plan with no affine or nvfp4 tensor to learn - an
+    MX recipe, or widths whose learned scales the anchor already stores (``mfqat refine``) - is
     exported without refining instead of refused.
     """
 
@@ -113,6 +125,19 @@ def _ste_bf16(x: torch.Tensor) -> torch.Tensor:
     return x + (x.to(torch.bfloat16).float() - x).detach()
 
 
+def _e4m3_round(x: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """The E4M3 values (float32) nearest ``x`` within [2^-9, 448] where the block's derived scale ``s0`` is
+    positive; ``s0`` itself where it is 0 or NaN (an all-zero or non-finite block keeps its scale)."""
+    live = s0 > 0
+    x = torch.where(live, x, torch.ones_like(x)).nan_to_num(E4M3_MAX).clamp(E4M3_MIN, E4M3_MAX)  # NaN: a diverged a
+    return torch.where(live, e4m3_decode(e4m3_encode(x)), s0)
+
+
+def _ste_e4m3(x: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """:func:`_e4m3_round` in the forward pass, identity in the backward pass."""
+    return x + (_e4m3_round(x.detach(), s0) - x).detach()
+
+
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Codes of at most 4 bits (uint8, even last axis), two a byte: element 2i in the low nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -144,13 +169,47 @@ class _AffineWeight(torch.autograd.Function):
         (codes,) = ctx.saved_tensors
         bs = ctx.bs
         g = grad.reshape(-1, codes.shape[-1] // bs, bs)
-        q = codes.reshape(g.shape)
-        grad_s = torch.empty(g.shape[:-1], dtype=g.dtype)
-        step = max(1, _CHUNK_ELEMENTS // max(codes.shape[-1], 1))  # rows at a time: no float32 copy of the matrix
-        for lo in range(0, g.shape[0], step):
-            grad_s[lo:lo + step] = (g[lo:lo + step] * q[lo:lo + step]).sum(-1)
+        grad_s = _grad_scales(g, codes, lambda q: q)
         lead = codes.shape[:-1] + (codes.shape[-1] // bs,)
         return None, grad_s.reshape(lead), g.sum(-1).reshape(lead), None, None
+
+
+def _grad_scales(g: torch.Tensor, codes: torch.Tensor, values: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``(g * values(codes)).sum(-1)`` for ``g`` (rows, groups, bs), a few rows at a time: no float32 copy of the
+    matrix (``values``: the codes' element values, from a chunk of the uint8 codes)."""
+    q = codes.reshape(g.shape)
+    grad_s = torch.empty(g.shape[:-1], dtype=g.dtype)
+    step = max(1, _CHUNK_ELEMENTS // max(codes.shape[-1], 1))  # rows at a time
+    for lo in range(0, g.shape[0], step):
+        grad_s[lo:lo + step] = (g[lo:lo + step] * values(q[lo:lo + step])).sum(-1)
+    return grad_s
+
+
+class _NVFP4Weight(torch.autograd.Function):
+    """``W = e2m1(P) * s`` (E2M1 codes ``P`` in blocks along the last axis, ``s`` the block scales already times the
+    global scale's decode factor) whose backward keeps the uint8 codes rather than the float32 values autograd would
+    save; the same values and gradients, bit for bit (one float32 product, the gradient reduced over each block)."""
+
+    @staticmethod
+    def forward(ctx, codes: torch.Tensor, s: torch.Tensor, shape: tuple, bs: int) -> torch.Tensor:
+        w = _e2m1(codes).reshape(*shape[:-1], shape[-1] // bs, bs)
+        w.mul_(s.unsqueeze(-1))
+        ctx.save_for_backward(codes)
+        ctx.bs = bs
+        return w.reshape(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (codes,) = ctx.saved_tensors
+        bs = ctx.bs
+        g = grad.reshape(-1, codes.shape[-1] // bs, bs)
+        lead = codes.shape[:-1] + (codes.shape[-1] // bs,)
+        return None, _grad_scales(g, codes, _e2m1).reshape(lead), None, None
+
+
+def _e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8) -> their float32 values (mfqat.quant.nvfp4.LUT: bit 3 the sign, -0 kept)."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.int()]
 
 
 class _Groups(nn.Module):
@@ -190,7 +249,51 @@ class _Groups(nn.Module):
         return MXTensor(self.unpacked(), s, *self.layout, b, self.scale_rule)
 
 
-def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, _Groups],
+class _Blocks(nn.Module):
+    """The learned ``a`` of one nvfp4 tensor (one per block of 16) and the weights it gives. The E2M1 codes are
+    kept two a byte; :meth:`weight` builds the float32 weights when a forward asks for them; the global scale
+    (if any) is kept."""
+
+    def __init__(self, q: MXTensor):
+        super().__init__()
+        self.codes = _nibbles(q.codes)
+        self.shape, self.block_size, self.dtype, self.fmt = tuple(q.shape), q.block_size, q.dtype, q.fmt
+        self.scale_rule, self.global_scale = q.scale_rule, q.global_scale
+        self.bytes0 = q.scales  # the derived E4M3 bytes
+        self.a = nn.Parameter(torch.zeros(q.scales.shape, dtype=torch.float32))
+
+    def scales(self, straight_through: bool = True) -> torch.Tensor:
+        """The learned E4M3 block scales (float32 values)."""
+        s0 = e4m3_decode(self.bytes0)
+        s = s0 * (1 + self.a)
+        return _ste_e4m3(s, s0) if straight_through else _e4m3_round(s.detach(), s0)
+
+    def unpacked(self) -> torch.Tensor:
+        return _unnibble(self.codes)
+
+    def weight(self) -> torch.Tensor:
+        """``W = e2m1(P) * (s * fl32(g / 2688))`` in float32, as MXTensor.dequantize computes it."""
+        s = self.scales()
+        if self.global_scale is not None:
+            s = s * (self.global_scale.float() / torch.tensor(NVFP4_RANGE))
+        return _NVFP4Weight.apply(self.unpacked(), s, self.shape, self.block_size)
+
+    def learned(self) -> MXTensor:
+        """The tensor with its learned E4M3 scale bytes (same codes, same global scale); a block whose derived
+        scale is 0 or NaN keeps its byte."""
+        s0 = e4m3_decode(self.bytes0)
+        live = s0 > 0
+        learned = e4m3_encode(torch.where(live, self.scales(straight_through=False), torch.zeros_like(s0)))
+        return MXTensor(self.unpacked(), torch.where(live, learned, self.bytes0), self.fmt, self.block_size,
+                        self.dtype, None, self.scale_rule, global_scale=self.global_scale)
+
+
+def _learner(q: MXTensor) -> nn.Module:
+    """The module that learns tensor ``q``'s scales: :class:`_Blocks` for nvfp4, :class:`_Groups` for affine."""
+    return _Blocks(q) if q.fmt.family == "nvfp4" else _Groups(q)
+
+
+def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, nn.Module],
                     teacher: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
     """name -> the export's tensor: the learned weights of an affine tensor, else the export check's reference
     value (mfqat.export.verify.reference_tensor), else the anchor's (a tensor the plan does not touch)."""
@@ -211,17 +314,24 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
     return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
 
 
+LEARNED_FAMILIES = ("affine", "nvfp4")  # the formats whose scales refine learns (MX formats' E8M0 exponents: not)
+NOTHING_TO_LEARN = ("the plan has no affine or nvfp4 tensor (refine learns affine scales and biases and nvfp4 block "
+                    "scales, not the power-of-two scales of MX formats)")
+
+
 def _affine_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[str], str]:
-    """(the plan's affine tensors refine learns, why there are none). Without ``cfg.optional``, a plan with no
-    affine tensor is a ValueError; with it, so is (an empty list and the reason) a plan that uses a width the
+    """(the plan's affine and nvfp4 tensors refine learns, why there are none). Without ``cfg.optional``, a plan
+    with none is a ValueError; with it, so is (an empty list and the reason) a plan that uses an affine width the
     anchor stores learned scales for (``mfqat refine``): the user's stored scales are exported as they are."""
-    names = [n for n, f in plan.formats.items() if get_format(f).family == "affine"]
+    names = [n for n, f in plan.formats.items() if get_format(f).family in LEARNED_FAMILIES]
     if not names and not cfg.optional:
-        raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, and recipe plan has no affine "
-                         "tensor: use uniform:affineK, auto:BPW:affine or seed:affine")
+        raise ValueError(f"{anchor.path}: --refine learns affine scales and biases and nvfp4 block scales, and "
+                         "recipe plan has no affine or nvfp4 tensor (MX formats' scales are not learned): use "
+                         "uniform:affineK, auto:BPW:affine, seed:affine or uniform:nvfp4")
     if not names:
-        return [], "the plan has no affine tensor (refine learns affine scales and biases)"
-    stored = sorted({f for n, f in plan.formats.items() if n in names and pick(anchor.learned_scales, f, plan.group_of(f))})
+        return [], NOTHING_TO_LEARN
+    stored = sorted({f for n, f in plan.formats.items() if n in names and get_format(f).family == "affine"
+                     and pick(anchor.learned_scales, f, plan.group_of(f))})
     if cfg.optional and stored:
         return [], (f"the anchor stores learned scales for {', '.join(stored)} (mfqat refine); they are used as "
                     "stored (--refine learns every affine tensor again, from them)")
@@ -241,11 +351,11 @@ def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -
         return float(sum(_kl(student(ids[None]), teacher(ids[None]), t) for ids in valid) / len(valid))
 
 
-def _train(groups: Dict[str, _Groups], student: Logits, teacher: Logits, train: torch.Tensor,
+def _train(groups: Dict[str, nn.Module], student: Logits, teacher: Logits, train: torch.Tensor,
            cfg: RefineConfig, steps: int) -> List[float]:
-    """``steps`` Adam steps on every group's (a, c), each on ``cfg.batch`` blocks drawn (seeded) from
-    ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
-    opt = torch.optim.Adam([p for g in groups.values() for p in (g.a, g.c)], lr=cfg.lr)
+    """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a), each on ``cfg.batch`` blocks drawn
+    (seeded) from ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
+    opt = torch.optim.Adam([p for g in groups.values() for p in g.parameters()], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
     bar = progress(range(steps), desc="refine scales/biases", unit="step")
@@ -279,8 +389,8 @@ def plan_refine(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> dict:
 
 def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None,
            planned: Optional[dict] = None) -> dict:
-    """Learn the scales and biases of ``plan``'s affine tensors on ``calib`` token blocks
-    (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
+    """Learn the scales and biases of ``plan``'s affine tensors and the block scales of its nvfp4 tensors on
+    ``calib`` token blocks (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
     Returns the report entry (tensors, steps, KL before / after, estimated and measured seconds; only
     ``skipped`` when an optional refine has nothing to learn). ``planned``: :func:`plan_refine`'s answer.
 
@@ -296,7 +406,7 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     _check_calibration(calib, cfg)
     names, steps = planned["names"], planned["steps"]
     train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
-    groups = {n: _Groups(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
+    groups = {n: _learner(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
     model = LazyModel(anchor)
     anchor_weights = anchor_source(anchor)
     export_weights = _student_source(anchor, plan, groups, anchor_weights)
@@ -326,7 +436,7 @@ def describe_plan(planned: dict, cfg: RefineConfig) -> str:
     if not planned["names"]:
         return f"refine: skipped: {planned['skipped']}"
     minutes = planned["estimated_seconds"] / 60
-    return (f"refine: {len(planned['names'])} affine tensors, {planned['steps']} steps of {cfg.batch} x {cfg.seq_len} "
+    return (f"refine: {len(planned['names'])} affine / nvfp4 tensors, {planned['steps']} steps of {cfg.batch} x {cfg.seq_len} "
             f"tokens (steps by {'--refine-steps' if planned['steps_from'] == 'given' else 'model size'}, "
             f"{planned['parameters'] / 1e9:.2f}B parameters): about {minutes:.0f} min here"
             + (" (--no-refine skips it)" if cfg.optional else ""))
