@@ -315,6 +315,11 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
 
 
 LEARNED_FAMILIES = ("affine", "nvfp4")  # the formats whose scales refine learns (MX formats' E8M0 exponents: not)
+# The default (optional) refine leaves nvfp4 tensors alone: on SmolLM2-135M (uniform:nvfp4) the learned E4M3
+# block scales raised the validation KL at learning rates 4e-3 and 8e-3 (nothing kept), and the default rate
+# was not measured; until it is shown to help, nvfp4 scales are learned only with --refine.
+NVFP4_ONLY_WHEN_ASKED = ("nvfp4 block scales are learned only with --refine (the default refine learns affine "
+                         "tensors; learned nvfp4 scales have not yet been shown to help)")
 NOTHING_TO_LEARN = ("the plan has no affine or nvfp4 tensor (refine learns affine scales and biases and nvfp4 block "
                     "scales, not the power-of-two scales of MX formats)")
 
@@ -330,6 +335,10 @@ def _affine_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[s
                          "uniform:affineK, auto:BPW:affine, seed:affine or uniform:nvfp4")
     if not names:
         return [], NOTHING_TO_LEARN
+    if cfg.optional and not any(get_format(plan.formats[n]).family == "affine" for n in names):
+        return [], NVFP4_ONLY_WHEN_ASKED
+    if cfg.optional:  # the default refine learns affine tensors only (NVFP4_ONLY_WHEN_ASKED)
+        names = [n for n in names if get_format(plan.formats[n]).family == "affine"]
     stored = sorted({f for n, f in plan.formats.items() if n in names and get_format(f).family == "affine"
                      and pick(anchor.learned_scales, f, plan.group_of(f))})
     if cfg.optional and stored:
