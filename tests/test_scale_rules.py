@@ -1,7 +1,7 @@
 """Per-format scale rules (table, config, training = anchor on load, MLX) and the per-block scale search."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import mfqat
@@ -25,11 +25,20 @@ def _data(seed: int, n: int, shift: int) -> torch.Tensor:
 
 
 def _weighted_error(x: torch.Tensor, deq: torch.Tensor, imp) -> torch.Tensor:
-    """Independent float64 per-block error: sum_j w_j (x_j - deq_j)^2."""
+    """Independent float64 per-block error: sum_j w_j (x_j - deq_j)^2, summed in the order the search defines
+    (fixed_order_sum): torch's own summation order can round near-ties apart by an ulp, and hypothesis found
+    such blocks (mxfp8_e5m2, importance mostly zero) where the three candidates tie in one order only."""
+    from mfqat.quant.scale_search import fixed_order_sum
+
     err = (x.double() - deq.double()).square()
-    return (err * imp.double().reshape(err.shape[-2:]) if imp is not None else err).sum(-1)
+    return fixed_order_sum(err * imp.double().reshape(err.shape[-2:]) if imp is not None else err)
 
 
+_TIED_IN_ONE_ORDER = {98: 66.7109375, 102: 1.5, 104: 1.6875, 106: 1.25, 108: 3.0, 110: 1.0625, 112: 82.3671875,
+                      113: 8.0, 114: 7.0, 116: 99.96875, 124: 3.0, 126: 1.75}  # found by hypothesis in a CI-like run
+
+
+@example("mxfp8_e5m2", 76251703, 0, [_TIED_IN_ONE_ORDER.get(i, 0.0) for i in range(128)], True)
 @given(st.sampled_from(MX_FORMATS), st.one_of(st.lists(finite, min_size=256, max_size=256), st.integers(0, 2 ** 31)),
        st.integers(-140, 110), st.lists(st.floats(0, 100, width=32), min_size=128, max_size=128), st.booleans())
 def test_search_blocks_are_legal_and_the_best_of_three(name, values, shift, weights, weighted):

@@ -410,9 +410,11 @@ def test_the_streaming_exports_memory_does_not_grow_with_the_model(tmp_path):
 def test_an_auto_exports_memory_does_not_hold_the_model(tmp_path):
     """Issue 44: ``auto:BPW``'s sensitivity pass runs the model with each module's weights read from the anchor
     as it runs (mfqat.export.sensitivity); it used to load the whole model in float32 and the anchor beside it
-    (slope ~3 bytes per bf16 byte here). The PTQ anchor is written and read back lazily."""
-    slope = growth_slope(lambda layers: _export_growth(tmp_path, layers, "auto:4.5"), 2, 12)
-    assert slope < 1.0, f"the auto: export's peak grows by {slope:.2f} bytes per bf16 byte of model"
+    (slope ~3 bytes per bf16 byte here). The PTQ anchor is written and read back lazily. Runs to run, the peak
+    of either size moves by ~50 MiB (allocator state), so the sizes are 2 and 24 layers (143 MiB of bf16 apart)
+    and the bound sits between the lazy pass (0.1-0.7) and the held model (3.2)."""
+    slope = growth_slope(lambda layers: _export_growth(tmp_path, layers, "auto:4.5"), 2, 24)
+    assert slope < 1.5, f"the auto: export's peak grows by {slope:.2f} bytes per bf16 byte of model"
 
 
 def test_eval_tensor_by_tensor_equals_loading_whole_state_dicts(bf16_folder, tmp_path):
