@@ -361,8 +361,10 @@ import psutil
 def hwm():  # this process's own high-water mark (kB); ru_maxrss would also count the parent's peak at spawn
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1])
 base = psutil.Process().memory_info().rss // 1024  # now, after the imports (their transient peak may be higher)
-import mfqat.export.recipes
+import mfqat.export.recipes, mfqat.export.sensitivity as sens
 mfqat.export.recipes.CHUNK_ELEMENTS = 1 << 20  # the embedding in row chunks too: its transient is not the signal
+blocks = sens.calibration_blocks  # auto: one calibration block of 32 tokens (what is held does not depend on them)
+sens.calibration_blocks = lambda anchor, text, n_blocks=4, seq_len=128: blocks(anchor, text, 1, 32)
 mfqat.export.to_mlx(sys.argv[1], sys.argv[2], recipe=sys.argv[3], max_memory=0)
 print(json.dumps({"base": base, "peak": hwm()}))
 """
