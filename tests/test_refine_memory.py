@@ -250,3 +250,55 @@ def test_the_affine_weight_function_gives_autograds_values_and_gradients_in_row_
     w2.backward(grad)
     assert torch.equal(w1, w2)
     assert torch.equal(s1.grad, s2.grad) and torch.equal(b1.grad, b2.grad)
+
+
+@pytest.mark.parametrize("recipe", ["uniform:affine4", "uniform:affine3"])
+def test_a_lean_embedding_and_head_learn_bit_for_bit_what_whole_matrices_learn(anchors, tok, recipe, monkeypatch):
+    """The student's untied embedding and head are never built whole (rows looked up, the head's gradient in row
+    chunks) whatever their size: the same KLs and learned scales as the whole-model oracle, bit for bit."""
+    from mfqat.export import lean_matrices
+
+    monkeypatch.setattr(lean_matrices, "_ROWS_ELEMENTS", 4096)  # several row chunks of the head's gradient
+    calib = calibration_blocks(tok, None, n_blocks=8, seq_len=32)
+    cfg = RefineConfig(**SMALL)
+    old_anchor = read_anchor(anchors[False])
+    old = old_refine(old_anchor, build_plan(old_anchor, recipe), calib, cfg)
+    anchor = read_anchor(anchors[False], lazy=True)
+    plan = build_plan(anchor, recipe)
+    calls = []
+    monkeypatch.setattr(lean_matrices._Head, "backward", _counted(lean_matrices._Head.backward, calls))
+    new = refine(anchor, plan, calib, cfg)
+    assert calls, "the lean head was not used"
+    for k in ("validation_kl_before", "validation_kl_after", "train_kl_first_last"):
+        assert new[k] == old[k], k
+    for n, q in old["learned"].items():
+        got = plan.learned_scales[n]
+        assert torch.equal(got.scales, q.scales) and torch.equal(got.biases, q.biases), n
+
+
+def test_a_lean_tied_matrix_learns_what_the_whole_one_learns_to_rounding(anchors, tok, monkeypatch):
+    """A tied embedding and head (one matrix): the two uses' gradients are reduced to the groups separately, so
+    the result equals the whole-matrix one up to float32 rounding."""
+    from mfqat.export import lean_matrices
+
+    calib = calibration_blocks(tok, None, n_blocks=8, seq_len=32)
+    cfg = RefineConfig(**SMALL)
+    calls = []
+    monkeypatch.setattr(lean_matrices._Rows, "backward", _counted(lean_matrices._Rows.backward, calls))
+    whole_anchor = read_anchor(anchors[True], lazy=True)
+    whole = refine(whole_anchor, build_plan(whole_anchor, "uniform:affine4"), calib, cfg)
+    monkeypatch.setattr(lean_matrices, "LEAN_MATRIX_BYTES", 0)
+    anchor = read_anchor(anchors[True], lazy=True)
+    plan = build_plan(anchor, "uniform:affine4")
+    assert not calls, "a small tied matrix went lean"
+    lean = refine(anchor, plan, calib, cfg)
+    assert calls, "the lean embedding was not used"
+    assert lean["validation_kl_after"] == pytest.approx(whole["validation_kl_after"], rel=1e-4)
+    assert lean["validation_kl_before"] == whole["validation_kl_before"]
+
+
+def _counted(fn, calls):
+    def run(*args):
+        calls.append(1)
+        return fn(*args)
+    return staticmethod(run)

@@ -19,10 +19,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.learned_scales import pick
+from mfqat.export import lean_matrices
 from mfqat.export.lazy_model import LazyModel, anchor_source
+from mfqat.export.lean_matrices import LeanMatrices
 from mfqat.export.mlx_sizes import anchor_parameters
 from mfqat.export.recipes import Plan
 from mfqat.export.verify import reference_tensor
@@ -238,6 +241,11 @@ class _Groups(nn.Module):
         """The uint8 codes, shaped as the tensor."""
         return _unnibble(self.codes) if self.nibbles else self.codes
 
+    def rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The uint8 codes of the matrix's rows ``index`` (all rows when None): mfqat.export.lean_matrices."""
+        codes = self.codes if index is None else self.codes[index]
+        return _unnibble(codes) if self.nibbles else codes
+
     def weight(self) -> torch.Tensor:
         """``W = q * s + b`` in float32, the codes grouped along the last axis."""
         s, b = self.scales_biases()
@@ -294,10 +302,16 @@ def _learner(q: MXTensor) -> nn.Module:
 
 
 def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, nn.Module],
-                    teacher: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    """name -> the export's tensor: the learned weights of an affine tensor, else the export check's reference
-    value (mfqat.export.verify.reference_tensor), else the anchor's (a tensor the plan does not touch)."""
+                    teacher: Callable[[str], torch.Tensor],
+                    markers: Optional[Dict[str, torch.Tensor]] = None) -> Callable[[str], torch.Tensor]:
+    """name -> the export's tensor: the learned weights of an affine tensor (its marker when it is a lean matrix:
+    mfqat.export.lean_matrices), else the export check's reference value (mfqat.export.verify.reference_tensor),
+    else the anchor's (a tensor the plan does not touch)."""
+    markers = markers or {}
+
     def source(name: str) -> torch.Tensor:
+        if name in markers:
+            return markers[name]
         if name in groups:
             return groups[name].weight()
         v = reference_tensor(anchor, plan, name)
@@ -308,10 +322,27 @@ def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, nn.Module],
 Logits = Callable[[torch.Tensor], torch.Tensor]  # token ids (batch x seq) -> logits
 
 
-def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
+_KL_CHUNK_ELEMENTS = 8 * 1024 ** 2  # the KL's softmaxes over at most this many logits at a time (32 MB of float32)
+
+
+def _kl_rows(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
+    """KL(softmax(teacher / t) || softmax(student / t)) of each row (rows x vocabulary -> rows)."""
     log_s = F.log_softmax(student.float() / t, dim=-1)
     log_t = F.log_softmax(teacher.float() / t, dim=-1)
-    return (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
+    return (log_t.exp() * (log_t - log_s)).sum(-1)
+
+
+def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
+    """``t^2`` x the mean over tokens of :func:`_kl_rows`, a few rows of logits at a time: with autograd, each
+    chunk's softmaxes are recomputed in backward (non-reentrant checkpointing) rather than kept, so the KL holds
+    the two logit tensors and one chunk's intermediates, not six whole-batch copies (the same values and
+    gradients, bit for bit: every operation is row by row)."""
+    vocab = student.shape[-1]
+    rows = max(1, _KL_CHUNK_ELEMENTS // vocab)
+    chunks = zip(student.reshape(-1, vocab).split(rows), teacher.reshape(-1, vocab).split(rows))
+    per_row = [checkpoint(_kl_rows, s, z, t, use_reentrant=False) if s.requires_grad else _kl_rows(s, z, t)
+               for s, z in chunks]
+    return torch.cat(per_row).reshape(student.shape[:-1]).mean() * t * t
 
 
 LEARNED_FAMILIES = ("affine", "nvfp4")  # the formats whose scales refine learns (MX formats' E8M0 exponents: not)
@@ -347,6 +378,24 @@ def _affine_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[s
     return names, ""
 
 
+def _lean_markers(model: LazyModel, groups: Dict[str, nn.Module]) -> Dict[str, torch.Tensor]:
+    """{name: marker} of the learned affine matrices of the input embedding and the output head that the student
+    runs without building them whole (mfqat.export.lean_matrices): an untied one always (the same values and
+    gradients bit for bit), a tied one when its float32 matrix is at least lean_matrices.LEAN_MATRIX_BYTES (its
+    two uses' gradients then add up in another order: equal to rounding; a small model keeps its exact path)."""
+    names = [[name for _, attr, name in model.slots.get(module, []) if attr == "weight"] if module is not None else []
+             for module in (model.model.get_input_embeddings(), model.model.get_output_embeddings())]
+    tied = set(names[0]) & set(names[1])
+    out = {}
+    for name in set(names[0]) | set(names[1]):
+        learner = groups.get(name)
+        if not isinstance(learner, _Groups) or len(learner.shape) != 2:
+            continue
+        if name not in tied or 4 * learner.shape[0] * learner.shape[1] >= lean_matrices.LEAN_MATRIX_BYTES:
+            out[name] = lean_matrices.marker(learner.shape)
+    return out
+
+
 def _check_calibration(calib: torch.Tensor, cfg: RefineConfig) -> None:
     if calib.shape[0] < cfg.n_blocks + cfg.n_valid:
         raise ValueError(f"refine: the calibration text gives {calib.shape[0]} blocks of {calib.shape[1]} tokens, "
@@ -363,22 +412,33 @@ def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -
 def _train(groups: Dict[str, nn.Module], student: Logits, teacher: Logits, train: torch.Tensor,
            cfg: RefineConfig, steps: int) -> List[float]:
     """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a), each on ``cfg.batch`` blocks drawn
-    (seeded) from ``train``; returns the training KL of each step. The optimizer state and gradients go with the return."""
-    opt = torch.optim.Adam([p for g in groups.values() for p in g.parameters()], lr=cfg.lr)
+    (seeded) from ``train``; returns the training KL of each step. The optimizer state goes with the return.
+
+    Each parameter takes its Adam step as soon as the backward has its gradient, which is then dropped
+    (``register_post_accumulate_grad_hook``), so the gradients of the whole model are never held at once: the
+    same updates as one Adam over every parameter (single-tensor Adam updates each parameter on its own)."""
+    params = [p for g in groups.values() for p in g.parameters()]
+    opts = {p: torch.optim.Adam([p], lr=cfg.lr, foreach=False) for p in params}
+
+    def step(p: torch.Tensor) -> None:
+        opts[p].step()
+        p.grad = None
+    hooks = [p.register_post_accumulate_grad_hook(step) for p in params]
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
     bar = progress(range(steps), desc="refine scales/biases", unit="step")
-    for _ in bar:
-        ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
-        with torch.no_grad():
-            target = teacher(ids)
-        loss = _kl(student(ids), target, cfg.temperature)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(kl=f"{losses[-1]:.4f}")
-    opt.zero_grad(set_to_none=True)
+    try:
+        for _ in bar:
+            ids = train[torch.randint(0, len(train), (cfg.batch,), generator=gen)]
+            with torch.no_grad():
+                target = teacher(ids)
+            loss = _kl(student(ids), target, cfg.temperature)
+            loss.backward()  # every parameter steps as its gradient comes
+            losses.append(loss.item())
+            bar.set_postfix(kl=f"{losses[-1]:.4f}")
+    finally:
+        for h in hooks:
+            h.remove()
     return losses
 
 
@@ -418,13 +478,16 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     groups = {n: _learner(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
     model = LazyModel(anchor)
     anchor_weights = anchor_source(anchor)
-    export_weights = _student_source(anchor, plan, groups, anchor_weights)
+    markers = _lean_markers(model, groups)
+    export_weights = _student_source(anchor, plan, groups, anchor_weights, markers)
+    lean = {id(m): groups[n] for n, m in markers.items()}
 
     def teacher(ids: torch.Tensor) -> torch.Tensor:
         return model.logits(anchor_weights, ids)
 
     def student(ids: torch.Tensor) -> torch.Tensor:
-        return model.logits(export_weights, ids)
+        with LeanMatrices(lean):
+            return model.logits(export_weights, ids)
 
     before = _valid_kl(student, teacher, valid, cfg.temperature)
     losses = _train(groups, student, teacher, train, cfg, steps)

@@ -1,0 +1,126 @@
+"""The embedding and output head of a refine's student without their whole float32 matrices (issue 44).
+
+A refine's student builds every affine weight ``W = q * s + b`` in float32 as a module runs. For the embedding
+and the output head that is a vocabulary-sized matrix (49152 x 3072 = 0.6 GB at 3B), and autograd's
+backward adds a second one, its dense gradient, before reducing it to the group scales and biases. Here:
+
+- the embedding builds only the rows of the token ids it looks up, and its backward accumulates the
+  gradient of those rows only (as ``embedding``'s dense backward does, with ``index_add``), reduced to their
+  groups' scales and biases;
+- the head builds its matrix for the product and frees it; its backward builds it again for the input's
+  gradient, frees it, and forms the matrix's gradient a few thousand rows at a time, each reduced to its
+  groups' scales and biases at once.
+
+Both give autograd's values and gradients bit for bit (tests/test_refine_memory.py) for an untied
+embedding and head, which refine therefore always runs this way. A tied one (one matrix for both) adds the
+head's and the embedding's contributions to the scales' gradients after reducing each, not before: equal up
+to float32 rounding, so refine runs it this way only from :data:`LEAN_MATRIX_BYTES` of float32 (a small
+model such as SmolLM2-135M, 113 MB, keeps its exact numbers).
+
+The model's modules are left as they are: the student's source gives such a matrix as a *marker*, a
+meta-device tensor of its shape, and :class:`LeanMatrices` (a ``TorchFunctionMode``) routes the ``embedding``
+and ``linear`` calls that receive a marker to the functions here; any other use of a marker fails loudly
+(meta tensors hold no values).
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+LEAN_MATRIX_BYTES = 256 * 1024 ** 2  # a tied embedding and head goes lean from this float32 size (untied: always)
+_ROWS_ELEMENTS = 16 * 1024 ** 2  # the head's gradient formed this many elements (64 MB of float32) at a time
+
+
+def _build(codes: torch.Tensor, s: torch.Tensor, b: torch.Tensor, bs: int) -> torch.Tensor:
+    """``q * s + b`` in float32 for uint8 codes (rows x K) and their groups' scales and biases (rows x K / bs),
+    computed as mfqat.export.refine._AffineWeight computes it (a product, then a sum)."""
+    w = codes.float().reshape(codes.shape[0], -1, bs)
+    w.mul_(s.unsqueeze(-1)).add_(b.unsqueeze(-1))
+    return w.reshape(codes.shape)
+
+
+def _group_grads(g: torch.Tensor, codes: torch.Tensor, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the groups' scales and biases from the gradient ``g`` of their rows (rows x K)."""
+    g = g.reshape(g.shape[0], -1, bs)
+    return (g * codes.reshape(g.shape)).sum(-1), g.sum(-1)
+
+
+class _Rows(torch.autograd.Function):
+    """``embedding(ids, W)`` of an affine ``W`` (``unpack(rows) -> uint8 codes``) building only the looked-up rows."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, s: torch.Tensor, b: torch.Tensor, unpack, bs: int) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        out = _build(unpack(flat), s[flat], b[flat], bs)
+        ctx.save_for_backward(ids)
+        ctx.unpack, ctx.bs, ctx.shape = unpack, bs, s.shape
+        return out.reshape(*ids.shape, out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        used, where = torch.unique(ids.reshape(-1), return_inverse=True)
+        rows = torch.zeros(len(used), grad.shape[-1], dtype=grad.dtype)
+        rows.index_add_(0, where, grad.reshape(-1, grad.shape[-1]))  # embedding's dense backward, used rows only
+        gs, gb = _group_grads(rows, ctx.unpack(used), ctx.bs)
+        grad_s = torch.zeros(ctx.shape, dtype=grad.dtype).index_copy_(0, used, gs)
+        grad_b = torch.zeros(ctx.shape, dtype=grad.dtype).index_copy_(0, used, gb)
+        return None, grad_s, grad_b, None, None
+
+
+class _Head(torch.autograd.Function):
+    """``linear(x, W)`` of an affine ``W`` (vocabulary x hidden) whose backward never holds W's whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, s: torch.Tensor, b: torch.Tensor, unpack, bs: int) -> torch.Tensor:
+        ctx.save_for_backward(x, s, b)
+        ctx.unpack, ctx.bs = unpack, bs
+        return F.linear(x, _build(unpack(None), s, b, bs))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, s, b = ctx.saved_tensors
+        unpack, bs = ctx.unpack, ctx.bs
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # mm's backward: grad @ W, W built again and dropped
+            grad_x = g2.mm(_build(unpack(None), s, b, bs)).reshape(x.shape)
+        grad_s, grad_b = torch.empty_like(s), torch.empty_like(b)
+        step = max(1, _ROWS_ELEMENTS // max(x2.shape[-1], 1))
+        for lo in range(0, s.shape[0], step):  # W's gradient rows lo..lo+step, as mm's backward forms them
+            rows = torch.arange(lo, min(lo + step, s.shape[0]))
+            gw = g2[:, lo:lo + step].t().mm(x2)
+            grad_s[lo:lo + step], grad_b[lo:lo + step] = _group_grads(gw, unpack(rows), bs)
+        return grad_x, grad_s, grad_b, None, None
+
+
+class LeanMatrices(TorchFunctionMode):
+    """Within this mode, ``embedding`` and ``linear`` given a marker (a key of ``learners``: id -> the affine
+    learner of mfqat.export.refine, with ``scales_biases()`` and ``rows(ids or None)``) run on the learner's
+    codes through :class:`_Rows` / :class:`_Head`; every other call runs as usual."""
+
+    def __init__(self, learners: Dict[int, object]):
+        super().__init__()
+        self.learners = learners
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and len(args) > 1 and id(args[1]) in self.learners:
+            learner = self.learners[id(args[1])]
+            s, b = learner.scales_biases()
+            return _Rows.apply(args[0], s, b, learner.rows, learner.layout[1])
+        if func is F.linear and len(args) > 1 and id(args[1]) in self.learners:
+            if len(args) > 2 and args[2] is not None or kwargs.get("bias") is not None:
+                raise ValueError("refine: a lean output head has no bias (an affine head with a bias is not supported)")
+            learner = self.learners[id(args[1])]
+            s, b = learner.scales_biases()
+            return _Head.apply(args[0], s, b, learner.rows, learner.layout[1])
+        return func(*args, **kwargs)
+
+
+def marker(shape: Tuple[int, ...]) -> torch.Tensor:
+    """A float32 meta-device tensor standing for a lean matrix of ``shape`` in the model."""
+    return torch.empty(shape, dtype=torch.float32, device="meta")
