@@ -18,7 +18,7 @@ from mfqat.storage.manifest import canonical_digest
 
 def add_learned_scales(path: Path, fmt: str, group_size: int, tensors: Dict[str, MXTensor], info: dict,
                 overwrite: bool = False, learned_from: Optional[Dict[str, str]] = None) -> Path:
-    """Store width ``fmt``'s learned scales and biases (``tensors``: the MXTensors with them) in the anchor at
+    """Store width ``fmt``'s learned scales and biases (``tensors``: MXTensors or LearnedScales) in the anchor at
     ``path``, under its writer lock (the one save_anchor takes).
 
     ``learned_from``: the weight files (``mfqat.json`` ``files``: name -> sha256) of the anchor the values were

@@ -9,6 +9,7 @@ directly when the plan names a format for them (origin "ptq"), else kept in bflo
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -56,6 +57,21 @@ def mlx_storage(fmt) -> Optional[Tuple[str, int]]:
 
 
 @dataclass
+class LearnedScales:
+    """The scales (and affine biases) ``--refine`` learned for one planned tensor. Refine keeps the tensor's derived
+    codes, so a refined plan holds these few bytes a group and :meth:`Plan.tensor` derives the codes again when
+    the tensor is written or checked, instead of holding every tensor's codes (a byte a weight) from the end of
+    the refine to the end of the export."""
+
+    scales: torch.Tensor
+    biases: Optional[torch.Tensor] = None
+
+    def on(self, q: MXTensor) -> MXTensor:
+        """``q`` (the derived tensor: its codes) with these scales and biases."""
+        return dataclasses.replace(q, scales=self.scales, biases=self.biases)
+
+
+@dataclass
 class Plan:
     """{tensor name: format}, where each comes from, what stays 16-bit, the top-level entry."""
     formats: Dict[str, str] = field(default_factory=dict)
@@ -68,7 +84,8 @@ class Plan:
     derived_group: int = DERIVED_GROUP_SIZE  # group of the derived affine formats
     base_group: int = 32  # the config's top-level group size (that of the top-level format)
     family: Family = DENSE  # the model family's rules (mfqat.models): mlx-lm names, what stays high precision
-    learned_scales: Dict[str, MXTensor] = field(default_factory=dict)  # export --refine's tensors: same codes
+    # export --refine's learned scales (LearnedScales: the codes are derived again) or whole tensors (MXTensor)
+    learned_scales: Dict[str, "LearnedScales | MXTensor"] = field(default_factory=dict)
     refined = renamed("Plan", "refined", "learned_scales")
 
     def group_of(self, fmt: str) -> int:
@@ -82,9 +99,11 @@ class Plan:
 
     def tensor(self, anchor: Anchor, name: str) -> MXTensor:
         """One planned tensor in its planned format (with its learned scales when ``--refine`` learned them)."""
-        if name in self.learned_scales:
-            return self.learned_scales[name]
-        return in_format(anchor, name, self.formats[name], self.derived_group)
+        learned = self.learned_scales.get(name)
+        if isinstance(learned, MXTensor):
+            return learned
+        q = in_format(anchor, name, self.formats[name], self.derived_group)
+        return q if learned is None else learned.on(q)
 
     def chunk_rows(self, anchor: Anchor, name: str, elements: Optional[int] = None) -> Optional[int]:
         """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row

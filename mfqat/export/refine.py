@@ -27,7 +27,7 @@ from mfqat.export import lean_matrices
 from mfqat.export.lazy_model import LazyModel, anchor_source
 from mfqat.export.lean_matrices import LeanMatrices
 from mfqat.export.mlx_sizes import anchor_parameters
-from mfqat.export.recipes import Plan
+from mfqat.export.recipes import LearnedScales, Plan
 from mfqat.export.verify import reference_tensor
 from mfqat.formats import get_format
 from mfqat.progress import announce, progress
@@ -251,10 +251,13 @@ class _Groups(nn.Module):
         s, b = self.scales_biases()
         return _AffineWeight.apply(self.unpacked(), s, b, self.shape, self.layout[1])
 
+    def learned_scales(self) -> LearnedScales:
+        """The learned bfloat16 scales and biases (float32 tensors holding bfloat16 values)."""
+        return LearnedScales(*self.scales_biases(straight_through=False))
+
     def learned(self) -> MXTensor:
         """The tensor with its learned bfloat16 scales and biases (same codes)."""
-        s, b = self.scales_biases(straight_through=False)
-        return MXTensor(self.unpacked(), s, *self.layout, b, self.scale_rule)
+        return self.learned_scales().on(MXTensor(self.unpacked(), self.s0, *self.layout, self.b0, self.scale_rule))
 
 
 class _Blocks(nn.Module):
@@ -286,14 +289,17 @@ class _Blocks(nn.Module):
             s = s * (self.global_scale.float() / torch.tensor(NVFP4_RANGE))
         return _NVFP4Weight.apply(self.unpacked(), s, self.shape, self.block_size)
 
-    def learned(self) -> MXTensor:
-        """The tensor with its learned E4M3 scale bytes (same codes, same global scale); a block whose derived
-        scale is 0 or NaN keeps its byte."""
+    def learned_scales(self) -> LearnedScales:
+        """The learned E4M3 scale bytes; a block whose derived scale is 0 or NaN keeps its byte."""
         s0 = e4m3_decode(self.bytes0)
         live = s0 > 0
         learned = e4m3_encode(torch.where(live, self.scales(straight_through=False), torch.zeros_like(s0)))
-        return MXTensor(self.unpacked(), torch.where(live, learned, self.bytes0), self.fmt, self.block_size,
-                        self.dtype, None, self.scale_rule, global_scale=self.global_scale)
+        return LearnedScales(torch.where(live, learned, self.bytes0))
+
+    def learned(self) -> MXTensor:
+        """The tensor with its learned E4M3 scale bytes (same codes, same global scale)."""
+        return self.learned_scales().on(MXTensor(self.unpacked(), self.bytes0, self.fmt, self.block_size, self.dtype,
+                                                 None, self.scale_rule, global_scale=self.global_scale))
 
 
 def _learner(q: MXTensor) -> nn.Module:
@@ -493,8 +499,8 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     losses = _train(groups, student, teacher, train, cfg, steps)
     after = _valid_kl(student, teacher, valid, cfg.temperature)
     kept = after < before
-    if kept:  # each group's packed codes go as its learned tensor comes
-        plan.learned_scales = {n: groups.pop(n).learned() for n in list(groups)}
+    if kept:  # the learned scales only: the codes are derived again as each tensor is written (LearnedScales)
+        plan.learned_scales = {n: groups.pop(n).learned_scales() for n in list(groups)}
     return {"tensors": len(names), "steps": steps, "steps_from": planned["steps_from"], "lr": cfg.lr,
             "batch": cfg.batch, "seq_len": cfg.seq_len, "calibration_blocks": cfg.n_blocks,
             "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
