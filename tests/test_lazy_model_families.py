@@ -26,3 +26,40 @@ def test_lazy_logits_equal_the_loaded_models_in_every_family(name, tmp_path):
     assert torch.equal(again, want)
     checkpointed = LazyModel(anchor).logits(anchor_source(anchor), ids)  # autograd on: layers checkpointed
     assert torch.equal(checkpointed.detach(), want)
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_the_refine_students_lean_embedding_and_head_run_every_family(name, tmp_path, monkeypatch):
+    """mfqat.export.lean_matrices in every family (tied ones forced lean): the student's logits equal those of the
+    whole matrices bit for bit, and a backward through them gives the same gradients (to rounding where tied)."""
+    from mfqat.export import lean_matrices
+    from mfqat.export.lean_matrices import LeanMatrices
+    from mfqat.export.recipes import build_plan
+    from mfqat.export.refine import _lean_markers, _learner, _student_source
+
+    monkeypatch.setattr(lean_matrices, "LEAN_MATRIX_BYTES", 0)
+    model_type, extra = SUPPORTED[name]
+    path = mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8")
+    anchor = mfqat.read_anchor(path, lazy=True)
+    plan = build_plan(anchor, "uniform:affine4", derived_group=32)  # the tiny models' widths
+    groups = {n: _learner(plan.tensor(anchor, n)) for n in plan.formats}
+    lazy = LazyModel(anchor)
+    markers = _lean_markers(lazy, groups)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for lean in ({}, markers):
+        source = _student_source(anchor, plan, groups, anchor_source(anchor), lean)
+        with LeanMatrices({id(m): groups[n] for n, m in lean.items()}):
+            logits = lazy.logits(source, ids)
+        logits.float().square().mean().backward()
+        results.append((logits.detach(), {n: (g.a.grad.clone(), g.c.grad.clone()) for n, g in groups.items()
+                                          if g.a.grad is not None}))
+        for g in groups.values():
+            g.a.grad = g.c.grad = None
+    (whole, whole_grads), (lean_logits, lean_grads) = results
+    assert markers, f"{name}: no lean embedding or head"
+    assert torch.equal(lean_logits, whole), f"{name}: max diff {(lean_logits - whole).abs().max().item()}"
+    assert sorted(lean_grads) == sorted(whole_grads)
+    for n, (a, c) in whole_grads.items():
+        torch.testing.assert_close(lean_grads[n][0], a, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(lean_grads[n][1], c, rtol=1e-5, atol=1e-7)

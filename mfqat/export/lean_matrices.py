@@ -24,7 +24,7 @@ and ``linear`` calls that receive a marker to the functions here; any other use 
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 
 LEAN_MATRIX_BYTES = 256 * 1024 ** 2  # a tied embedding and head goes lean from this float32 size (untied: always)
 _ROWS_ELEMENTS = 16 * 1024 ** 2  # the head's gradient formed this many elements (64 MB of float32) at a time
+_METADATA = ("__get__", "size", "dim", "numel")  # what other calls may ask of a marker (its shape, dtype, device)
+_EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")  # F.embedding's, in order
 
 
 def _build(codes: torch.Tensor, s: torch.Tensor, b: torch.Tensor, bs: int) -> torch.Tensor:
@@ -52,23 +54,27 @@ class _Rows(torch.autograd.Function):
     """``embedding(ids, W)`` of an affine ``W`` (``unpack(rows) -> uint8 codes``) building only the looked-up rows."""
 
     @staticmethod
-    def forward(ctx, ids: torch.Tensor, s: torch.Tensor, b: torch.Tensor, unpack, bs: int) -> torch.Tensor:
+    def forward(ctx, ids: torch.Tensor, s: torch.Tensor, b: torch.Tensor, unpack, bs: int,
+                padding_idx: Optional[int] = None) -> torch.Tensor:
         flat = ids.reshape(-1)
         out = _build(unpack(flat), s[flat], b[flat], bs)
         ctx.save_for_backward(ids)
-        ctx.unpack, ctx.bs, ctx.shape = unpack, bs, s.shape
+        ctx.unpack, ctx.bs, ctx.shape, ctx.padding_idx = unpack, bs, s.shape, padding_idx
         return out.reshape(*ids.shape, out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        used, where = torch.unique(ids.reshape(-1), return_inverse=True)
+        flat, grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # embedding's backward gives the padding row no gradient
+            grad = grad.masked_fill((flat == ctx.padding_idx).unsqueeze(-1), 0.0)
+        used, where = torch.unique(flat, return_inverse=True)
         rows = torch.zeros(len(used), grad.shape[-1], dtype=grad.dtype)
-        rows.index_add_(0, where, grad.reshape(-1, grad.shape[-1]))  # embedding's dense backward, used rows only
+        rows.index_add_(0, where, grad)  # embedding's dense backward, used rows only
         gs, gb = _group_grads(rows, ctx.unpack(used), ctx.bs)
         grad_s = torch.zeros(ctx.shape, dtype=grad.dtype).index_copy_(0, used, gs)
         grad_b = torch.zeros(ctx.shape, dtype=grad.dtype).index_copy_(0, used, gb)
-        return None, grad_s, grad_b, None, None
+        return None, grad_s, grad_b, None, None, None
 
 
 class _Head(torch.autograd.Function):
@@ -109,15 +115,27 @@ class LeanMatrices(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.embedding and len(args) > 1 and id(args[1]) in self.learners:
+            options = dict(zip(_EMBEDDING_OPTIONS, args[2:]), **kwargs)
+            if options.get("max_norm") is not None or options.get("scale_grad_by_freq") or options.get("sparse"):
+                raise ValueError("refine: a lean embedding takes no max_norm, scale_grad_by_freq or sparse option")
+            padding_idx = options.get("padding_idx")
+            if padding_idx is not None and padding_idx < 0:
+                padding_idx += args[1].shape[0]
             learner = self.learners[id(args[1])]
             s, b = learner.scales_biases()
-            return _Rows.apply(args[0], s, b, learner.rows, learner.layout[1])
+            return _Rows.apply(args[0], s, b, learner.rows, learner.layout[1], padding_idx)
         if func is F.linear and len(args) > 1 and id(args[1]) in self.learners:
             if len(args) > 2 and args[2] is not None or kwargs.get("bias") is not None:
                 raise ValueError("refine: a lean output head has no bias (an affine head with a bias is not supported)")
             learner = self.learners[id(args[1])]
             s, b = learner.scales_biases()
             return _Head.apply(args[0], s, b, learner.rows, learner.layout[1])
+        if getattr(func, "__name__", "") not in _METADATA:
+            used = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and id(a) in self.learners]
+            if used:
+                raise ValueError(f"refine: {getattr(func, '__name__', func)} uses a lean embedding / head matrix "
+                                 f"{tuple(used[0].shape)}, which only embedding and linear may take; please report "
+                                 "the model family (mfqat.export.lean_matrices)")
         return func(*args, **kwargs)
 
 
