@@ -1,5 +1,6 @@
 """``export-mlx --refine``: learned affine scales and biases, codes and bytes unchanged, bit-exact export."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,3 +76,21 @@ def test_refine_without_affine_tensors_or_with_too_little_text_is_refused(anchor
         refine(a, build_plan(a, "uniform:affine4"), calib[:5], RefineConfig(**SMALL))
     with pytest.raises(ValueError, match="steps must be at least 1"):
         RefineConfig(steps=0)
+
+
+def test_an_exports_refine_keeps_its_codes_on_disk_in_the_staging_folder(anchor, tmp_path, monkeypatch):
+    """export-mlx's refine writes the learners' codes to a file in its staging folder (beside the output, not in
+    memory), and the file is not part of the export."""
+    from mfqat.export import code_spill
+
+    folders = []
+    real = code_spill.CodeSpill.__init__
+
+    def spy(self, folder):
+        folders.append(Path(folder))
+        real(self, folder)
+    monkeypatch.setattr(code_spill.CodeSpill, "__init__", spy)
+    out = tmp_path / "out"
+    mfqat.export.to_mlx(anchor, out, recipe="uniform:affine4", refine=RefineConfig(**{**SMALL, "steps": 1}))
+    assert len(folders) == 1 and folders[0].parent == tmp_path and folders[0] != out
+    assert not [p.name for p in out.iterdir() if "refine-codes" in p.name]

@@ -302,3 +302,55 @@ def _counted(fn, calls):
         calls.append(1)
         return fn(*args)
     return staticmethod(run)
+
+
+def test_codes_waiting_on_disk_give_the_same_refine_bit_for_bit(anchors, tok, tmp_path, monkeypatch):
+    """RefineConfig.spill_dir (what export-mlx passes: its staging folder): every learner's codes go to one file
+    and are read back as asked; the same KLs and learned scales, and the file is gone afterwards."""
+    import dataclasses
+
+    from mfqat.export import code_spill
+
+    calib = calibration_blocks(tok, None, n_blocks=8, seq_len=32)
+    cfg = RefineConfig(**SMALL)
+    results = []
+    for spill_dir in (None, tmp_path / "spill"):
+        anchor = read_anchor(anchors[False], lazy=True)
+        plan = build_plan(anchor, "uniform:affine3")
+        if spill_dir is not None:
+            spill_dir.mkdir()
+        results.append((refine(anchor, plan, calib, dataclasses.replace(cfg, spill_dir=spill_dir)),
+                        {n: plan.tensor(anchor, n) for n in plan.learned_scales}))
+    reads = []
+    monkeypatch.setattr(code_spill.SpilledCodes, "get", _counted_method(code_spill.SpilledCodes.get, reads))
+    (held, held_tensors), (spilled, spilled_tensors) = results
+    for k in ("validation_kl_before", "validation_kl_after", "train_kl_first_last", "kept"):
+        assert spilled[k] == held[k], k
+    assert held["kept"] and sorted(spilled_tensors) == sorted(held_tensors)
+    for n, q in held_tensors.items():
+        assert torch.equal(spilled_tensors[n].scales, q.scales) and torch.equal(spilled_tensors[n].biases, q.biases)
+    assert list((tmp_path / "spill").iterdir()) == []
+    anchor = read_anchor(anchors[False], lazy=True)
+    plan = build_plan(anchor, "uniform:affine3")
+    (tmp_path / "spill2").mkdir()
+    refine(anchor, plan, calib, dataclasses.replace(cfg, steps=1, spill_dir=tmp_path / "spill2"))
+    assert reads, "the codes were not read back from the spill file"
+
+
+def test_mfqat_refine_leaves_nothing_beside_the_anchor(anchors, tmp_path):
+    """mfqat refine spills the codes to a temporary folder beside the anchor and removes it."""
+    import shutil
+
+    from mfqat.export.refine import refine_anchor
+
+    path = tmp_path / "anchor"
+    shutil.copytree(anchors[False], path)
+    refine_anchor(path, ["affine4"], cfg=RefineConfig(**{**SMALL, "steps": 1}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anchor"]
+
+
+def _counted_method(fn, calls):
+    def run(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return run

@@ -19,6 +19,7 @@ Packing is done here in torch/numpy; MLX is only used afterwards to verify every
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -165,8 +166,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
     written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
-    tensor whatever the model's size. ``--refine`` keeps the affine codes (a byte a weight) and runs the model one
-    module's weights at a time (mfqat.export.refine), and so does ``auto:``'s sensitivity pass
+    tensor whatever the model's size. ``--refine`` keeps the affine codes (a byte a weight) on disk in the
+    staging folder and runs the model one module's weights at a time (mfqat.export.refine), and so does ``auto:``'s sensitivity pass
     (mfqat.export.sensitivity); ``--scale-search`` and imatrix exports hold the model. Returns the report.
     """
     import time
@@ -218,7 +219,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                 warnings.warn(f"{source}: {caveat}", stacklevel=2)
         if refine is not None:
             from mfqat.export.refine import apply_refine
-            report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, refine)
+            spilled = refine if refine.spill_dir is not None else dataclasses.replace(refine, spill_dir=tmp)
+            report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, spilled)  # codes on disk in tmp
         stored = sorted({f for n, f in plan.formats.items() if n not in plan.learned_scales and n in anchor.quantized
                          and pick(anchor.learned_scales, f, plan.group_of(f))})
         if stored:

@@ -11,10 +11,13 @@ it bit for bit with PyTorch's dequantization. MX tensors (MXINT / MXFP, E8M0 exp
 """
 from __future__ import annotations
 
+import dataclasses
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.learned_scales import pick
 from mfqat.export import lean_matrices
+from mfqat.export.code_spill import CodeSpill, SpilledCodes
 from mfqat.export.lazy_model import LazyModel, anchor_source
 from mfqat.export.lean_matrices import LeanMatrices
 from mfqat.export.mlx_sizes import anchor_parameters
@@ -67,6 +71,8 @@ class RefineConfig:
     ``optional`` (``export-mlx``'s default, ``refine="auto"``): a plan with no affine or nvfp4 tensor to learn - an
     MX recipe, or widths whose learned scales the anchor already stores (``mfqat refine``) - is
     exported without refining instead of refused.
+    ``spill_dir``: a folder on disk where the tensors' codes wait between uses (mfqat.export.code_spill; the
+    exporter and ``mfqat refine`` pass a staging folder beside their output); None keeps them in memory.
     """
 
     steps: Optional[int] = None
@@ -78,6 +84,7 @@ class RefineConfig:
     temperature: float = 1.0
     seed: int = 0
     optional: bool = False
+    spill_dir: Optional[Path] = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "n_blocks", "n_valid"):
@@ -215,15 +222,28 @@ def _e2m1(codes: torch.Tensor) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.int()]
 
 
-class _Groups(nn.Module):
+def _kept(codes: torch.Tensor, spill: Optional[CodeSpill]):
+    """Packed codes as a learner keeps them: in memory, or written to ``spill`` (read back by the learner's ``codes``)."""
+    return codes if spill is None else spill.put(codes)
+
+
+class _CodesMixin:
+    """``codes``: a learner's packed uint8 codes, read back from its CodeSpill when they wait on disk."""
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self._codes.get() if isinstance(self._codes, SpilledCodes) else self._codes
+
+
+class _Groups(_CodesMixin, nn.Module):
     """The learned (a, c) of one affine tensor and the weights they give. The codes are kept as the tensor's
     uint8 codes (two a byte for widths up to 4 bits); :meth:`weight` builds the float32 weights when a forward
     asks for them."""
 
-    def __init__(self, q: MXTensor):
+    def __init__(self, q: MXTensor, spill: Optional[CodeSpill] = None):
         super().__init__()
         self.nibbles = q.fmt.bits <= 4
-        self.codes = _nibbles(q.codes) if self.nibbles else q.codes
+        self._codes = _kept(_nibbles(q.codes) if self.nibbles else q.codes, spill)
         self.shape, self.layout = tuple(q.shape), (q.fmt, q.block_size, q.dtype)
         self.scale_rule = q.scale_rule
         self.s0, self.b0 = q.scales, q.biases  # as derived (bfloat16): upcast exactly where they are used
@@ -260,14 +280,14 @@ class _Groups(nn.Module):
         return self.learned_scales().on(MXTensor(self.unpacked(), self.s0, *self.layout, self.b0, self.scale_rule))
 
 
-class _Blocks(nn.Module):
+class _Blocks(_CodesMixin, nn.Module):
     """The learned ``a`` of one nvfp4 tensor (one per block of 16) and the weights it gives. The E2M1 codes are
     kept two a byte; :meth:`weight` builds the float32 weights when a forward asks for them; the global scale
     (if any) is kept."""
 
-    def __init__(self, q: MXTensor):
+    def __init__(self, q: MXTensor, spill: Optional[CodeSpill] = None):
         super().__init__()
-        self.codes = _nibbles(q.codes)
+        self._codes = _kept(_nibbles(q.codes), spill)
         self.shape, self.block_size, self.dtype, self.fmt = tuple(q.shape), q.block_size, q.dtype, q.fmt
         self.scale_rule, self.global_scale = q.scale_rule, q.global_scale
         self.bytes0 = q.scales  # the derived E4M3 bytes
@@ -302,9 +322,10 @@ class _Blocks(nn.Module):
                                                  None, self.scale_rule, global_scale=self.global_scale))
 
 
-def _learner(q: MXTensor) -> nn.Module:
-    """The module that learns tensor ``q``'s scales: :class:`_Blocks` for nvfp4, :class:`_Groups` for affine."""
-    return _Blocks(q) if q.fmt.family == "nvfp4" else _Groups(q)
+def _learner(q: MXTensor, spill: Optional[CodeSpill] = None) -> nn.Module:
+    """The module that learns tensor ``q``'s scales: :class:`_Blocks` for nvfp4, :class:`_Groups` for affine (their
+    codes on disk in ``spill`` between uses, when given)."""
+    return _Blocks(q, spill) if q.fmt.family == "nvfp4" else _Groups(q, spill)
 
 
 def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, nn.Module],
@@ -469,8 +490,8 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
     Returns the report entry (tensors, steps, KL before / after, estimated and measured seconds; only
     ``skipped`` when an optional refine has nothing to learn). ``planned``: :func:`plan_refine`'s answer.
 
-    Memory: the affine codes (a byte a weight, half that up to 4 bits) and each group's (a, c) with their Adam
-    state; the teacher (the anchor in its format) and the student (the export) are one model on the meta device
+    Memory: the affine codes (a byte a weight, half that up to 4 bits; on disk in ``cfg.spill_dir`` between uses
+    when given) and each group's (a, c) with their Adam state; the teacher (the anchor in its format) and the student (the export) are one model on the meta device
     whose modules get their float32 weights as they run (mfqat.export.lazy_model), read from the anchor (lazily
     read or not) or built from the codes, decoder layers recomputed in backward."""
     cfg = cfg or RefineConfig()
@@ -480,8 +501,19 @@ def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[Refine
         return {"skipped": planned["skipped"]}
     _check_calibration(calib, cfg)
     names, steps = planned["names"], planned["steps"]
+    spill = CodeSpill(cfg.spill_dir) if cfg.spill_dir is not None else None
+    try:
+        return _refine(anchor, plan, calib, cfg, planned, names, steps, spill, t0)
+    finally:
+        if spill is not None:
+            spill.close()
+
+
+def _refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig, planned: dict, names: List[str],
+            steps: int, spill: Optional[CodeSpill], t0: float) -> dict:
+    """:func:`refine`'s work, its codes kept in ``spill`` when given."""
     train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
-    groups = {n: _learner(plan.tensor(anchor, n)) for n in names}  # one tensor derived at a time
+    groups = {n: _learner(plan.tensor(anchor, n), spill) for n in names}  # one tensor derived at a time
     model = LazyModel(anchor)
     anchor_weights = anchor_source(anchor)
     markers = _lean_markers(model, groups)
@@ -538,6 +570,16 @@ def apply_refine(anchor: Anchor, plan: Plan, tokenizer_dir: Path, calib_text: Op
     return {**refine(anchor, plan, calib, cfg, planned), "calibration": describe_calibration(calib_text)}
 
 
+@contextmanager
+def _scratch(path: Path, cfg: RefineConfig) -> Iterator[RefineConfig]:
+    """``cfg`` with a ``spill_dir``: its own, or a temporary folder beside the anchor at ``path`` (removed after)."""
+    if cfg.spill_dir is not None:
+        yield cfg
+        return
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.refine-", dir=path.absolute().parent) as folder:
+        yield dataclasses.replace(cfg, spill_dir=Path(folder))
+
+
 def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROUP_SIZE,
                   calib_text: Optional[str] = None, cfg: Optional[RefineConfig] = None,
                   overwrite: bool = False) -> List[dict]:
@@ -572,7 +614,8 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
         for name in [n for n in plan.formats if n not in anchor.quantized]:  # only what the anchor can hold
             del plan.formats[name]
             plan.origin.pop(name, None)
-        report = apply_refine(anchor, plan, path, calib_text, cfg)
+        with _scratch(path, cfg) as spilled:  # the codes wait on disk beside the anchor, never in it
+            report = apply_refine(anchor, plan, path, calib_text, spilled)
         if report["kept"]:
             info = {k: report[k] for k in ("steps", "lr", "batch", "seq_len", "calibration_blocks", "validation_blocks",
                                             "temperature", "validation_kl_before", "validation_kl_after", "calibration")}
