@@ -337,15 +337,25 @@ def test_codes_waiting_on_disk_give_the_same_refine_bit_for_bit(anchors, tok, tm
     assert reads, "the codes were not read back from the spill file"
 
 
-def test_mfqat_refine_leaves_nothing_beside_the_anchor(anchors, tmp_path):
-    """mfqat refine spills the codes to a temporary folder beside the anchor and removes it."""
+def test_mfqat_refine_leaves_nothing_beside_the_anchor(anchors, tmp_path, monkeypatch):
+    """mfqat refine spills the codes to a temporary folder beside the anchor (never inside the user's anchor) and
+    removes it."""
     import shutil
 
+    from mfqat.export import code_spill
     from mfqat.export.refine import refine_anchor
 
+    folders = []
+    real = code_spill.CodeSpill.__init__
+
+    def spy(self, folder):
+        folders.append(folder)
+        real(self, folder)
+    monkeypatch.setattr(code_spill.CodeSpill, "__init__", spy)
     path = tmp_path / "anchor"
     shutil.copytree(anchors[False], path)
     refine_anchor(path, ["affine4"], cfg=RefineConfig(**{**SMALL, "steps": 1}))
+    assert len(folders) == 1 and folders[0].parent == tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["anchor"]
 
 
