@@ -79,38 +79,55 @@ def mlx_lm_convert(master: Path, dest: Path, opts: dict) -> None:
     convert_with_mlx_lm(master, dest, **opts)
 
 
-def measure_each_probe_once() -> None:
-    """auto:BPW recipes of one anchor that share a probe format share its sensitivity pass (the
-    pass does not depend on the budget): measured once per run of this script."""
+def measure_each_probe_once(store: Path) -> None:
+    """auto:BPW recipes of one anchor that share a probe format and calibration tokens share its sensitivity
+    pass (the pass does not depend on the budget): measured once, kept in ``store`` (a folder) for later
+    runs of this script (the key holds the anchor's path and its manifest's mtime, the probe, levels, group,
+    tensors and the calibration tokens)."""
+    import hashlib
+    import pickle
+
     import mfqat.export.sensitivity as sensitivity
 
-    measure, memo = sensitivity.measure, {}
+    measure = sensitivity.measure
+    store.mkdir(parents=True, exist_ok=True)
 
     def once(anchor, names, probe, blocks, levels=None, derived_group=64):
-        key = (str(anchor.path), probe, tuple(levels or ()), derived_group, tuple(names))
-        if key not in memo:
-            memo[key] = measure(anchor, names, probe, blocks, levels, derived_group)
-        return memo[key]
+        key = repr((str(Path(anchor.path).resolve()), (Path(anchor.path) / "mfqat.json").stat().st_mtime_ns, probe,
+                    tuple(levels or ()), derived_group, tuple(names), blocks.flatten().tolist()))
+        path = store / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.pkl"
+        if path.is_file():
+            print(f"[pareto] sensitivity pass (probe {probe}) reused from {path}")
+            return pickle.loads(path.read_bytes())
+        sens = measure(anchor, names, probe, blocks, levels, derived_group)
+        path.write_bytes(pickle.dumps(sens))
+        return sens
 
     sensitivity.measure = once
 
 
-def mfqat_export(anchor: Path, dest: Path, recipe: str) -> None:
+def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None:
     """``RECIPE[@gN][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
-    +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64)."""
+    +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
+    +refineSTEPS/bBLOCKS on BLOCKS calibration blocks (RefineConfig.n_blocks, default 32).
+    ``calib``: export-mlx's --calib-text spec for the sensitivity pass and the refine (default: pydoc)."""
+    from mfqat.data.mix import mixed_text
+
     recipe, refined, steps = recipe.partition("+refine")
     recipe, _, group = recipe.partition("@g")
     refine = None
     if refined:
         from mfqat.export.refine import RefineConfig
-        refine = RefineConfig(steps=int(steps or 64))
+        steps, _, blocks = steps.partition("/b")
+        refine = RefineConfig(steps=int(steps or 64), **({"n_blocks": int(blocks)} if blocks else {}))
     if not (dest / "mfqat_export.json").is_file():
         to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
-               refine=refine)
+               refine=refine, calib_text=mixed_text(calib, model=str(anchor)) if calib else None)
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,
-                options: List[str], speed: List[str] = (), methods: List[str] = (), preload=None) -> List[dict]:
+                options: List[str], speed: List[str] = (), methods: List[str] = (), preload=None,
+                calib: str = "") -> List[dict]:
     """Rows for one run: every mlx_lm option on its master, every mfqat recipe on its anchor, every
     mlx-lm learned method (``methods``) on its master."""
     rows = []
@@ -122,12 +139,13 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
         learned[spec] = mlx_lm_learned.quantize_in_child(spec, run / "master", dest, preload,
                                                          log=out / run.name / "mlx_lm_learned.log")
     jobs += [("mlx_lm", spec, lambda d, m=spec: learn(d, m)) for spec in methods]
-    jobs += [("mfqat", r, lambda d, r=r: mfqat_export(run / "anchor", d, r)) for r in recipes]
+    tag = f"~calib={calib}" if calib else ""  # in the row's name and cache key: another text, another export
+    jobs += [("mfqat", r + tag, lambda d, r=r: mfqat_export(run / "anchor", d, r, calib)) for r in recipes]
     for method, name, make in jobs:
         key = f"{run.name}|{method}|{name}"
         timed = name not in speed or "tokens/s" in cache.get(key, {})
         if key not in cache or not timed:
-            dest = out / run.name / f"{method}-{name.replace(' ', '_').replace(':', '_').replace('@', '_')}"
+            dest = out / run.name / f"{method}-{re.sub(r'[^A-Za-z0-9.+=-]', '_', name)}"
             print(f"[pareto] {key}")
             try:
                 make(dest)
@@ -140,6 +158,7 @@ def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params:
                 row["learned"] = {k: v for k, v in learned[name].items() if k not in ("calibration",)}
             if method == "mfqat":  # the plan: how many weights each format holds
                 report = json.loads((dest / "mfqat_export.json").read_text())
+                shutil.copy(dest / "mfqat_export.json", dest.with_name(dest.name + ".mfqat_export.json"))  # per tensor
                 tensors = report["tensors"]
                 if "refine" in report:  # what --refine did: KL to the anchor before / after, steps, seconds
                     row["refine"] = report["refine"]
@@ -179,6 +198,9 @@ def main() -> None:
     p.add_argument("--mlx-lm-methods", default="",
                    help="comma list of mlx-lm learned quantizers to add: gptq, awq, dwq, dynamic, each "
                         "NAME[:setting=value...] (scripts/bench/mlx_lm_learned.py METHODS), e.g. 'gptq,dynamic:target_bpw=5.0'")
+    p.add_argument("--calib-text", default="",
+                   help="export-mlx --calib-text for every mfqat export of this call (the auto: sensitivity pass and "
+                        "the refine), e.g. 'pydoc:1,generated:1'; the rows are named RECIPE~calib=SPEC (default: pydoc)")
     p.add_argument("--allow-slow", action="store_true",
                    help="run awq/dwq on MLX's reference BLAS when OpenBLAS is missing (hours)")
     a = p.parse_args()
@@ -192,7 +214,7 @@ def main() -> None:
         print(f"[pareto] BLAS check: {json.dumps(check)}")
         mlx_lm_learned.require_fast_blas(names, check, a.allow_slow)
         preload = check["preload"]
-    measure_each_probe_once()
+    measure_each_probe_once(out / "sensitivity")
     model, tok = load_model(None)
     n_params = sum(t.numel() for t in model.parameters())
     held = heldout_blocks(tok, a.seq_len, max_blocks=a.blocks)
@@ -203,7 +225,7 @@ def main() -> None:
     for spec in a.run:
         run, _, recipes = spec.partition(":")
         rows += measure_run(Path(run), [r for r in recipes.split(",") if r], out, model, held, n_params, cache, save,
-                            [o for o in a.mlx_lm.split(",") if o], [o for o in a.speed.split(",") if o], methods, preload)
+                            [o for o in a.mlx_lm.split(",") if o], [o for o in a.speed.split(",") if o], methods, preload, a.calib_text)
     rows.sort(key=lambda r: (r["run"], r["stored bits/w"]))
     cols = ["run", "method", "option", "stored bits/w", "pydoc", "licence", "tokens/s"]
     print(format_table([{c: r.get(c, "") for c in cols} for r in rows], cols))
