@@ -1,0 +1,35 @@
+"""Give freed memory back to the system at once (issue 44).
+
+glibc's allocator serves a block under its *mmap threshold* from its heap, and a freed heap block stays in
+the process (to be reused) unless it happens to lie at the heap's top. The threshold starts at 128 KiB and
+rises, up to 32 MiB, each time a larger mapped block is freed; so after the first few big tensors are
+freed, every tensor up to 32 MiB (a 3B model's 3072 x 1024 projections, their codes, a row chunk) comes
+from the heap, and what a long job frees module by module stays resident as scattered free space. Measured:
+``export-mlx`` of a 1.2B model with a 2-step refine peaked at 3.52 GiB, 2.12 GiB with the threshold fixed
+at 1 MiB (BENCHMARKS.md). The ``mfqat`` command fixes it at start (mfqat.cli.app.main); Python users can call
+:func:`return_freed_memory` or set ``MALLOC_MMAP_THRESHOLD_`` in the environment.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
+RETURN_FROM_BYTES = 1 << 20  # blocks of 1 MiB and up get their own mapping, returned when freed
+
+
+def return_freed_memory(threshold: int = RETURN_FROM_BYTES) -> bool:
+    """Have glibc map every block of ``threshold`` bytes and up on its own (``mallopt(M_MMAP_THRESHOLD)``, which
+    also stops the threshold from rising), so that freeing it returns its memory at once. Returns whether the
+    setting was made: not off Linux / glibc (macOS's allocator returns large blocks itself), and not when the
+    user set ``MALLOC_MMAP_THRESHOLD_`` (theirs stands)."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    mallopt = getattr(libc, "mallopt", None)  # glibc has it; musl does not
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, int(threshold)))
