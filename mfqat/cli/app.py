@@ -262,11 +262,12 @@ def memory_size(text: str) -> int:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point of the `mfqat` console script."""
-    from mfqat.cli.sysmem import return_freed_memory
+    from mfqat.cli.sysmem import STREAMING_COMMANDS, return_freed_memory
 
-    return_freed_memory()  # freed tensors go back to the system at once (mfqat.cli.sysmem)
     args, rest = build_parser().parse_known_args(argv)
     cmd = args.cmd
+    if cmd in STREAMING_COMMANDS:
+        return_freed_memory()  # freed tensors go back to the system at once (mfqat.cli.sysmem)
     if cmd == "bench":
         _bench(rest)
     if cmd in ("mlx-train", "generate", "serve"):
