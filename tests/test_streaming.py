@@ -27,8 +27,23 @@ from .conftest import growth_slope
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_shard_writer_round_trip_in_torch_safetensors_and_mlx(tmp_path):
+def _copy_refused(code: int):
+    def refuse(*args):
+        raise OSError(code, os.strerror(code))
+    return refuse
+
+
+@pytest.mark.parametrize("copy", ["in the kernel", "across file systems", "no copy_file_range"])
+def test_shard_writer_round_trip_in_torch_safetensors_and_mlx(tmp_path, monkeypatch, copy):
+    """Each way a spill reaches its shard (mfqat.storage.tensor_files.append_file) gives the same files."""
+    import errno
+
     import mlx.core as mx
+
+    if copy == "across file systems":
+        monkeypatch.setattr(os, "copy_file_range", _copy_refused(errno.EXDEV))
+    elif copy == "no copy_file_range":
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
 
     tensors = {"a": torch.randn(3, 5), "b": torch.randint(0, 255, (7,), dtype=torch.uint8),
                "c": torch.randn(4, 4).to(torch.bfloat16), "d": torch.zeros(0, 3)}
@@ -54,6 +69,16 @@ def test_shard_writer_round_trip_in_torch_safetensors_and_mlx(tmp_path):
     assert got["e"].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert got["f"].float().tolist() == [[1, 1], [1, 1], [2, 2], [2, 2]]
     assert not list(tmp_path.glob(".shard-*")), "spill files left behind"
+
+
+def test_a_full_disk_while_a_shard_is_assembled_is_raised_not_hidden(tmp_path, monkeypatch):
+    import errno
+
+    monkeypatch.setattr(os, "copy_file_range", _copy_refused(errno.ENOSPC))
+    w = ShardWriter(tmp_path, 1 << 20)
+    w.add("x", torch.zeros(8))
+    with pytest.raises(OSError, match="No space left"):
+        w.close()
 
 
 def test_a_tensor_that_fills_a_shard_exactly_closes_it(tmp_path):

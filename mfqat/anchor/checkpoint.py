@@ -431,16 +431,21 @@ def model_class(anchor: Anchor):
     return getattr(transformers, family_for(anchor.config["model_type"]).hf_auto_class), config
 
 
+def warn_kept_full_precision(anchor: Anchor, fmt: Optional[str], _stacklevel: int = 2) -> None:
+    """Warn that the tensors the anchor kept in full precision for their odd width stay so in ``fmt``."""
+    odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if str(why).startswith("in_features")]
+    if fmt is not None and odd and canonical_name(fmt) != anchor.format:
+        warnings.warn(f"{anchor.path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
+                      f"of the block size {anchor.meta['block_size']})", stacklevel=_stacklevel + 1)
+
+
 def anchor_model(anchor: Anchor, fmt: Optional[str] = None, device: Union[str, torch.device] = "cpu",
                  dtype: torch.dtype = torch.float32, group_size: int = DERIVED_GROUP_SIZE,
                  _stacklevel: int = 2) -> nn.Module:
     """The Hugging Face model of an anchor already read, its quantized weights in ``fmt`` (see load_anchor)."""
     path = anchor.path
     sd = anchor.state_dict(fmt, dtype, group_size)
-    odd = [k for k, why in anchor.meta.get("full_precision", {}).items() if str(why).startswith("in_features")]
-    if fmt is not None and odd and canonical_name(fmt) != anchor.format:
-        warnings.warn(f"{path}: {', '.join(odd)} stay full precision in {fmt} (in_features not a multiple "
-                      f"of the block size {anchor.meta['block_size']})", stacklevel=_stacklevel)
+    warn_kept_full_precision(anchor, fmt, _stacklevel)
     auto, config = model_class(anchor)
     model = auto.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)

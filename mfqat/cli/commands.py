@@ -7,28 +7,44 @@ from typing import Optional
 
 
 def convert(a: argparse.Namespace) -> None:
-    """Anchor -> a plain HF checkpoint holding the *dequantized* weights of one format."""
+    """Anchor -> a plain HF checkpoint holding the *dequantized* weights of one format: written tensor by tensor
+    from the lazily read anchor (mfqat.anchor.dequantized) unless the scale search or the model's layout needs
+    the whole model."""
     from transformers import AutoTokenizer
 
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.anchor.dequantized import save_dequantized, why_not_streamed
     from mfqat.anchor.load import load_anchor
+    from mfqat.anchor.stream import close_anchor
     from mfqat.storage.io import atomic_directory, write_json
     from mfqat.storage.manifest import seal
     from mfqat.storage.model_card import write_model_card
 
     calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text, a.anchor) if a.scale_search else None
-    model = load_anchor(a.anchor, a.to, calib=calib)
-    with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
-        model.save_pretrained(tmp)
-        _save_listed_tokenizer(a.anchor, tmp)
-        fmt = model.mfqat_format
-        searched = bool(model.mfqat_scale_search and model.mfqat_scale_search["formats"])
-        write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
-                         note=f"float32 weights that hold exactly the {fmt} values of the anchor (dequantized: "
-                              "as large as a full-precision checkpoint; `mfqat export-mlx` writes packed weights)"
-                              + ("; lowered with the output-aware per-block scale search" if searched else ""))
-        marker = {"source": str(Path(a.anchor).absolute()), "format": fmt, "scale_search": searched}
-        write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
-    print(f"wrote {a.out}: {model.mfqat_format} values as dequantized float32 weights (a plain from_pretrained "
+    anchor = None if calib is not None else read_anchor(a.anchor, lazy=True)
+    why = "the scale search runs the model" if anchor is None else why_not_streamed(anchor)
+    if why is not None:
+        print(f"[mfqat] convert loads the whole model in float32 ({why})")
+    try:
+        model = load_anchor(a.anchor, a.to, calib=calib) if why is not None else None
+        with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
+            if model is not None:
+                model.save_pretrained(tmp)
+                fmt = model.mfqat_format
+                searched = bool(model.mfqat_scale_search and model.mfqat_scale_search["formats"])
+            else:
+                fmt, searched = save_dequantized(anchor, tmp, a.to), False
+            _save_listed_tokenizer(a.anchor, tmp)
+            write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
+                             note=f"float32 weights that hold exactly the {fmt} values of the anchor (dequantized: "
+                                  "as large as a full-precision checkpoint; `mfqat export-mlx` writes packed weights)"
+                                  + ("; lowered with the output-aware per-block scale search" if searched else ""))
+            marker = {"source": str(Path(a.anchor).absolute()), "format": fmt, "scale_search": searched}
+            write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
+    finally:
+        if anchor is not None:
+            close_anchor(anchor)
+    print(f"wrote {a.out}: {fmt} values as dequantized float32 weights (a plain from_pretrained "
           "checkpoint, not smaller than full precision; for packed low-bit weights use mfqat export-mlx)")
 
 

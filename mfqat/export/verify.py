@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.checkpoint import Anchor, AnchorError
 from mfqat.export.recipes import Plan, mlx_storage
 from mfqat.models import layer_index
 from mfqat.progress import progress
@@ -97,18 +97,22 @@ def reference_tensors(anchor: Anchor, plan: Plan, keep: Callable[[str], bool] = 
             yield name, (vocab.rows_of(name, v) if vocab else v)
 
 
-def reference_tensor(anchor: Anchor, plan: Plan, name: str) -> Optional[torch.Tensor]:
-    """The value :func:`reference_state` holds under ``name`` (float32), computed alone (``--refine``'s student
-    asks one module's tensors at a time); None when it holds nothing under that name (a quantized tensor
-    neither planned nor kept in 16 bits). Same precedence as the dict of :func:`reference_tensors`."""
+def reference_tensor(anchor: Anchor, plan: Plan, name: str, vocab: Optional["VocabCut"] = None,
+                     upcast: bool = False) -> Optional[torch.Tensor]:
+    """The value :func:`reference_tensors` gives under ``name`` (float32), computed alone (``--refine``'s student
+    and the logits check's lazily run reference ask one module's tensors at a time); None when it holds nothing
+    under that name (a quantized tensor neither planned nor kept in 16 bits). Same precedence as the dict of
+    :func:`reference_tensors`; ``vocab`` and ``upcast`` as there."""
     if name in plan.kept16 and name in anchor.quantized:
-        return anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
-    if name in plan.formats:
-        return _dequantized(anchor, plan, name, None)
-    if name in anchor.plain:
+        v = anchor.quantized[name].dequantize(torch.float32).to(torch.bfloat16).float()
+    elif name in plan.formats:
+        return _dequantized(anchor, plan, name, vocab, upcast)
+    elif name in anchor.plain:
         v = anchor.plain[name]
-        return _as_written(plan.family, name, v) if v.is_floating_point() else v
-    return None
+        v = _as_written(plan.family, name, v) if v.is_floating_point() else v
+    else:
+        return None
+    return vocab.rows_of(name, v) if vocab else v
 
 
 def _decoded(q, upcast: bool) -> torch.Tensor:
@@ -556,6 +560,40 @@ def _float32_embeddings(model) -> int:
     return n
 
 
+def reference_logits(anchor: Anchor, plan: Plan, config: dict, keep: Callable[[str], bool],
+                     vocab: Optional[VocabCut], upcast: bool, ids: list) -> torch.Tensor:
+    """The PyTorch reference's logits for ``ids``: the model of ``config`` (the anchor's, or a cut of it) run
+    module by module (mfqat.export.lazy_model) on :func:`reference_tensor`'s values, so that one module's
+    float32 weights are held at a time (a MoE layer's experts, not the model or the cut check's layers: the
+    same logits, bit for bit). RuntimeError when the reference and the anchor's weights differ in names
+    (every weight the anchor has that ``keep`` accepts, nothing else)."""
+    from mfqat.export.lazy_model import LazyModel
+
+    view = dataclasses.replace(anchor, config=config)
+    try:
+        lazy = LazyModel(view, checkpoint_layers=False)
+    except AnchorError as e:
+        raise RuntimeError(f"export check failed: the PyTorch reference does not match {anchor.path}'s weights "
+                           f"({e}); nothing was written") from None
+    shapes = {name: tuple(getattr(module, kind)[attr].shape)
+              for module, entries in lazy.slots.items() for kind, attr, name in entries}
+    held = [k for k in anchor.plain if k not in plan.formats] + list(plan.formats) + [
+        k for k in plan.kept16 if k in anchor.quantized and k not in plan.formats]
+    unexpected = [k for k in held if keep(k) and k not in shapes]
+    if unexpected:
+        raise RuntimeError(f"export check failed: the PyTorch reference does not match {anchor.path}'s weights "
+                           f"(unexpected {unexpected[:3]}); nothing was written")
+
+    def source(name: str) -> torch.Tensor:
+        v = reference_tensor(anchor, plan, name, vocab, upcast)
+        if v is None or tuple(v.shape) != shapes[name]:
+            raise RuntimeError(f"export check failed: the PyTorch reference has {name} "
+                               f"{'nothing' if v is None else tuple(v.shape)} where the model of its config.json "
+                               f"needs {shapes[name]}; nothing was written")
+        return v
+    return lazy.logits(source, torch.tensor([ids]))
+
+
 def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: Optional[dict] = None,
                    keep: Callable[[str], bool] = lambda name: True, vocab: Optional[VocabCut] = None,
                    ids: Optional[list] = None) -> dict:
@@ -564,8 +602,6 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
     :func:`compare_truncated`)."""
     import mlx.core as mx
     from mlx_lm import load as mlx_load
-    import transformers
-    from transformers import CONFIG_MAPPING
 
     from mlx.utils import tree_flatten, tree_map
 
@@ -580,32 +616,9 @@ def compare_logits(out: Path, anchor: Anchor, plan: Plan, prompt: str, config: O
     _float32_embeddings(model)
     mlx_logits = np.array(model(mx.array([ids])).astype(mx.float32))
     del model
-    pt_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    auto = getattr(transformers, plan.family.hf_auto_class)  # a VL release's whole class
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():  # every weight is loaded next
-        pt = auto.from_config(pt_config, dtype=torch.float32)
-    own = dict(pt.state_dict(keep_vars=True))
-    loaded, unexpected = set(), []
     upcast = compute == "float32-upcast"  # the reference computes as the upcast MLX model does
-    for k, v in reference_tensors(anchor, plan, keep, vocab, upcast):  # one at a time, never a second model
-        if k not in own or tuple(own[k].shape) != tuple(v.shape):
-            unexpected.append(k)
-            continue
-        with torch.no_grad():
-            own[k].copy_(v)
-        loaded.add(k)
-        del v
-    buffers = {k for k, _ in pt.named_buffers()}
-    missing = [k for k in own if k not in loaded and k not in buffers and k not in set(anchor.meta.get("tied", {}))
-               and not plan.family.tower(k)]
-    if missing or unexpected:  # the reference must hold every weight the anchor has, nothing else
-        raise RuntimeError(f"export check failed: the PyTorch reference does not match {anchor.path}'s weights "
-                           f"(missing {missing[:3]}, unexpected {unexpected[:3]}); nothing was written")
-    pt.tie_weights()
     with torch.no_grad():
-        pt_logits = pt(torch.tensor([ids])).logits.numpy()
+        pt_logits = reference_logits(anchor, plan, config, keep, vocab, upcast, ids).numpy()
     diff = float(np.abs(mlx_logits - pt_logits).max())
     tol = LOGIT_RTOL[compute] * max(1.0, float(np.abs(pt_logits).max()))
     agree = float((mlx_logits.argmax(-1) == pt_logits.argmax(-1)).mean())

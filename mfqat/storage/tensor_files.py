@@ -16,6 +16,7 @@ writer does).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -191,6 +192,25 @@ def _as_bytes(value) -> Tuple[str, Tuple[int, ...], memoryview]:
     return NUMPY_NAMES[a.dtype], tuple(a.shape), memoryview(a.reshape(-1).view(np.uint8)).cast("B")
 
 
+def append_file(src, out) -> None:
+    """Copy the rest of the open file ``src`` to the end of the unbuffered file ``out``: in the kernel
+    (``os.copy_file_range``: no pass through this process's memory) where the system allows it, else in
+    chunks. Both files' offsets advance by the bytes copied."""
+    copy = getattr(os, "copy_file_range", None)
+    left = os.fstat(src.fileno()).st_size - src.tell()
+    while copy is not None and left > 0:
+        try:
+            done = copy(src.fileno(), out.fileno(), min(left, 1 << 30))
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise  # a full disk, an I/O error: the caller's to report
+            break  # not on this file system: nothing of this call was copied
+        if done == 0:
+            break
+        left -= done
+    shutil.copyfileobj(src, out, HASH_CHUNK)
+
+
 class _Shard:
     """One shard being filled: per element size, a spill file of the tensors' data."""
 
@@ -216,16 +236,14 @@ class _Shard:
                     offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-(len(text) + 8) % 8)  # data starts 8-aligned
-        with open(dest, "wb") as out:
-            out.write(struct.pack("<Q", len(text)))
-            out.write(text)
+        with open(dest, "wb", buffering=0) as out:  # unbuffered: the spills are appended at the descriptor's offset
+            out.write(struct.pack("<Q", len(text)) + text)
             for size in sorted(self.spills, reverse=True):
                 f = self.spills[size]
                 f.close()
-                with open(f.name, "rb") as src:
-                    shutil.copyfileobj(src, out, HASH_CHUNK)
+                with open(f.name, "rb", buffering=0) as src:
+                    append_file(src, out)
                 os.unlink(f.name)
-            out.flush()
             os.fsync(out.fileno())
 
 
