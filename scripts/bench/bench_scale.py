@@ -54,6 +54,8 @@ COMMANDS = {
     "export-mlx HF auto:4.5:affine": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(src), "--out",
                                                        str(out / "auto-affine"), "--recipe", "auto:4.5:affine"],
     # (the default: the sensitivity pass, then refine with steps by model size)
+    "convert ANCHOR --to mxint4": lambda src, out: [PY, "-m", "mfqat", "convert", str(out / "anchor"), "--to", "mxint4",
+                                                    "--out", str(out / "converted"), "--overwrite"],
     "eval ANCHOR --formats mxint4 --dtype bfloat16": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
                                                       "mxint4", "--blocks", "2", "--seq-len", "128", "--dtype", "bfloat16", "--plot",
                                                       str(out / "eval.png")],
