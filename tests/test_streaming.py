@@ -474,6 +474,27 @@ def test_cli_eval_of_an_anchor_in_bfloat16(bf16_folder, tmp_path, capsys):
     assert "mxint4" in out and (tmp_path / "p.png").is_file()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eval_module_by_module_prints_the_held_models_numbers(bf16_folder, tmp_path, capsys, dtype):
+    """Past --max-memory (default: the memory available) an anchor is evaluated module by module
+    (mfqat.export.lazy_model), each format's tensors built as the model of --dtype would hold them: the same
+    perplexities to the last printed digit as the held model, the tied embedding included (SmolLM2's layout)."""
+    from mfqat.cli import main as cli_main
+
+    tok = tiny_tokenizer()
+    tied = mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True, layers=3), tmp_path / "tied", "mxint8", tok)
+    for name, path in (("bf16", anchor_from_folder(bf16_folder, tmp_path / "a")), ("tied", tied)):
+        tables = []
+        for budget in ([], ["--max-memory", "1MB"]):
+            cli_main(["eval", str(path), "--formats", "mxint4,mxint3,affine4", "--blocks", "3", "--seq-len", "32",
+                      "--dtype", dtype, "--text", str(ROOT / "README.md"), "--plot", str(tmp_path / f"{name}.png"),
+                      "--overwrite", *budget])
+            out = capsys.readouterr().out
+            assert ("running it module by module" in out) == bool(budget), out
+            tables.append(out[out.index("base ("):out.index("plot:")])
+        assert tables[1] == tables[0], f"{name}: module by module\n{tables[1]}\nheld\n{tables[0]}"
+
+
 def test_row_chunks_quantize_as_the_whole_tensor(bf16_folder, tmp_path, monkeypatch):
     from mfqat.anchor import stream
 

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default="ppl_vs_bpw.png", help="the perplexity-vs-bits PNG written")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the evaluated model's dtype (bfloat16: half the memory; an anchor is loaded tensor by tensor)")
+    e.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="an anchor's model is held in --dtype when it fits this budget (default: the memory available "
+                        "now), else run module by module: each format's weights rebuilt on every forward (slower, a "
+                        "module's weights in memory)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")

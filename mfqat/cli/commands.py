@@ -97,21 +97,27 @@ def evaluate(a: argparse.Namespace) -> None:
     from mfqat.eval.elastic import evaluate_anchor_formats, evaluate_formats, ptq_state
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
+    from mfqat.formats import get_format
     from mfqat.train.setup import check_model_fits, check_token_ids
 
     formats = a.formats.split(",")
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
     dtype = getattr(torch, getattr(a, "dtype", None) or "float32")
-    if is_anchor:  # read once, lazily; the model filled tensor by tensor (eval at any size)
+    lazy = None
+    if is_anchor:  # read once, lazily; the model filled tensor by tensor, or run module by module (eval at any size)
         from transformers import AutoTokenizer
 
         from mfqat.anchor.checkpoint import empty_model, load_format
         anchor = read_anchor(a.model, lazy=True)
         if a.scale_search:
             anchor.materialize()
-        model = empty_model(anchor.config, dtype)
-        load_format(model, anchor, None)
-        model.tie_weights()
+        lazy = module_by_module(anchor, dtype, getattr(a, "max_memory", None))
+        if lazy is not None:
+            model = lazy.model
+        else:
+            model = empty_model(anchor.config, dtype)
+            load_format(model, anchor, None)
+            model.tie_weights()
         model.eval().mfqat_format = anchor.format
         tok = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     else:
@@ -120,11 +126,15 @@ def evaluate(a: argparse.Namespace) -> None:
     check_model_fits(model, a.seq_len)
     blocks = token_blocks(tok, text, a.seq_len, max_blocks=a.blocks)
     check_token_ids(model, blocks, what=f"--text {a.text}" if a.text else "the held-out pydoc text")
-    base_ppl = perplexity(model, blocks, desc="ppl base")
+    base_ppl = perplexity(model, blocks, desc="ppl base") if lazy is None else lazy_perplexity(lazy, anchor, None, dtype, blocks)
     if is_anchor:
         if a.scale_search:
             search_for_eval(anchor, tok, formats, a.calib_text, a.model)
-        rows = evaluate_anchor_formats(model, anchor, formats, blocks)
+        if lazy is None:
+            rows = evaluate_anchor_formats(model, anchor, formats, blocks)
+        else:
+            rows = [{"format": f, "bits/weight": get_format(f).bits_per_weight(32),
+                     "perplexity": lazy_perplexity(lazy, anchor, f, dtype, blocks)} for f in formats]
     else:
         rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
     for r in rows:
@@ -151,6 +161,46 @@ def evaluate(a: argparse.Namespace) -> None:
     print(format_table(rows, cols))
     png = plot_ppl_vs_bpw(series, Path(a.plot), fp_ppl=base_ppl, fp_label=f"base: {base.split(' (')[0]}")
     print(f"plot: {png}")
+
+
+def module_by_module(anchor, dtype, max_memory: Optional[int]):
+    """A :class:`mfqat.export.lazy_model.LazyModel` of ``anchor`` in ``dtype`` when holding its model does not fit
+    ``max_memory`` (bytes; None: the memory available now, mfqat.cli.sysmem), else None (the model is held)."""
+    import torch
+
+    from mfqat.cli.sysmem import available_memory
+    from mfqat.export.lazy_model import LazyModel
+    from mfqat.export.mlx_sizes import anchor_parameters
+
+    need = anchor_parameters(anchor) * torch.empty(0, dtype=dtype).element_size() + EVAL_WORKING_BYTES
+    budget = max_memory if max_memory is not None else available_memory()
+    if not budget or need <= budget:
+        return None
+    print(f"[mfqat] eval: holding the model in {str(dtype)[6:]} needs ~{need / 2 ** 30:.1f} GiB, over the "
+          f"{'--max-memory' if max_memory is not None else 'available'} {budget / 2 ** 30:.1f} GiB: running it module "
+          "by module (each format's weights rebuilt on every forward: slower)")
+    return LazyModel(anchor, checkpoint_layers=False, dtype=dtype)
+
+
+EVAL_WORKING_BYTES = 1 << 30  # libraries and activations beside an evaluated model
+
+
+def lazy_perplexity(lazy, anchor, fmt: Optional[str], dtype, blocks) -> float:
+    """Perplexity of ``anchor`` in ``fmt`` (None: its own) run module by module by ``lazy``: each tensor as
+    :func:`mfqat.anchor.checkpoint.load_format` would load it into a model of ``dtype`` (lowered, dequantized to
+    float32, then cast), built when its module runs."""
+    import torch
+
+    from mfqat.eval.perplexity import perplexity
+
+    def source(name: str) -> torch.Tensor:
+        if name in anchor.quantized:
+            return anchor.lowered(name, fmt).dequantize(torch.float32).to(dtype)
+        v = anchor.plain[name]
+        return v.to(dtype) if v.is_floating_point() else v
+
+    with torch.no_grad(), lazy.running(source) as model:
+        return perplexity(model, blocks, desc=f"ppl {fmt or 'base'}")
 
 
 def export(a: argparse.Namespace) -> None:

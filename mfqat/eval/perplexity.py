@@ -18,6 +18,8 @@ def mean_nll(model: nn.Module, blocks: torch.Tensor, batch_size: int = 4, desc: 
     model.eval()
     try:
         device = next(model.parameters()).device
+        if device.type == "meta":  # weights put in as each module runs (mfqat.export.lazy_model): on the CPU
+            device = torch.device("cpu")
         total, count = 0.0, 0
         batches = range(0, blocks.shape[0], batch_size)
         for i in progress_bar(batches, desc=desc, leave=False, disable=desc is None):

@@ -31,14 +31,14 @@ from mfqat.models import decoder_layers, family_for
 Source = Callable[[str], torch.Tensor]
 
 
-def empty_anchor_model(anchor: Anchor) -> nn.Module:
-    """The anchor's Hugging Face model (the class anchor_model builds) with every parameter on the meta device
-    and its buffers real, in eval mode, no parameter requiring grad."""
+def empty_anchor_model(anchor: Anchor, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The anchor's Hugging Face model (the class anchor_model builds, in ``dtype``) with every parameter on the
+    meta device and its buffers real, in eval mode, no parameter requiring grad."""
     from accelerate import init_empty_weights
 
     auto, config = model_class(anchor)
     with init_empty_weights():
-        model = auto.from_config(config, dtype=torch.float32)
+        model = auto.from_config(config, dtype=dtype)
     model.tie_weights()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -95,8 +95,8 @@ class _DirectUse:
 class LazyModel:
     """An anchor's model run on weights a source puts in per module (see the module docstring)."""
 
-    def __init__(self, anchor: Anchor, checkpoint_layers: bool = True):
-        self.model = empty_anchor_model(anchor)
+    def __init__(self, anchor: Anchor, checkpoint_layers: bool = True, dtype: torch.dtype = torch.float32):
+        self.model = empty_anchor_model(anchor, dtype)
         self.slots = _slots(self.model, anchor)
         uses: Dict[str, int] = {}
         for entries in self.slots.values():
