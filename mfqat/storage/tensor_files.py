@@ -155,16 +155,16 @@ class TensorFile:
         return self._read(name, info.start + lo * row, (hi - lo) * row, info.dtype, (hi - lo,) + info.shape[1:])
 
     def _read(self, name: str, start: int, nbytes: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
-        buf = bytearray(nbytes)
-        view, got = memoryview(buf), 0
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        buf = torch.empty(nbytes, dtype=torch.uint8)  # not zeroed first, as a bytearray would be (~20% of a read)
+        view, got = memoryview(buf.numpy()), 0
         while got < nbytes:  # pread may return less than asked on large reads
             part = os.preadv(self.fd, [view[got:]], start + got)
             if part <= 0:
                 self._fail(f"tensor {name!r} ends early")
             got += part
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        return buf.view(dtype).reshape(shape)
 
 
 def sha256_fd(fd: int) -> str:
