@@ -58,7 +58,7 @@ def test_the_users_own_setting_stands(monkeypatch):
 
 
 def test_the_mfqat_commands_that_stream_set_it_as_they_start(monkeypatch, capsys, tmp_path):
-    """refine, a refining export-mlx and eval set it; train, convert and a --no-refine export do not (page faults on
+    """refine and a refining export-mlx set it; train, convert, eval and a --no-refine export do not (page faults on
     every new mapping cost them a quarter of their time for ~5% of their peak)."""
     from mfqat.cli import sysmem
     from mfqat.cli.app import main
@@ -67,7 +67,8 @@ def test_the_mfqat_commands_that_stream_set_it_as_they_start(monkeypatch, capsys
     monkeypatch.setattr(sysmem, "return_freed_memory", lambda: calls.append(argv[0]))
     missing = str(tmp_path / "no-anchor")
     for argv in (["refine", missing, "--formats", "affine4"], ["train", "--help"], ["convert", missing, "--out", missing],
-                 ["export-mlx", missing, "--out", missing], ["export-mlx", missing, "--out", missing, "--no-refine"]):
+                 ["export-mlx", missing, "--out", missing], ["export-mlx", missing, "--out", missing, "--no-refine"],
+                 ["eval", missing]):
         with pytest.raises(SystemExit):
             main(argv)
     assert calls == ["refine", "export-mlx"]

@@ -8,9 +8,10 @@ from the heap, and what a long job frees module by module stays resident as scat
 ``export-mlx`` of a 1.2B model with a 2-step refine peaked at 3.52 GiB, 2.12 GiB with the threshold fixed
 at 1 MiB (BENCHMARKS.md). The cost is a page fault on every new mapping: a plain 3B export (no refine) took
 44 s with the threshold fixed against 35 s without, for 5% less peak (1.03 against 1.09 GiB), and ``convert``
-at 1.2B 43 s against 35 s (0.99 against 1.06 GiB). So the ``mfqat`` command fixes it only where a learning
-step's tensors set the peak (:data:`STREAMING_COMMANDS`: ``refine``, ``export-mlx`` unless ``--no-refine``,
-``eval``), not for ``convert``, a ``--no-refine`` export or training (a small training loop ran ~10% slower);
+at 1.2B 43 s against 35 s (0.99 against 1.06 GiB), ``eval`` at 1.2B 21-30 s against 17-18 s (2.83 against 2.92
+GiB). So the ``mfqat`` command fixes it only where a learning step's tensors set the peak
+(:data:`STREAMING_COMMANDS`: ``refine``, ``export-mlx`` unless ``--no-refine``), not for ``convert``, ``eval``, a
+``--no-refine`` export or training (a small training loop ran ~10% slower);
 Python users can call :func:`return_freed_memory` or set ``MALLOC_MMAP_THRESHOLD_`` in the environment.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 RETURN_FROM_BYTES = 1 << 20  # blocks of 1 MiB and up get their own mapping, returned when freed
-STREAMING_COMMANDS = ("export-mlx", "refine", "eval")  # the commands that set it (export-mlx: when it refines)
+STREAMING_COMMANDS = ("export-mlx", "refine")  # the commands that set it (export-mlx: when it refines)
 
 
 def return_freed_memory(threshold: int = RETURN_FROM_BYTES) -> bool:
