@@ -28,7 +28,7 @@ from mfqat.progress import progress
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable
 from mfqat.storage.tensor_files import ShardWriter
 
-__all__ = ["SAVE_PRETRAINED_SHARD_BYTES", "save_dequantized", "why_not_streamed"]
+__all__ = ["SAVE_PRETRAINED_SHARD_BYTES", "format_value", "save_dequantized", "why_not_streamed"]
 
 SAVE_PRETRAINED_SHARD_BYTES = 50 * 10 ** 9  # save_pretrained's max_shard_size default ("50GB")
 
@@ -79,12 +79,14 @@ def why_not_streamed(anchor: Anchor) -> Optional[str]:
     return names if isinstance(names, str) else None
 
 
-def _value(anchor: Anchor, name: str, fmt: Optional[str], group_size: int) -> torch.Tensor:
-    """Tensor ``name`` as the loaded float32 model holds it: lowered to ``fmt`` and dequantized, or plain."""
+def format_value(anchor: Anchor, name: str, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32,
+                 group_size: int = DERIVED_GROUP_SIZE) -> torch.Tensor:
+    """Tensor ``name`` as a model of ``dtype`` loaded in ``fmt`` (None: the anchor's own) holds it: a quantized one
+    lowered, dequantized to float32 and cast (as load_format copies it in), a plain one cast."""
     if name in anchor.quantized:
-        return anchor.lowered(name, fmt, group_size).dequantize(torch.float32)
+        return anchor.lowered(name, fmt, group_size).dequantize(torch.float32).to(dtype)
     value = anchor.plain[name]
-    return value.to(torch.float32) if value.is_floating_point() else value
+    return value.to(dtype) if value.is_floating_point() else value
 
 
 def save_dequantized(anchor: Anchor, out: Path, fmt: Optional[str] = None,
@@ -103,7 +105,7 @@ def save_dequantized(anchor: Anchor, out: Path, fmt: Optional[str] = None,
     writer = ShardWriter(out, SAVE_PRETRAINED_SHARD_BYTES)
     try:
         for name in progress(names, desc="convert", unit="tensor"):
-            writer.add(name, _value(anchor, name, fmt, group_size))
+            writer.add(name, format_value(anchor, name, fmt, torch.float32, group_size))
         writer.close()
     except BaseException:
         writer.abort()

@@ -192,14 +192,9 @@ def lazy_perplexity(lazy, anchor, fmt: Optional[str], dtype, blocks) -> float:
     import torch
 
     from mfqat.eval.perplexity import perplexity
+    from mfqat.export.lazy_model import anchor_source
 
-    def source(name: str) -> torch.Tensor:
-        if name in anchor.quantized:
-            return anchor.lowered(name, fmt).dequantize(torch.float32).to(dtype)
-        v = anchor.plain[name]
-        return v.to(dtype) if v.is_floating_point() else v
-
-    with torch.no_grad(), lazy.running(source) as model:
+    with torch.no_grad(), lazy.running(anchor_source(anchor, fmt, dtype)) as model:
         return perplexity(model, blocks, desc=f"ppl {fmt or 'base'}")
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mfqat.anchor.checkpoint import Anchor, AnchorError, model_class
+from mfqat.anchor.dequantized import format_value
 from mfqat.models import decoder_layers, family_for
 
 Source = Callable[[str], torch.Tensor]
@@ -173,11 +174,7 @@ class LazyModel:
             return model(ids, use_cache=False).logits
 
 
-def anchor_source(anchor: Anchor) -> Source:
-    """name -> the anchor's tensor in its own format, float32 (what anchor_model(anchor) holds), read when asked."""
-    def source(name: str) -> torch.Tensor:
-        if name in anchor.quantized:
-            return anchor.quantized[name].dequantize(torch.float32)
-        v = anchor.plain[name]
-        return v.to(torch.float32) if v.is_floating_point() else v
-    return source
+def anchor_source(anchor: Anchor, fmt: Optional[str] = None, dtype: torch.dtype = torch.float32) -> Source:
+    """name -> the anchor's tensor in ``fmt`` (None: its own format) as a model of ``dtype`` holds it (float32: what
+    anchor_model(anchor) holds; mfqat.anchor.dequantized.format_value), read when asked."""
+    return lambda name: format_value(anchor, name, fmt, dtype)
