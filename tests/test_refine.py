@@ -70,8 +70,8 @@ def test_a_refine_that_raises_the_kl_is_not_kept(anchor, tok):
 def test_refine_without_affine_tensors_or_with_too_little_text_is_refused(anchor, tok):
     a = read_anchor(anchor)
     calib = calibration_blocks(tok, None, n_blocks=10, seq_len=32)
-    with pytest.raises(ValueError, match="no affine or nvfp4 tensor"):
-        refine(a, build_plan(a, "uniform:mxint4"), calib, RefineConfig(**SMALL))
+    with pytest.raises(ValueError, match="exported as stored"):
+        refine(a, build_plan(a, "uniform:mxint8"), calib, RefineConfig(**SMALL))
     with pytest.raises(ValueError, match="10 needed"):
         refine(a, build_plan(a, "uniform:affine4"), calib[:5], RefineConfig(**SMALL))
     with pytest.raises(ValueError, match="steps must be at least 1"):

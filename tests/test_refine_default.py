@@ -13,7 +13,7 @@ from .conftest import one_line_exit_2  # noqa: E402
 from mfqat.anchor.checkpoint import read_anchor  # noqa: E402
 from mfqat.cli import main  # noqa: E402
 from mfqat.export import build_plan  # noqa: E402
-from mfqat.export.refine import NOTHING_TO_LEARN, STEPS_BY_SIZE, RefineConfig, default_steps, plan_refine  # noqa: E402
+from mfqat.export.refine import NOTHING_TO_LEARN, ONLY_WHEN_ASKED, STEPS_BY_SIZE, RefineConfig, default_steps, plan_refine  # noqa: E402
 
 
 def _files(d):
@@ -59,16 +59,19 @@ def test_the_refine_is_announced_with_its_cost_before_it_runs(anchor, tmp_path, 
     assert _report(tmp_path / "x")["refine"]["steps_from"] == "given"
 
 
-def test_an_mx_plan_is_exported_unrefined_by_default_and_refused_with_refine(anchor, tmp_path, capsys):
+def test_an_mx_plan_is_exported_unrefined_by_default_and_the_anchors_own_format_refused_with_refine(
+        anchor, tmp_path, capsys):
     main(["export-mlx", str(anchor), "--out", str(tmp_path / "x"), "--recipe", "uniform:mxint4"])
-    assert _report(tmp_path / "x")["refine"] == {"skipped": NOTHING_TO_LEARN}
-    assert "MX formats" in NOTHING_TO_LEARN
-    assert "refine: skipped: the plan has no affine or nvfp4 tensor" in capsys.readouterr().out
+    assert _report(tmp_path / "x")["refine"] == {"skipped": ONLY_WHEN_ASKED}
+    assert "refine: skipped: nvfp4 block scales and MX block exponents are learned only with --refine" in \
+        capsys.readouterr().out
     mfqat.export.to_mlx(anchor, tmp_path / "api", recipe="uniform:mxint4")
     assert _files(tmp_path / "x") == _files(tmp_path / "api")
+    main(["export-mlx", str(anchor), "--out", str(tmp_path / "z"), "--recipe", "uniform:mxint8"])
+    assert _report(tmp_path / "z")["refine"] == {"skipped": NOTHING_TO_LEARN}
     capsys.readouterr()
-    one_line_exit_2(["export-mlx", str(anchor), "--out", str(tmp_path / "y"), "--recipe", "uniform:mxint4",
-                     "--refine"], capsys, "plans none")
+    one_line_exit_2(["export-mlx", str(anchor), "--out", str(tmp_path / "y"), "--recipe", "uniform:mxint8",
+                     "--refine"], capsys, "exported as stored")
     assert not (tmp_path / "y").exists()
 
 

@@ -138,10 +138,10 @@ def test_learned_scales_are_clamped_to_e4m3_and_never_round_to_zero():
 def test_nvfp4_scales_are_learned_with_refine_and_left_by_the_default(anchor, tmp_path, capsys):
     """The default refine leaves nvfp4 alone (not yet shown to help on SmolLM2); --refine learns it."""
     main(["export-mlx", str(anchor), "--out", str(tmp_path / "x"), "--recipe", "uniform:nvfp4"])
-    assert _report(tmp_path / "x")["refine"]["skipped"].startswith("nvfp4 block scales are learned only with --refine")
+    assert _report(tmp_path / "x")["refine"]["skipped"].startswith("nvfp4 block scales and MX block exponents are learned only with --refine")
     capsys.readouterr()
     main(["export-mlx", str(anchor), "--out", str(tmp_path / "y"), "--recipe", "uniform:nvfp4", "--refine",
           "--refine-steps", "2"])  # --refine accepts an nvfp4 recipe
     r = _report(tmp_path / "y")["refine"]
     assert r["steps"] == 2 and r["tensors"] == len(_report(tmp_path / "y")["tensors"])
-    assert "affine / nvfp4 tensors" in capsys.readouterr().err
+    assert "affine / nvfp4 / MX tensors" in capsys.readouterr().err

@@ -127,17 +127,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "lowering the anchor to mxint6..mxint3 (importance-weighted error, calibrated on --calib-text; "
                    "docs/numerics.md)")
     how = x.add_mutually_exclusive_group()
-    how.add_argument("--refine", action="store_true", help="the default for a plan with affine or nvfp4 tensors, "
-                     "required here: learn the affine tensors' group scales and biases and the nvfp4 tensors' E4M3 "
-                     "block scales (codes and bytes unchanged) so the export's next-token distribution matches the "
-                     "anchor's on --calib-text (KL, Adam; mlx-lm DWQ's lever, run in PyTorch; "
-                     "mfqat.export.refine.RefineConfig); an error when the plan has no affine or nvfp4 tensor")
+    how.add_argument("--refine", action="store_true", help="the default for a plan with affine tensors, required "
+                     "for nvfp4 and MX plans: learn the affine tensors' group scales and biases, the nvfp4 tensors' "
+                     "E4M3 block scales (codes and bytes unchanged) and the E8M0 exponent of each block of an MX "
+                     "tensor lowered from the anchor (one of its derived exponent and the two neighbours; codes "
+                     "encoded again) so the export's next-token distribution matches the anchor's on --calib-text "
+                     "(KL, Adam; mlx-lm DWQ's lever, run in PyTorch; mfqat.export.refine.RefineConfig); an error "
+                     "when the plan has none of these")
     how.add_argument("--no-refine", action="store_true", help="export the derived affine scales and biases (nvfp4 "
                      "scales) as they are (round to nearest, as mlx_lm.convert): no calibration, seconds instead of "
                      "minutes")
     x.add_argument("--refine-steps", type=int, default=None, help="refine: Adam steps of 4 x 128 calibration "
                    "tokens (default by model size: 64 up to 0.3B parameters, 32 up to 1B, 16 up to 4B, then 8)")
     x.add_argument("--refine-lr", type=float, default=1e-3, help="refine: learning rate of the relative scale / bias")
+    x.add_argument("--refine-exponent-lr", type=float, default=2e-2, help="refine: learning rate of an MX block's "
+                   "exponent parameter (a block moves to a neighbouring exponent after about 0.5 / this many steps "
+                   "of one sign)")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="MLX affine scales/biases; auto: as mlx_lm.convert writes for the model (bfloat16 for a "
                         "bf16 model, float32 for a float32 one); all exact for MX power-of-two scales")

@@ -378,15 +378,11 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             need_auto_budget(a)
             finite(a)
             at_least(a, {"refine_steps": 1})
-            if a.refine and "affine" not in a.recipe and "nvfp4" not in a.recipe:
-                raise UsageError(f"--refine learns affine scales and biases and nvfp4 block scales, and recipe "
-                                 f"{a.recipe!r} plans none: use uniform:affineK, auto:BPW:affine, seed:affine or "
-                                 "uniform:nvfp4 (MX formats' scales are not learned; without --refine, an MX recipe "
-                                 "is exported as it is)")
             if a.no_refine and a.refine_steps is not None:
                 raise UsageError(f"--refine-steps {a.refine_steps} with --no-refine: drop one (--no-refine exports "
                                  "the derived scales, with no refine steps)")
             positive(a, "refine_lr")
+            positive(a, "refine_exponent_lr")
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")

@@ -207,7 +207,8 @@ def export(a: argparse.Namespace) -> None:
     refine = None
     if not a.no_refine:  # the default: refine the plan's affine tensors, if it has any
         from mfqat.export.refine import RefineConfig
-        refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr, optional=not a.refine)
+        refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr, exponent_lr=a.refine_exponent_lr,
+                              optional=not a.refine)
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
                  imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,

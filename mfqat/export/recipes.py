@@ -72,6 +72,24 @@ class LearnedScales:
 
 
 @dataclass
+class LearnedExponents:
+    """The E8M0 block exponents ``--refine`` chose for one MX tensor lowered from the anchor (mfqat.export.refine).
+    An MX block's codes depend on its exponent, so :meth:`on` encodes the anchor's values again at these exponents
+    (``mx_encode_blocks``, what the scale search's lowering does): an ordinary MX tensor of the planned format."""
+
+    scales: torch.Tensor  # uint8 E8M0 bytes, one per block (255: a non-finite block, kept)
+
+    def on(self, a: MXTensor, fmt: str) -> MXTensor:
+        """The anchor's tensor ``a`` lowered to ``fmt`` at these exponents."""
+        from mfqat.quant.reference import E8M0_BIAS, E8M0_NAN, mx_encode_blocks
+
+        f, bs = get_format(fmt), a.block_size
+        blocks = a.dequantize(torch.float32).reshape(*a.shape[:-1], a.shape[-1] // bs, bs)  # exact
+        codes, scales = mx_encode_blocks(blocks, f, self.scales.to(torch.int32) - E8M0_BIAS, self.scales == E8M0_NAN)
+        return MXTensor(codes.reshape(a.shape), scales, f, bs, a.dtype, None, "search")
+
+
+@dataclass
 class Plan:
     """{tensor name: format}, where each comes from, what stays 16-bit, the top-level entry."""
     formats: Dict[str, str] = field(default_factory=dict)
@@ -84,8 +102,9 @@ class Plan:
     derived_group: int = DERIVED_GROUP_SIZE  # group of the derived affine formats
     base_group: int = 32  # the config's top-level group size (that of the top-level format)
     family: Family = DENSE  # the model family's rules (mfqat.models): mlx-lm names, what stays high precision
-    # export --refine's learned scales (LearnedScales: the codes are derived again) or whole tensors (MXTensor)
-    learned_scales: Dict[str, "LearnedScales | MXTensor"] = field(default_factory=dict)
+    # export --refine's learned scales (LearnedScales: the codes are derived again; LearnedExponents: the codes
+    # are encoded again from the anchor's values) or whole tensors (MXTensor)
+    learned_scales: Dict[str, "LearnedScales | LearnedExponents | MXTensor"] = field(default_factory=dict)
     refined = renamed("Plan", "refined", "learned_scales")
 
     def group_of(self, fmt: str) -> int:
@@ -102,6 +121,8 @@ class Plan:
         learned = self.learned_scales.get(name)
         if isinstance(learned, MXTensor):
             return learned
+        if isinstance(learned, LearnedExponents):
+            return learned.on(anchor.quantized[name], self.formats[name])
         q = in_format(anchor, name, self.formats[name], self.derived_group)
         return q if learned is None else learned.on(q)
 

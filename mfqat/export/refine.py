@@ -1,17 +1,20 @@
 """``export-mlx --refine``: learned group scales and biases for the affine tensors of an export, learned
-block scales for its nvfp4 tensors.
+block scales for its nvfp4 tensors, learned block exponents for its MX tensors.
 
 The lever of mlx-lm's DWQ (distilled weight quantization), run in PyTorch on the export's own
 plan: every affine tensor keeps its codes ``q`` and learns its bfloat16 scale ``s`` and bias ``b``
 per group, every nvfp4 tensor keeps its E2M1 codes and learns its E4M3 scale per block of 16, so
 that the exported model's next-token distribution matches the anchor's own (the teacher: the anchor
 in its format, MXINT8/MXFP8, what MF-QAT trained) on calibration text. The result is still MLX's
-plain affine / nvfp4 layout (same bytes, stock ``mlx_lm.load``), and the export check still compares
-it bit for bit with PyTorch's dequantization. MX tensors (MXINT / MXFP, E8M0 exponents) are not learned.
+plain affine / nvfp4 / MX layout (same bytes, stock ``mlx_lm.load``), and the export check still compares
+it bit for bit with PyTorch's dequantization. An MX tensor lowered from the anchor (MXINT / MXFP, E8M0
+exponents) learns which exponent each block takes among its derived one and the two neighbours, its codes
+encoded again from the anchor's values at the chosen exponent.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 from contextlib import contextmanager
@@ -31,7 +34,7 @@ from mfqat.export.code_spill import CodeSpill, SpilledCodes
 from mfqat.export.lazy_model import LazyModel, anchor_source
 from mfqat.export.lean_matrices import LeanMatrices
 from mfqat.export.mlx_sizes import anchor_parameters
-from mfqat.export.recipes import LearnedScales, Plan
+from mfqat.export.recipes import LearnedExponents, LearnedScales, Plan
 from mfqat.export.verify import reference_tensor
 from mfqat.formats import get_format
 from mfqat.progress import announce, progress
@@ -39,6 +42,8 @@ from mfqat.quant.derive import DERIVED_GROUP_SIZE
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.nvfp4 import LUT as E2M1_VALUES
 from mfqat.quant.nvfp4 import NVFP4_RANGE, e4m3_decode, e4m3_encode
+from mfqat.quant.reference import E8M0_BIAS, E8M0_NAN, dtype_max_exponent, exp2i
+from mfqat.quant.scale_search import dequantize_with_exponents
 
 E4M3_MIN, E4M3_MAX = 2.0 ** -9, 448.0  # the smallest positive (subnormal) and the largest E4M3 value
 
@@ -59,7 +64,15 @@ class RefineConfig:
         s = e4m3(clamp(s0 * (1 + a), 2^-9, 448))      W = e2m1(P) * (s * fl32(g / 2688))
 
     (E4M3 rounding straight-through; a block whose ``s0`` is 0 or NaN keeps it: no learned scale
-    rounds to zero or overflows). ``a`` and ``c`` minimise, with Adam, on ``n_blocks`` blocks of ``seq_len``
+    rounds to zero or overflows). For every MX tensor lowered from the anchor (a lower format of its family),
+    with the anchor's values ``x`` and the derived exponent ``e0`` of each block of 32, one parameter per block ``u``::
+
+        e = e0 + clamp(round(u), -1, 1)      W = 2^e * mx_round(x / 2^e)     (codes encoded again at e)
+
+    whose gradient is LSQ's estimate through the rounding, ``dW/du = ln2 * (W - x)`` for an element in range and
+    ``ln2 * W`` for one that saturates (a non-finite block keeps its exponent); ``u`` learns at ``exponent_lr``,
+    so that a block moves to a neighbouring exponent after about ``0.5 / exponent_lr`` steps of one sign.
+    ``a``, ``c`` and ``u`` minimise, with Adam, on ``n_blocks`` blocks of ``seq_len``
     calibration tokens (``batch`` blocks a step)::
 
         T^2 * KL( softmax(z_anchor / T) || softmax(z_export / T) )     per token, averaged
@@ -77,6 +90,7 @@ class RefineConfig:
 
     steps: Optional[int] = None
     lr: float = 1e-3
+    exponent_lr: float = 2e-2
     batch: int = 4
     seq_len: int = 128
     n_blocks: int = 32
@@ -92,8 +106,9 @@ class RefineConfig:
                 continue
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"refine: {name} must be at least 1, got {getattr(self, name)}")
-        if not self.lr > 0 or not self.temperature > 0:
-            raise ValueError(f"refine: lr and temperature must be positive, got {self.lr}, {self.temperature}")
+        if not self.lr > 0 or not self.exponent_lr > 0 or not self.temperature > 0:
+            raise ValueError(f"refine: lr, exponent_lr and temperature must be positive, got {self.lr}, "
+                             f"{self.exponent_lr}, {self.temperature}")
 
 
 # Default refine steps by model size (parameters up to, steps): a step's compute grows with the model, so a
@@ -322,10 +337,75 @@ class _Blocks(_CodesMixin, nn.Module):
                                                  None, self.scale_rule, global_scale=self.global_scale))
 
 
-def _learner(q: MXTensor, spill: Optional[CodeSpill] = None) -> nn.Module:
-    """The module that learns tensor ``q``'s scales: :class:`_Blocks` for nvfp4, :class:`_Groups` for affine (their
-    codes on disk in ``spill`` between uses, when given)."""
-    return _Blocks(q, spill) if q.fmt.family == "nvfp4" else _Groups(q, spill)
+class _MXWeight(torch.autograd.Function):
+    """``W``: the anchor's values ``x`` encoded in an MX format at the block exponents ``e`` and decoded
+    (mfqat.quant.scale_search.dequantize_with_exponents, bit for bit the written tensor's dequantization). Backward:
+    the gradient of each block's exponent parameter by LSQ's estimate, ``ln2 * sum(g * (W - x))`` over the block's
+    elements in range plus ``ln2 * sum(g * W)`` over those that saturate; none for a non-finite block."""
+
+    @staticmethod
+    def forward(ctx, u: torch.Tensor, x: torch.Tensor, e: torch.Tensor, nonfinite: torch.Tensor, fmt, bs: int):
+        ctx.save_for_backward(x, e, nonfinite)
+        ctx.fmt, ctx.bs = fmt, bs
+        return dequantize_with_exponents(x, fmt, bs, (e, nonfinite))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, e, nonfinite = ctx.saved_tensors
+        fmt, bs = ctx.fmt, ctx.bs
+        w = dequantize_with_exponents(x, fmt, bs, (e, nonfinite)).reshape(*e.shape, bs)
+        xb = x.reshape(*e.shape, bs)
+        in_range = xb.abs() <= (exp2i(e) * fmt.max_normal).unsqueeze(-1)
+        w.sub_(torch.where(in_range, xb, torch.zeros_like(xb)))  # dW/du / ln2
+        g = (grad.reshape(*e.shape, bs) * w).sum(-1).mul_(math.log(2.0))
+        return torch.where(nonfinite, torch.zeros_like(g), g), None, None, None, None, None
+
+
+class _Exponents(_CodesMixin, nn.Module):
+    """The learned ``u`` of one MX tensor lowered from the anchor (one per block) and the weights it gives. The
+    anchor's codes are kept (a byte a weight) and decoded to its exact values when a forward asks for the weights;
+    each block's exponent is its derived one moved by ``clamp(round(u), -1, 1)``."""
+
+    def __init__(self, a: MXTensor, q: MXTensor, spill: Optional[CodeSpill] = None):
+        super().__init__()
+        self.signed = a.codes.dtype == torch.int8
+        self._codes = _kept(a.codes.view(torch.uint8) if self.signed else a.codes, spill)
+        self.anchor_scales, self.anchor_layout = a.scales, (a.fmt, a.block_size, a.dtype)
+        self.fmt, self.shape = q.fmt, tuple(q.shape)
+        self.bytes0 = q.scales  # the derived E8M0 bytes
+        self.high = min(127, dtype_max_exponent(a.dtype) - q.fmt.emax)  # the search's cap: a finite block stays finite
+        self.u = nn.Parameter(torch.zeros(q.scales.shape, dtype=torch.float32))
+
+    def exponents(self) -> torch.Tensor:
+        """The chosen exponent of each block (int32; a non-finite block keeps its derived 128, E8M0's NaN)."""
+        e0 = self.bytes0.to(torch.int32) - E8M0_BIAS
+        moved = (e0 + self.u.detach().round().clamp(-1, 1).to(torch.int32)).clamp(-127, self.high)
+        return torch.where(self.bytes0 == E8M0_NAN, e0, moved)
+
+    def values(self) -> torch.Tensor:
+        """The anchor's values of this tensor in float32 (exact)."""
+        codes = self.codes.view(torch.int8) if self.signed else self.codes
+        return MXTensor(codes, self.anchor_scales, *self.anchor_layout).dequantize(torch.float32)
+
+    def weight(self) -> torch.Tensor:
+        """The anchor's values encoded at :meth:`exponents` and decoded (float32)."""
+        return _MXWeight.apply(self.u, self.values(), self.exponents(), self.bytes0 == E8M0_NAN, self.fmt,
+                               self.anchor_layout[1])
+
+    def learned_scales(self) -> LearnedExponents:
+        """The chosen E8M0 bytes (255, a non-finite block's, kept: :meth:`exponents` keeps its 128)."""
+        return LearnedExponents((self.exponents() + E8M0_BIAS).to(torch.uint8))
+
+
+def _learner(anchor: Anchor, plan: Plan, name: str, spill: Optional[CodeSpill] = None) -> nn.Module:
+    """The module that learns tensor ``name``'s scales: :class:`_Blocks` for nvfp4, :class:`_Exponents` for an MX
+    format, :class:`_Groups` for affine (their codes on disk in ``spill`` between uses, when given)."""
+    q = plan.tensor(anchor, name)
+    if q.fmt.family == "nvfp4":
+        return _Blocks(q, spill)
+    if q.fmt.family in MX_FAMILIES:
+        return _Exponents(anchor.quantized[name], q, spill)
+    return _Groups(q, spill)
 
 
 def _student_source(anchor: Anchor, plan: Plan, groups: Dict[str, nn.Module],
@@ -372,30 +452,41 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
     return torch.cat(per_row).reshape(student.shape[:-1]).mean() * t * t
 
 
-LEARNED_FAMILIES = ("affine", "nvfp4")  # the formats whose scales refine learns (MX formats' E8M0 exponents: not)
-# The default (optional) refine leaves nvfp4 tensors alone: on SmolLM2-135M (uniform:nvfp4) the learned E4M3
-# block scales raised the validation KL at learning rates 4e-3 and 8e-3 (nothing kept), and the default rate
-# was not measured; until it is shown to help, nvfp4 scales are learned only with --refine.
-NVFP4_ONLY_WHEN_ASKED = ("nvfp4 block scales are learned only with --refine (the default refine learns affine "
-                         "tensors; learned nvfp4 scales have not yet been shown to help)")
-NOTHING_TO_LEARN = ("the plan has no affine or nvfp4 tensor (refine learns affine scales and biases and nvfp4 block "
-                    "scales, not the power-of-two scales of MX formats)")
+MX_FAMILIES = ("mxint", "mxfp")
+LEARNED_FAMILIES = ("affine", "nvfp4", *MX_FAMILIES)  # the formats whose scales refine learns
+# The default (optional) refine leaves nvfp4 and MX tensors alone: on SmolLM2-135M (uniform:nvfp4) the learned
+# E4M3 block scales raised the validation KL at learning rates 4e-3 and 8e-3 (nothing kept); until they are
+# shown to help by default, nvfp4 scales and MX exponents are learned only with --refine.
+ONLY_WHEN_ASKED = ("nvfp4 block scales and MX block exponents are learned only with --refine (the default refine "
+                   "learns affine tensors)")
+NOTHING_TO_LEARN = ("the plan has no affine, nvfp4 or lowered MX tensor (refine learns affine scales and biases, nvfp4 "
+                    "block scales and the exponents of MX tensors lowered from the anchor)")
+
+
+def _learnable(anchor: Anchor, plan: Plan, name: str) -> bool:
+    """Whether refine can learn tensor ``name``'s scales: an affine or nvfp4 tensor, or an MX tensor the plan lowers
+    from the anchor's own codes to another format (the anchor's own format is exported as stored)."""
+    fmt = get_format(plan.formats[name])
+    if fmt.family in MX_FAMILIES:
+        return name in anchor.quantized and get_format(anchor.format) != fmt
+    return fmt.family in LEARNED_FAMILIES
 
 
 def _affine_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[str], str]:
     """(the plan's affine and nvfp4 tensors refine learns, why there are none). Without ``cfg.optional``, a plan
     with none is a ValueError; with it, so is (an empty list and the reason) a plan that uses an affine width the
     anchor stores learned scales for (``mfqat refine``): the user's stored scales are exported as they are."""
-    names = [n for n, f in plan.formats.items() if get_format(f).family in LEARNED_FAMILIES]
+    names = [n for n in plan.formats if _learnable(anchor, plan, n)]
     if not names and not cfg.optional:
-        raise ValueError(f"{anchor.path}: --refine learns affine scales and biases and nvfp4 block scales, and "
-                         "recipe plan has no affine or nvfp4 tensor (MX formats' scales are not learned): use "
-                         "uniform:affineK, auto:BPW:affine, seed:affine or uniform:nvfp4")
+        raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, nvfp4 block scales and the "
+                         f"exponents of MX tensors lowered from the anchor, and the recipe's plan has none (the "
+                         f"anchor's own format, {anchor.format}, is exported as stored): use uniform:affineK, "
+                         "auto:BPW:affine, seed:affine, uniform:nvfp4 or a lower MX format (e.g. uniform:mxint4)")
     if not names:
         return [], NOTHING_TO_LEARN
     if cfg.optional and not any(get_format(plan.formats[n]).family == "affine" for n in names):
-        return [], NVFP4_ONLY_WHEN_ASKED
-    if cfg.optional:  # the default refine learns affine tensors only (NVFP4_ONLY_WHEN_ASKED)
+        return [], ONLY_WHEN_ASKED
+    if cfg.optional:  # the default refine learns affine tensors only (ONLY_WHEN_ASKED)
         names = [n for n in names if get_format(plan.formats[n]).family == "affine"]
     stored = sorted({f for n, f in plan.formats.items() if n in names and get_format(f).family == "affine"
                      and pick(anchor.learned_scales, f, plan.group_of(f))})
@@ -438,14 +529,16 @@ def _valid_kl(student: Logits, teacher: Logits, valid: torch.Tensor, t: float) -
 
 def _train(groups: Dict[str, nn.Module], student: Logits, teacher: Logits, train: torch.Tensor,
            cfg: RefineConfig, steps: int) -> List[float]:
-    """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a), each on ``cfg.batch`` blocks drawn
+    """``steps`` Adam steps on every group's (a, c) (an nvfp4 tensor's a, an MX tensor's u), each on ``cfg.batch`` blocks drawn
     (seeded) from ``train``; returns the training KL of each step. The optimizer state goes with the return.
 
     Each parameter takes its Adam step as soon as the backward has its gradient, which is then dropped
     (``register_post_accumulate_grad_hook``), so the gradients of the whole model are never held at once: the
     same updates as one Adam over every parameter (single-tensor Adam updates each parameter on its own)."""
     params = [p for g in groups.values() for p in g.parameters()]
-    opts = {p: torch.optim.Adam([p], lr=cfg.lr, foreach=False) for p in params}
+    exponents = {id(g.u) for g in groups.values() if isinstance(g, _Exponents)}
+    opts = {p: torch.optim.Adam([p], lr=cfg.exponent_lr if id(p) in exponents else cfg.lr, foreach=False)
+            for p in params}
 
     def step(p: torch.Tensor) -> None:
         opts[p].step()
@@ -513,7 +606,7 @@ def _refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig, 
             steps: int, spill: Optional[CodeSpill], t0: float) -> dict:
     """:func:`refine`'s work, its codes kept in ``spill`` when given."""
     train, valid = calib[: cfg.n_blocks], calib[cfg.n_blocks: cfg.n_blocks + cfg.n_valid]
-    groups = {n: _learner(plan.tensor(anchor, n), spill) for n in names}  # one tensor derived at a time
+    groups = {n: _learner(anchor, plan, n, spill) for n in names}  # one tensor derived at a time
     model = LazyModel(anchor)
     anchor_weights = anchor_source(anchor)
     markers = _lean_markers(model, groups)
@@ -534,6 +627,7 @@ def _refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig, 
     if kept:  # the learned scales only: the codes are derived again as each tensor is written (LearnedScales)
         plan.learned_scales = {n: groups.pop(n).learned_scales() for n in list(groups)}
     return {"tensors": len(names), "steps": steps, "steps_from": planned["steps_from"], "lr": cfg.lr,
+            "exponent_lr": cfg.exponent_lr,
             "batch": cfg.batch, "seq_len": cfg.seq_len, "calibration_blocks": cfg.n_blocks,
             "validation_blocks": cfg.n_valid, "temperature": cfg.temperature,
             "validation_kl_before": before, "validation_kl_after": after, "kept": kept,
@@ -546,7 +640,7 @@ def describe_plan(planned: dict, cfg: RefineConfig) -> str:
     if not planned["names"]:
         return f"refine: skipped: {planned['skipped']}"
     minutes = planned["estimated_seconds"] / 60
-    return (f"refine: {len(planned['names'])} affine / nvfp4 tensors, {planned['steps']} steps of {cfg.batch} x {cfg.seq_len} "
+    return (f"refine: {len(planned['names'])} affine / nvfp4 / MX tensors, {planned['steps']} steps of {cfg.batch} x {cfg.seq_len} "
             f"tokens (steps by {'--refine-steps' if planned['steps_from'] == 'given' else 'model size'}, "
             f"{planned['parameters'] / 1e9:.2f}B parameters): about {minutes:.0f} min here"
             + (" (--no-refine skips it)" if cfg.optional else ""))
