@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--refine-steps", type=int, default=None, help="refine: Adam steps of 4 x 128 calibration "
                    "tokens (default by model size: 64 up to 0.3B parameters, 32 up to 1B, 16 up to 4B, then 8)")
     x.add_argument("--refine-lr", type=float, default=1e-3, help="refine: learning rate of the relative scale / bias")
-    x.add_argument("--refine-exponent-lr", type=float, default=2e-2, help="refine: learning rate of an MX block's "
+    x.add_argument("--refine-exponent-lr", type=float, default=5e-2, help="refine: learning rate of an MX block's "
                    "exponent parameter (a block moves to a neighbouring exponent after about 0.5 / this many steps "
                    "of one sign)")
     x.add_argument("--scale-dtype", default="auto", choices=["auto", "float32", "bfloat16"],

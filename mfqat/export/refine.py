@@ -90,7 +90,7 @@ class RefineConfig:
 
     steps: Optional[int] = None
     lr: float = 1e-3
-    exponent_lr: float = 2e-2
+    exponent_lr: float = 5e-2
     batch: int = 4
     seq_len: int = 128
     n_blocks: int = 32
