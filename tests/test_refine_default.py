@@ -63,7 +63,7 @@ def test_an_mx_plan_is_exported_unrefined_by_default_and_the_anchors_own_format_
         anchor, tmp_path, capsys):
     main(["export-mlx", str(anchor), "--out", str(tmp_path / "x"), "--recipe", "uniform:mxint4"])
     assert _report(tmp_path / "x")["refine"] == {"skipped": ONLY_WHEN_ASKED}
-    assert "refine: skipped: nvfp4 block scales and MX block exponents are learned only with --refine" in \
+    assert "refine: skipped: MX block exponents are learned only with --refine" in \
         capsys.readouterr().out
     mfqat.export.to_mlx(anchor, tmp_path / "api", recipe="uniform:mxint4")
     assert _files(tmp_path / "x") == _files(tmp_path / "api")

@@ -150,7 +150,41 @@ def test_learned_exponents_keep_a_nan_block_and_clamp_at_the_e8m0_range():
     with torch.no_grad():
         learner.u.fill_(-5.0)  # every block asks to go down by five: one step at most, never below 2^-127
     e = learner.learned_scales().scales
-    assert (e[q.scales != 255].int() >= 0).all()
-    assert ((q.scales.int() - e.int())[q.scales != 255] <= 1).all()
-    assert (e[q.scales == 255] == 255).all()
+    finite = q.scales != 255
+    assert (e[finite] != 255).all() and (e[finite].int() >= (q.scales[finite].int() - 1).clamp(min=0)).all()
+    assert e[1, 1] == 0 and q.scales[1, 1] == 0  # the all-zero block sits at 2^-127 and stays there
+    assert (e[~finite] == 255).all()
     assert isinstance(learner.learned_scales(), LearnedExponents)
+    with torch.no_grad():
+        learner.u.fill_(float("nan"))  # a diverged parameter keeps the derived exponents
+    assert torch.equal(learner.learned_scales().scales, q.scales)
+
+
+@pytest.mark.parametrize("dtype,cap", [(torch.float16, 15), (torch.bfloat16, 127)])
+def test_no_exponent_rises_past_the_anchor_dtypes_range(dtype, cap):
+    """A block of a float16 anchor near float16's largest value sits at exponent 15: moving it up would decode past
+    float16's range, so it stays (the scale search's cap); a bfloat16 anchor's cap is E8M0's own."""
+    x = torch.full((2, 32), 60000.0 if dtype == torch.float16 else 2.0 ** 127, dtype=dtype)
+    a = quantize(x, "mxint8", 32)
+    q = slice_and_scale(a, "mxint4")
+    learner = _Exponents(a, q)
+    with torch.no_grad():
+        learner.u.fill_(5.0)
+    e = learner.learned_scales().scales.int() - 127
+    assert (q.scales.int() - 127 == cap).all() and (e == cap).all()
+    assert torch.isfinite(learner.learned_scales().on(a, "mxint4").dequantize()).all()
+
+
+def test_a_refined_mx_export_written_in_row_chunks_has_the_same_bytes(exports, sharp_anchors, tmp_path, monkeypatch):
+    """Large matrices are lowered, written and checked in row chunks (Plan.chunk_rows); learned exponents are
+    chunked with them (each chunk encoded again at its rows' exponents) and give the whole tensor's bytes."""
+    import mfqat.export.recipes as recipes
+
+    _, _, out, rep = exports
+    monkeypatch.setattr(recipes, "CHUNK_ELEMENTS", 1024)  # every matrix of the tiny model in several chunks
+    anchor_fmt = "mxint8" if rep["recipe"] == "uniform:mxint3" else "mxfp8_e4m3"
+    chunked = mfqat.export.to_mlx(sharp_anchors[anchor_fmt], tmp_path / "c", recipe=rep["recipe"],
+                                  refine=RefineConfig(**SMALL))
+    assert chunked["verify"]["weights_bit_exact"]
+    a, b = load_weights(out), load_weights(tmp_path / "c")
+    assert sorted(a) == sorted(b) and all(np.array_equal(_np(a[k]), _np(b[k])) for k in a)

@@ -135,13 +135,16 @@ def test_learned_scales_are_clamped_to_e4m3_and_never_round_to_zero():
     assert not ((s & 0x7F) == 0x7F).any() and torch.equal(s != 0, q.scales != 0)
 
 
-def test_nvfp4_scales_are_learned_with_refine_and_left_by_the_default(anchor, tmp_path, capsys):
-    """The default refine leaves nvfp4 alone (not yet shown to help on SmolLM2); --refine learns it."""
-    main(["export-mlx", str(anchor), "--out", str(tmp_path / "x"), "--recipe", "uniform:nvfp4"])
-    assert _report(tmp_path / "x")["refine"]["skipped"].startswith("nvfp4 block scales and MX block exponents are learned only with --refine")
+def test_nvfp4_scales_are_learned_by_the_default_refine_and_with_refine(anchor, tmp_path, capsys):
+    """The default refine learns nvfp4 scales (they lowered held-out perplexity on both texts, BENCHMARKS.md), as
+    --refine does: the same steps give the same files."""
+    main(["export-mlx", str(anchor), "--out", str(tmp_path / "x"), "--recipe", "uniform:nvfp4", "--refine-steps", "2"])
+    d = _report(tmp_path / "x")["refine"]
+    assert "skipped" not in d and d["tensors"] == len(_report(tmp_path / "x")["tensors"])
     capsys.readouterr()
     main(["export-mlx", str(anchor), "--out", str(tmp_path / "y"), "--recipe", "uniform:nvfp4", "--refine",
           "--refine-steps", "2"])  # --refine accepts an nvfp4 recipe
     r = _report(tmp_path / "y")["refine"]
     assert r["steps"] == 2 and r["tensors"] == len(_report(tmp_path / "y")["tensors"])
+    assert r["validation_kl_after"] == d["validation_kl_after"]
     assert "affine / nvfp4 / MX tensors" in capsys.readouterr().err

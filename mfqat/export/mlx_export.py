@@ -158,10 +158,12 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     ``imatrix_path``: a llama.cpp imatrix GGUF: with ``awq``, AWQ's importance instead of calibrating on
     ``calib_text``; without, the scale search's importance (mxint6..mxint3 blocks, mfqat.export.scale_search).
     ``scale_search``: lower the anchor with the output-aware per-block scale choice, calibrated on
-    ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases
-    against the anchor on ``calib_text`` (mfqat.export.refine.RefineConfig, DWQ's lever; codes and
-    bytes unchanged); ``"auto"`` (``mfqat export-mlx``'s default) refines the plan's affine tensors with
-    steps chosen by model size, and exports an MX plan (or widths the anchor already stores) unrefined. ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
+    ``calib_text`` (mfqat.export.scale_search). ``refine``: learn the affine tensors' scales and biases,
+    the nvfp4 tensors' block scales (codes and size unchanged) and the block exponents of MX tensors lowered from
+    the anchor (codes encoded again, size unchanged) against the anchor on ``calib_text``
+    (mfqat.export.refine.RefineConfig, DWQ's lever); ``"auto"`` (``mfqat export-mlx``'s default) refines the
+    plan's affine and nvfp4 tensors with steps chosen by model size, and exports an MX plan (or widths the anchor
+    already stores) unrefined. ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
     logits check when it fits, else the check on the model's first layers).
 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,

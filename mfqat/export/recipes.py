@@ -88,6 +88,14 @@ class LearnedExponents:
         codes, scales = mx_encode_blocks(blocks, f, self.scales.to(torch.int32) - E8M0_BIAS, self.scales == E8M0_NAN)
         return MXTensor(codes.reshape(a.shape), scales, f, bs, a.dtype, None, "search")
 
+    def chunks(self, a: MXTensor, fmt: str, rows: int):
+        """(lo, hi, MXTensor) row chunks of :meth:`on` for a matrix (exponents run along the rows' blocks, so each
+        chunk is the rows of the whole)."""
+        for lo in range(0, a.shape[0], rows):
+            hi = min(a.shape[0], lo + rows)
+            part = MXTensor(a.codes[lo:hi], a.scales[lo:hi], a.fmt, a.block_size, a.dtype, None, a.scale_rule)
+            yield lo, hi, LearnedExponents(self.scales[lo:hi]).on(part, fmt)
+
 
 @dataclass
 class Plan:
@@ -129,11 +137,13 @@ class Plan:
     def chunk_rows(self, anchor: Anchor, name: str, elements: Optional[int] = None) -> Optional[int]:
         """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row
         chunks (a 2-D matrix of over ``elements`` elements, default :data:`CHUNK_ELEMENTS` read at the call,
-        written under one mlx-lm name, with no learned scales), else None (whole)."""
+        written under one mlx-lm name, with no learned scales but learned MX exponents), else None (whole)."""
         elements = CHUNK_ELEMENTS if elements is None else elements
         shape = anchor.shape(name)
         fmt = self.formats[name]
-        if len(shape) != 2 or shape[0] * shape[1] <= elements or name in self.learned_scales:
+        learned = self.learned_scales.get(name)
+        whole = learned is not None and not isinstance(learned, LearnedExponents)  # learned scales: whole tensors
+        if len(shape) != 2 or shape[0] * shape[1] <= elements or whole:
             return None
         if name in anchor.quantized and is_derived(fmt) and pick(anchor.learned_scales, fmt, self.group_of(fmt)):
             return None
@@ -143,6 +153,9 @@ class Plan:
 
     def tensor_chunks(self, anchor: Anchor, name: str, rows: int):
         """(lo, hi, MXTensor) row chunks of :meth:`tensor` (see :meth:`chunk_rows`)."""
+        learned = self.learned_scales.get(name)
+        if isinstance(learned, LearnedExponents):
+            return learned.chunks(anchor.quantized[name], self.formats[name], rows)
         return in_format_chunks(anchor, name, self.formats[name], self.derived_group, rows)
 
     def mlx_modules(self, name: str, shape: tuple) -> List[str]:

@@ -6,7 +6,7 @@ plan: every affine tensor keeps its codes ``q`` and learns its bfloat16 scale ``
 per group, every nvfp4 tensor keeps its E2M1 codes and learns its E4M3 scale per block of 16, so
 that the exported model's next-token distribution matches the anchor's own (the teacher: the anchor
 in its format, MXINT8/MXFP8, what MF-QAT trained) on calibration text. The result is still MLX's
-plain affine / nvfp4 / MX layout (same bytes, stock ``mlx_lm.load``), and the export check still compares
+plain affine / nvfp4 / MX layout (same size, stock ``mlx_lm.load``), and the export check still compares
 it bit for bit with PyTorch's dequantization. An MX tensor lowered from the anchor (MXINT / MXFP, E8M0
 exponents) learns which exponent each block takes among its derived one and the two neighbours, its codes
 encoded again from the anchor's values at the chosen exponent.
@@ -81,9 +81,9 @@ class RefineConfig:
     only when they lower it (else the export keeps the derived ones and says so).
 
     ``steps`` None: chosen by the model's parameter count (:func:`default_steps`, :data:`STEPS_BY_SIZE`).
-    ``optional`` (``export-mlx``'s default, ``refine="auto"``): a plan with no affine or nvfp4 tensor to learn - an
-    MX recipe, or widths whose learned scales the anchor already stores (``mfqat refine``) - is
-    exported without refining instead of refused.
+    ``optional`` (``export-mlx``'s default, ``refine="auto"``): learns affine and nvfp4 tensors only
+    (:data:`DEFAULT_FAMILIES`); a plan with none to learn - an MX recipe, or widths whose learned scales the anchor
+    already stores (``mfqat refine``) - is exported without refining instead of refused.
     ``spill_dir``: a folder on disk where the tensors' codes wait between uses (mfqat.export.code_spill; the
     exporter and ``mfqat refine`` pass a staging folder beside their output); None keeps them in memory.
     """
@@ -353,12 +353,25 @@ class _MXWeight(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, e, nonfinite = ctx.saved_tensors
         fmt, bs = ctx.fmt, ctx.bs
-        w = dequantize_with_exponents(x, fmt, bs, (e, nonfinite)).reshape(*e.shape, bs)
-        xb = x.reshape(*e.shape, bs)
-        in_range = xb.abs() <= (exp2i(e) * fmt.max_normal).unsqueeze(-1)
-        w.sub_(torch.where(in_range, xb, torch.zeros_like(xb)))  # dW/du / ln2
-        g = (grad.reshape(*e.shape, bs) * w).sum(-1).mul_(math.log(2.0))
-        return torch.where(nonfinite, torch.zeros_like(g), g), None, None, None, None, None
+        rows_x, rows_g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+        rows_e, rows_nf = e.reshape(-1, e.shape[-1]), nonfinite.reshape(-1, e.shape[-1])
+        g = torch.empty(rows_e.shape, dtype=torch.float32)
+        step = max(1, _CHUNK_ELEMENTS // max(x.shape[-1], 1))  # rows at a time: no float32 copies of the matrix
+        for lo in range(0, rows_x.shape[0], step):
+            g[lo:lo + step] = _exponent_grad(rows_x[lo:lo + step], rows_g[lo:lo + step], rows_e[lo:lo + step],
+                                             rows_nf[lo:lo + step], fmt, bs)
+        return torch.where(nonfinite, torch.zeros_like(e, dtype=torch.float32), g.reshape(e.shape)), None, None, \
+            None, None, None
+
+
+def _exponent_grad(x: torch.Tensor, grad: torch.Tensor, e: torch.Tensor, nonfinite: torch.Tensor, fmt,
+                   bs: int) -> torch.Tensor:
+    """:class:`_MXWeight`'s gradient of each block's exponent parameter for a few rows (rows x K -> rows x K/bs)."""
+    w = dequantize_with_exponents(x, fmt, bs, (e, nonfinite)).reshape(*e.shape, bs)
+    xb = x.reshape(*e.shape, bs)
+    in_range = xb.abs() <= (exp2i(e) * fmt.max_normal).unsqueeze(-1)
+    w.sub_(torch.where(in_range, xb, torch.zeros_like(xb)))  # dW/du / ln2
+    return (grad.reshape(*e.shape, bs) * w).sum(-1).mul_(math.log(2.0))
 
 
 class _Exponents(_CodesMixin, nn.Module):
@@ -379,7 +392,8 @@ class _Exponents(_CodesMixin, nn.Module):
     def exponents(self) -> torch.Tensor:
         """The chosen exponent of each block (int32; a non-finite block keeps its derived 128, E8M0's NaN)."""
         e0 = self.bytes0.to(torch.int32) - E8M0_BIAS
-        moved = (e0 + self.u.detach().round().clamp(-1, 1).to(torch.int32)).clamp(-127, self.high)
+        offset = self.u.detach().nan_to_num(0.0).round().clamp(-1, 1).to(torch.int32)  # NaN: a diverged u stays
+        moved = (e0 + offset).clamp(-127, self.high)
         return torch.where(self.bytes0 == E8M0_NAN, e0, moved)
 
     def values(self) -> torch.Tensor:
@@ -454,11 +468,13 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, t: float) -> torch.Tensor:
 
 MX_FAMILIES = ("mxint", "mxfp")
 LEARNED_FAMILIES = ("affine", "nvfp4", *MX_FAMILIES)  # the formats whose scales refine learns
-# The default (optional) refine leaves nvfp4 and MX tensors alone: on SmolLM2-135M (uniform:nvfp4) the learned
-# E4M3 block scales raised the validation KL at learning rates 4e-3 and 8e-3 (nothing kept); until they are
-# shown to help by default, nvfp4 scales and MX exponents are learned only with --refine.
-ONLY_WHEN_ASKED = ("nvfp4 block scales and MX block exponents are learned only with --refine (the default refine "
-                   "learns affine tensors)")
+# The default (optional) refine learns affine and nvfp4 tensors: at the default rates, 64 steps on SmolLM2-135M
+# lowered held-out perplexity on both BENCHMARKS texts for both (BENCHMARKS.md "Refine where the scales are not
+# affine"). MX exponents are learned only with --refine: the default recipe (uniform:mxint4) is MX, and learning
+# it by default would turn every plain export from seconds into minutes.
+DEFAULT_FAMILIES = ("affine", "nvfp4")
+ONLY_WHEN_ASKED = ("MX block exponents are learned only with --refine (the default refine learns affine and nvfp4 "
+                   "tensors)")
 NOTHING_TO_LEARN = ("the plan has no affine, nvfp4 or lowered MX tensor (refine learns affine scales and biases, nvfp4 "
                     "block scales and the exponents of MX tensors lowered from the anchor)")
 
@@ -472,22 +488,24 @@ def _learnable(anchor: Anchor, plan: Plan, name: str) -> bool:
     return fmt.family in LEARNED_FAMILIES
 
 
-def _affine_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[str], str]:
-    """(the plan's affine and nvfp4 tensors refine learns, why there are none). Without ``cfg.optional``, a plan
-    with none is a ValueError; with it, so is (an empty list and the reason) a plan that uses an affine width the
-    anchor stores learned scales for (``mfqat refine``): the user's stored scales are exported as they are."""
+def _learned_names(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> Tuple[List[str], str]:
+    """(the plan's tensors refine learns: :func:`_learnable`, only :data:`DEFAULT_FAMILIES` with ``cfg.optional``;
+    why there are none). Without ``cfg.optional``, a plan with none is a ValueError; with it, so is (an empty list
+    and the reason) a plan that uses an affine width the anchor stores learned scales for (``mfqat refine``): the
+    user's stored scales are exported as they are."""
     names = [n for n in plan.formats if _learnable(anchor, plan, n)]
     if not names and not cfg.optional:
+        lower = "uniform:mxint4" if get_format(anchor.format).family == "mxint" else "uniform:mxfp4_e2m1"
         raise ValueError(f"{anchor.path}: --refine learns affine scales and biases, nvfp4 block scales and the "
                          f"exponents of MX tensors lowered from the anchor, and the recipe's plan has none (the "
                          f"anchor's own format, {anchor.format}, is exported as stored): use uniform:affineK, "
-                         "auto:BPW:affine, seed:affine, uniform:nvfp4 or a lower MX format (e.g. uniform:mxint4)")
+                         f"auto:BPW:affine, seed:affine, uniform:nvfp4 or a lower MX format (e.g. {lower})")
     if not names:
         return [], NOTHING_TO_LEARN
-    if cfg.optional and not any(get_format(plan.formats[n]).family == "affine" for n in names):
-        return [], ONLY_WHEN_ASKED
-    if cfg.optional:  # the default refine learns affine tensors only (ONLY_WHEN_ASKED)
-        names = [n for n in names if get_format(plan.formats[n]).family == "affine"]
+    if cfg.optional:  # the default refine leaves MX exponents (ONLY_WHEN_ASKED)
+        names = [n for n in names if get_format(plan.formats[n]).family in DEFAULT_FAMILIES]
+        if not names:
+            return [], ONLY_WHEN_ASKED
     stored = sorted({f for n, f in plan.formats.items() if n in names and get_format(f).family == "affine"
                      and pick(anchor.learned_scales, f, plan.group_of(f))})
     if cfg.optional and stored:
@@ -566,7 +584,7 @@ def plan_refine(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> dict:
     """What :func:`refine` will do, before it runs: the tensors it learns (``names``; empty with ``skipped``, the
     reason, when an optional refine has nothing to learn), the steps (``cfg.steps`` or by model size), where
     they come from, and the estimated seconds on this machine."""
-    names, why = _affine_names(anchor, plan, cfg)
+    names, why = _learned_names(anchor, plan, cfg)
     if not names:
         return {"names": [], "skipped": why}
     n_params = anchor_parameters(anchor)
@@ -578,13 +596,14 @@ def plan_refine(anchor: Anchor, plan: Plan, cfg: RefineConfig) -> dict:
 
 def refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[RefineConfig] = None,
            planned: Optional[dict] = None) -> dict:
-    """Learn the scales and biases of ``plan``'s affine tensors and the block scales of its nvfp4 tensors on
-    ``calib`` token blocks (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
+    """Learn the scales and biases of ``plan``'s affine tensors, the block scales of its nvfp4 tensors and the block
+    exponents of its lowered MX tensors on ``calib`` token blocks (``n_blocks + n_valid`` x ``seq_len``); sets ``plan.learned_scales`` when the validation KL drops.
     Returns the report entry (tensors, steps, KL before / after, estimated and measured seconds; only
     ``skipped`` when an optional refine has nothing to learn). ``planned``: :func:`plan_refine`'s answer.
 
-    Memory: the affine codes (a byte a weight, half that up to 4 bits; on disk in ``cfg.spill_dir`` between uses
-    when given) and each group's (a, c) with their Adam state; the teacher (the anchor in its format) and the student (the export) are one model on the meta device
+    Memory: the affine codes (a byte a weight, half that up to 4 bits; an MX tensor's: the anchor's, a byte a
+    weight; on disk in ``cfg.spill_dir`` between uses when given) and each group's (a, c) (block's u) with their
+    Adam state; the teacher (the anchor in its format) and the student (the export) are one model on the meta device
     whose modules get their float32 weights as they run (mfqat.export.lazy_model), read from the anchor (lazily
     read or not) or built from the codes, decoder layers recomputed in backward."""
     cfg = cfg or RefineConfig()
