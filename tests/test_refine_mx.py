@@ -188,3 +188,20 @@ def test_a_refined_mx_export_written_in_row_chunks_has_the_same_bytes(exports, s
     assert chunked["verify"]["weights_bit_exact"]
     a, b = load_weights(out), load_weights(tmp_path / "c")
     assert sorted(a) == sorted(b) and all(np.array_equal(_np(a[k]), _np(b[k])) for k in a)
+
+
+def test_the_default_refine_learns_a_mixed_plans_affine_tensors_and_refine_its_mx_ones_too(anchor):
+    """A plan mixing affine widths with lowered MX tensors: the default refine (optional) learns the affine ones
+    only, --refine both; the anchor's own format is never learned."""
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.export import build_plan
+    from mfqat.export.refine import plan_refine
+
+    a = read_anchor(anchor)
+    plan = build_plan(a, "uniform:affine4")
+    names = [n for n in plan.formats if n in a.quantized]
+    plan.formats[names[0]], plan.formats[names[1]] = "mxint4", "mxint8"  # lowered MX; the anchor's own format
+    default = plan_refine(a, plan, RefineConfig(optional=True))["names"]
+    asked = plan_refine(a, plan, RefineConfig())["names"]
+    assert names[0] not in default and names[1] not in default and len(default) == len(plan.formats) - 2
+    assert names[0] in asked and names[1] not in asked and len(asked) == len(plan.formats) - 1
