@@ -71,7 +71,7 @@ def test_an_mx_plan_is_exported_unrefined_by_default_and_the_anchors_own_format_
     assert _report(tmp_path / "z")["refine"] == {"skipped": NOTHING_TO_LEARN}
     capsys.readouterr()
     one_line_exit_2(["export-mlx", str(anchor), "--out", str(tmp_path / "y"), "--recipe", "uniform:mxint8",
-                     "--refine"], capsys, "exported as stored")
+                     "--refine"], capsys, "nothing to learn): choose a lower format")  # up front, before any work
     assert not (tmp_path / "y").exists()
 
 

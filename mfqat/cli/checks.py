@@ -63,6 +63,25 @@ def need_searched_format(fmt: Optional[str]) -> None:
                          f"{', '.join(SEARCH_RULE_FORMATS)} (other formats keep their scale rule)")
 
 
+ANCHOR_FORMATS = ("mxint8", "mxfp8_e4m3")  # what an anchor (and export-mlx's PTQ anchor of a model) holds
+
+
+def need_something_to_refine(a: argparse.Namespace) -> None:
+    """``--refine`` with ``uniform:`` an anchor format: every tensor is exported as the anchor stores it, so there is
+    nothing to learn; refused before a PTQ anchor is written or the anchor read."""
+    from mfqat.formats import canonical_name
+
+    kind, _, fmt = a.recipe.partition(":")
+    try:
+        fmt = canonical_name(fmt) if kind == "uniform" and fmt else None
+    except (KeyError, ValueError):
+        return  # an unknown format: the recipe's own check names it
+    if a.refine and fmt in ANCHOR_FORMATS:
+        raise UsageError(f"--refine with recipe {a.recipe!r}: every tensor stays in the anchor's own 8-bit format, "
+                         "which is exported as stored (nothing to learn): choose a lower format (e.g. uniform:affine4, "
+                         "uniform:mxint4, uniform:nvfp4) or drop --refine")
+
+
 def need_calib_sources(spec: Optional[str]) -> None:
     """``--calib-text PATH[:WEIGHT],...``: every source exists ('pydoc' and 'generated' are built in),
     weights positive."""
@@ -383,6 +402,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
                                  "the derived scales, with no refine steps)")
             positive(a, "refine_lr")
             positive(a, "refine_exponent_lr")
+            need_something_to_refine(a)
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")
