@@ -42,7 +42,7 @@ def test_the_refine_students_lean_embedding_and_head_run_every_family(name, tmp_
     path = mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8")
     anchor = mfqat.read_anchor(path, lazy=True)
     plan = build_plan(anchor, "uniform:affine4", derived_group=32)  # the tiny models' widths
-    groups = {n: _learner(plan.tensor(anchor, n)) for n in plan.formats}
+    groups = {n: _learner(anchor, plan, n) for n in plan.formats}
     lazy = LazyModel(anchor)
     markers = _lean_markers(lazy, groups)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
