@@ -80,13 +80,11 @@ class LearnedExponents:
     scales: torch.Tensor  # uint8 E8M0 bytes, one per block (255: a non-finite block, kept)
 
     def on(self, a: MXTensor, fmt: str) -> MXTensor:
-        """The anchor's tensor ``a`` lowered to ``fmt`` at these exponents."""
-        from mfqat.quant.reference import E8M0_BIAS, E8M0_NAN, mx_encode_blocks
+        """The anchor's tensor ``a`` lowered to ``fmt`` at these exponents (mfqat.quant.slice.slice_at_exponents)."""
+        from mfqat.quant.reference import E8M0_BIAS, E8M0_NAN
+        from mfqat.quant.slice import slice_at_exponents
 
-        f, bs = get_format(fmt), a.block_size
-        blocks = a.dequantize(torch.float32).reshape(*a.shape[:-1], a.shape[-1] // bs, bs)  # exact
-        codes, scales = mx_encode_blocks(blocks, f, self.scales.to(torch.int32) - E8M0_BIAS, self.scales == E8M0_NAN)
-        return MXTensor(codes.reshape(a.shape), scales, f, bs, a.dtype, None, "search")
+        return slice_at_exponents(a, fmt, self.scales.to(torch.int32) - E8M0_BIAS, self.scales == E8M0_NAN)
 
     def chunks(self, a: MXTensor, fmt: str, rows: int):
         """(lo, hi, MXTensor) row chunks of :meth:`on` for a matrix (exponents run along the rows' blocks, so each

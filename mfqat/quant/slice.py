@@ -90,7 +90,7 @@ def double_rounding_fraction(x: torch.Tensor, anchor_fmt: FormatLike, fmt: Forma
 
 def _slice_by_rule(q: MXTensor, dst, scale_rule: str, importance: Optional[torch.Tensor]) -> MXTensor:
     """Slice-and-Scale whose lower exponents follow ``scale_rule`` (see :func:`slice_and_scale`)."""
-    from mfqat.quant.reference import SCALE_RULES, dtype_max_exponent, mx_encode_blocks, mx_shared_exponent
+    from mfqat.quant.reference import SCALE_RULES, dtype_max_exponent, mx_shared_exponent
     from mfqat.quant.scale_search import search_exponents
 
     if scale_rule not in (*SCALE_RULES, "search"):
@@ -102,5 +102,18 @@ def _slice_by_rule(q: MXTensor, dst, scale_rule: str, importance: Optional[torch
         s, nonfinite = search_exponents(q.dequantize(q.dtype), dst, bs, importance)
     else:
         s, nonfinite = mx_shared_exponent(blocks, dst, scale_rule, max_exp)
+    return slice_at_exponents(q, dst, s, nonfinite, scale_rule, blocks)
+
+
+def slice_at_exponents(q: MXTensor, fmt: FormatLike, s: torch.Tensor, nonfinite: torch.Tensor,
+                       scale_rule: str = "search", blocks: Optional[torch.Tensor] = None) -> MXTensor:
+    """``q`` lowered to ``fmt`` at the given shared exponents ``s`` (int32, one per block) with non-finite blocks
+    ``nonfinite``: the anchor's exact values encoded again (``mx_encode_blocks``; any exponent is a legal MX
+    block). ``blocks``: q's float32 blocks when the caller holds them. ``scale_rule`` labels the result."""
+    from mfqat.quant.reference import mx_encode_blocks
+
+    dst, bs = get_format(fmt), q.block_size
+    if blocks is None:
+        blocks = q.dequantize(torch.float32).reshape(*q.shape[:-1], q.shape[-1] // bs, bs)  # exact
     codes, scales = mx_encode_blocks(blocks, dst, s, nonfinite)
     return MXTensor(codes.reshape(q.shape), scales, dst, bs, q.dtype, None, scale_rule)
