@@ -46,3 +46,19 @@ def test_scale_search_export_is_the_weighted_search(tmp_path, anchor_fmt, fmt):
         assert np.array_equal(got, want), name
         changed += not np.array_equal(want, mfqat.slice_and_scale(q, fmt, "floor").dequantize(torch.float32).numpy())
     assert changed > 0
+
+
+def test_a_searched_export_never_holds_the_anchor_or_its_model(tmp_path, monkeypatch):
+    """--scale-search (and --imatrix-path) exports read the anchor lazily and measure the importance module by
+    module: neither Anchor.materialize nor a whole model (anchor_model) is asked for."""
+    from mfqat.anchor import checkpoint, search
+
+    tok = tiny_tokenizer()
+    anchor_dir = mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), tmp_path / "a", "mxint8", tok)
+
+    def refuse(*a, **k):
+        raise AssertionError("the searched export held the anchor or its whole model")
+    monkeypatch.setattr(checkpoint.Anchor, "materialize", refuse)
+    monkeypatch.setattr(search, "anchor_model", refuse)
+    rep = to_mlx(anchor_dir, tmp_path / "m", recipe="uniform:mxint3", scale_search=True)
+    assert rep["scale_search"]["tensors"] == 14 and rep["verify"]["weights_bit_exact"]

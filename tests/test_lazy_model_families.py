@@ -63,3 +63,28 @@ def test_the_refine_students_lean_embedding_and_head_run_every_family(name, tmp_
     for n, (a, c) in whole_grads.items():
         torch.testing.assert_close(lean_grads[n][0], a, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(lean_grads[n][1], c, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_lazy_importance_equals_the_held_models_in_every_family(name, tmp_path):
+    """--scale-search's importance measured module by module (mfqat.export.scale_search.lazy_importance, what
+    export-mlx, eval and convert use) is the whole float32 model's (held_importance), bit for bit, and the marks it
+    leaves on a lazily read anchor reach every tensor it builds afterwards."""
+    from mfqat.anchor.search import held_importance, search_scales
+    from mfqat.export.scale_search import lazy_importance
+
+    model_type, extra = SUPPORTED[name]
+    path = mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8")
+    calib = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    want = held_importance(mfqat.read_anchor(path), calib, batch_size=2)
+    anchor = mfqat.read_anchor(path, lazy=True)
+    got = lazy_importance(anchor, calib, batch_size=2)
+    assert sorted(got) == sorted(want) and want, name
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{name}: {k}"
+    marked = search_scales(anchor, calib, "mxint4", batch_size=2, measure=lazy_importance)["tensors"]
+    notes = [n for n in anchor.quantized if anchor.quantized[n].importance is not None]
+    assert marked == len(notes) > 0
+    for n in notes:
+        q = anchor.quantized[n]  # built again from the files: the marks are given to it again
+        assert q.slice_rules["mxint4"] == "search" and torch.equal(q.importance, want[n[: -len(".weight")]])

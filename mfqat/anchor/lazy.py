@@ -5,8 +5,9 @@
 dtypes come from mfqat.json and the safetensors headers (checked when the anchor is read); a value is read
 from its file (``os.pread`` through the descriptor the anchor was hashed from) each time it is asked for,
 and not kept. Assigning or popping a key works as on a dict (the value is then held in memory), so code
-written for a plain dict still runs; :meth:`Anchor.materialize` turns both into plain dicts (the calibrated
-steps, which hold the whole model anyway, do that first).
+written for a plain dict still runs; :meth:`Anchor.materialize` turns both into plain dicts. What the scale
+search attaches to a quantized tensor (its input importance and ``search`` rules) is kept by name
+(:meth:`LazyQuantized.annotate`) and given to the tensor each time it is built.
 """
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ class LazyQuantized(LazyTensors):
         super().__init__({})
         self._shapes = dict(shapes)
         self._build = build
+        self._notes: Dict[str, Tuple[Optional[torch.Tensor], Dict[str, str]]] = {}
+
+    def annotate(self, name: str, importance: Optional[torch.Tensor], rules: Dict[str, str]) -> None:
+        """Give tensor ``name`` the input ``importance`` and add ``rules`` ({format: scale rule}) to its
+        ``slice_rules``, now for a held value and on every later build for one read from the files."""
+        if name in self._held:
+            _note(self._held[name], importance, rules)
+        elif name in self._shapes:
+            self._notes[name] = (importance, rules)
+        else:
+            raise KeyError(name)
 
     def info(self, name: str) -> TensorInfo:
         if name in self._held:
@@ -84,10 +96,14 @@ class LazyQuantized(LazyTensors):
             return self._held[name]
         if name not in self._shapes:
             raise KeyError(name)
-        return self._build(name)
+        q = self._build(name)
+        if name in self._notes:
+            _note(q, *self._notes[name])
+        return q
 
     def __setitem__(self, name: str, value) -> None:
         self._shapes.pop(name, None)
+        self._notes.pop(name, None)  # a value put in carries its own importance and rules
         self._held[name] = value
 
     def __delitem__(self, name: str) -> None:
@@ -95,6 +111,7 @@ class LazyQuantized(LazyTensors):
             del self._held[name]
         else:
             del self._shapes[name]
+            self._notes.pop(name, None)
 
     def __iter__(self) -> Iterator[str]:
         yield from self._shapes
@@ -105,6 +122,20 @@ class LazyQuantized(LazyTensors):
 
     def __contains__(self, name: object) -> bool:
         return name in self._shapes or name in self._held
+
+
+def _note(q, importance: Optional[torch.Tensor], rules: Dict[str, str]) -> None:
+    """Set an MXTensor's input importance and add ``rules`` to its slice rules (in place)."""
+    q.importance = importance
+    q.slice_rules = {**(q.slice_rules or {}), **rules}
+
+
+def annotate(mapping, name: str, importance: Optional[torch.Tensor], rules: Dict[str, str]) -> None:
+    """:meth:`LazyQuantized.annotate` on any anchor's ``quantized`` mapping (a plain dict: the held tensor)."""
+    if isinstance(mapping, LazyQuantized):
+        mapping.annotate(name, importance, rules)
+    else:
+        _note(mapping[name], importance, rules)
 
 
 def tensor_shape(mapping, name: str) -> Tuple[int, ...]:

@@ -17,13 +17,16 @@ MXFP formats, keep their rule. Used by ``load_anchor(..., calib=...)``,
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from mfqat.anchor.checkpoint import Anchor, anchor_model
+from mfqat.anchor.lazy import annotate
 from mfqat.formats import FORMATS, canonical_name
 from mfqat.anchor.importance import importance_matrix
+
+Measure = Callable[[Anchor, torch.Tensor, int], Dict[str, torch.Tensor]]
 from mfqat.quant.scale_rules import SCALE_SEARCH_FORMATS, SEARCH_RULE
 
 
@@ -38,23 +41,32 @@ def searchable_formats(anchor_fmt: str, recorded: Optional[Mapping[str, str]] = 
 
 def mark_scale_search(anchor: Anchor, importance: Dict[str, torch.Tensor], formats: Sequence[str]) -> int:
     """Give every quantized Linear weight its input importance and the ``search`` rule for ``formats``
-    (in place; Slice-and-Scale then searches). Returns how many tensors were marked."""
+    (in place, by name: a lazily read anchor gives them to each tensor it builds; Slice-and-Scale then
+    searches). Returns how many tensors were marked."""
     marked = 0
-    for name, q in anchor.quantized.items():
+    for name in list(anchor.quantized):
         imp = importance.get(name[: -len(".weight")])
-        if imp is None or imp.numel() != q.shape[-1]:
+        if imp is None or imp.numel() != anchor.shape(name)[-1]:
             continue  # e.g. a tied embedding: not a Linear input
-        q.importance = imp
-        q.slice_rules = {**(q.slice_rules or {}), **dict.fromkeys(formats, "search")}
+        annotate(anchor.quantized, name, imp, dict.fromkeys(formats, "search"))
         marked += 1
     return marked
 
 
+def held_importance(anchor: Anchor, calib: torch.Tensor, batch_size: int = 4) -> Dict[str, torch.Tensor]:
+    """The importance of every nn.Linear's input channels in the anchor's own format, measured on the anchor's
+    whole float32 model (on ``calib``'s device); the lazy export path measures the same module by module
+    (mfqat.export.scale_search.lazy_importance)."""
+    model = anchor_model(anchor, device=calib.device)
+    return {k: v.cpu() for k, v in importance_matrix(model, calib, batch_size).items()}
+
+
 def search_scales(anchor: Anchor, calib: torch.Tensor, formats: Union[None, str, Sequence[str]] = None,
-                  batch_size: int = 4, _stacklevel: int = 2) -> dict:
+                  batch_size: int = 4, _stacklevel: int = 2, measure: Measure = held_importance) -> dict:
     """Measure the importance on ``calib`` (token ids, blocks x seq_len, on the device to calibrate
     on) and mark the anchor so that lowering it to ``formats`` (default: every searchable format)
-    searches the scales.
+    searches the scales. ``measure(anchor, calib, batch_size)`` gives the importance (default: on the whole
+    model, :func:`held_importance`).
 
     Formats the search does not serve (the anchor's own, MXFP, derived affine) keep their rule and
     a warning says so; when none of ``formats`` is searchable no calibration pass runs. Returns a
@@ -71,8 +83,7 @@ def search_scales(anchor: Anchor, calib: torch.Tensor, formats: Union[None, str,
                       "recorded scale rules", stacklevel=_stacklevel)
     if not wanted:
         return {"formats": [], "tensors": 0}
-    model = anchor_model(anchor, device=calib.device)
-    importance = {k: v.cpu() for k, v in importance_matrix(model, calib, batch_size).items()}
+    importance = measure(anchor, calib, batch_size)
     return {"importance": "mean squared input activation", "calibration_tokens": calib.numel(),
             "formats": wanted, "tensors": mark_scale_search(anchor, importance, wanted)}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -147,7 +147,8 @@ def _saved_config(config, fmt: str, block_size: int, rule: str, recorded: Dict[s
 
 
 def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, scale_rule: str = "floor",
-                  inspected: Optional[Tuple[Optional[str], Any, Any]] = None):
+                  inspected: Optional[Tuple[Optional[str], Any, Any]] = None,
+                  transforms: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None):
     """The post-training anchor of the HF checkpoint ``folder``, not written: an :class:`Anchor` whose
     quantized tensors are quantized from the source's shards each time they are asked for (one tensor in
     memory at a time) and whose plain tensors are read from them. The same metadata, config, codes and
@@ -155,7 +156,10 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
     weight file exists); what an export from an HF folder reads instead of a temporary anchor on disk.
     The source files stay open until ``anchor.materialize()`` or :func:`close_anchor`. Raises ValueError
     when :func:`streamable` refuses the folder. ``inspected``: :func:`inspect_folder`'s answer when the caller
-    already has it (the meta model is built once)."""
+    already has it (the meta model is built once). ``transforms``: {tensor name: a function of its value read from
+    the source returning float32} applied before it is quantized or kept (AWQ's scaling, mfqat.export.awq: the
+    same codes as ``save_anchor`` of the float32 model rescaled in place); a transformed tensor is recorded and
+    kept as float32, as that model holds it."""
     from mfqat.anchor.checkpoint import Anchor
     from mfqat.anchor.lazy import LazyQuantized, LazyTensors
     from mfqat.quant.mxtensor import MXTensor
@@ -173,7 +177,12 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
     rule = recorded[f.name]
     src = SourceCheckpoint(folder)
     src.map_to(model)
-    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": str(src.dtype(k)).replace("torch.", "")}
+    transforms = dict(transforms or {})
+    unknown = sorted(set(transforms) - set(sd))
+    if unknown:
+        raise ValueError(f"{folder}: no tensor {unknown[0]} to transform (the model's names: e.g. {next(iter(sd))})")
+    dtype = lambda k: torch.float32 if k in transforms else src.dtype(k)  # noqa: E731
+    entries = {k: {"format": f.name, "shape": list(v.shape), "dtype": str(dtype(k)).replace("torch.", "")}
                for k, v in sd.items() if k in targets}
     meta = {"format_version": BASE_FORMAT_VERSION, "mfqat_version": __version__, "anchor_format": f.name,
             "block_size": block_size, "scale_rule": rule, "scale_rules": recorded, "tensors": entries,
@@ -181,18 +190,21 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
             "step": None, "files": {}}
     rules = anchor_scale_rules(meta)
 
+    def read(k: str) -> torch.Tensor:
+        return transforms[k](src.read(k).float()) if k in transforms else src.read(k)
+
     def build(k: str) -> MXTensor:
-        codes, scales = _quantized(src.read(k), f, block_size, rule, k)
-        return MXTensor(codes, scales, f, block_size, src.dtype(k), scale_rule=rule, slice_rules=rules)
+        codes, scales = _quantized(read(k), f, block_size, rule, k)
+        return MXTensor(codes, scales, f, block_size, dtype(k), scale_rule=rule, slice_rules=rules)
 
     anchor = Anchor(Path(folder), meta, config=_saved_config(config, f.name, block_size, rule, recorded))
     anchor.quantized = LazyQuantized({k: tuple(e["shape"]) for k, e in entries.items()}, build)
     plain = [k for k in sd if k not in entries]
-    anchor.plain = LazyTensors({k: src.location(k) for k in plain if k not in src.fused},
+    anchor.plain = LazyTensors({k: src.location(k) for k in plain if k not in src.fused and k not in transforms},
                                stored={k: src.renamed[k] for k in plain if k in src.renamed})
-    for k in plain:  # a fused parameter kept in full precision (no target): built and held, one per model
-        if k in src.fused:
-            anchor.plain[k] = src.read(k)
+    for k in plain:  # a fused parameter kept in full precision (no target), a rescaled norm: built and held
+        if k in src.fused or k in transforms:
+            anchor.plain[k] = read(k)
     anchor.files = {str(tf.where): tf for tf in src.files}
     anchor.source_order = list(sd)
     return anchor
@@ -200,7 +212,8 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
 
 def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", tokenizer=None, block_size: int = 32,
                        scale_rule: str = "floor", max_shard_bytes: int = MAX_SHARD_BYTES,
-                       overwrite: bool = False) -> Path:
+                       overwrite: bool = False,
+                       transforms: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None) -> Path:
     """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
     docstring; the tensors are :func:`folder_anchor`'s). ``tokenizer``: saved with it (default: the
     folder's, when it has one). Raises ValueError when :func:`streamable` refuses the folder."""

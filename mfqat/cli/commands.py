@@ -8,32 +8,36 @@ from typing import Optional
 
 def convert(a: argparse.Namespace) -> None:
     """Anchor -> a plain HF checkpoint holding the *dequantized* weights of one format: written tensor by tensor
-    from the lazily read anchor (mfqat.anchor.dequantized) unless the scale search or the model's layout needs
-    the whole model."""
+    from the lazily read anchor (mfqat.anchor.dequantized; ``--scale-search``'s importance measured module by
+    module, mfqat.export.scale_search) unless the model's layout needs the whole model."""
     from transformers import AutoTokenizer
 
-    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.anchor.checkpoint import anchor_model, read_anchor
     from mfqat.anchor.dequantized import save_dequantized, why_not_streamed
-    from mfqat.anchor.load import load_anchor
+    from mfqat.anchor.search import search_scales
     from mfqat.anchor.stream import close_anchor
+    from mfqat.export.scale_search import lazy_importance
     from mfqat.storage.io import atomic_directory, write_json
     from mfqat.storage.manifest import seal
     from mfqat.storage.model_card import write_model_card
 
     calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text, a.anchor) if a.scale_search else None
-    anchor = None if calib is not None else read_anchor(a.anchor, lazy=True)
-    why = "the scale search runs the model" if anchor is None else why_not_streamed(anchor)
-    if why is not None:
-        print(f"[mfqat] convert loads the whole model in float32 ({why})")
+    anchor = read_anchor(a.anchor, lazy=True)
     try:
-        model = load_anchor(a.anchor, a.to, calib=calib) if why is not None else None
+        searched = False
+        if calib is not None:
+            report = search_scales(anchor, calib, a.to or anchor.format, measure=lazy_importance)
+            searched = bool(report["formats"])
+        why = why_not_streamed(anchor)
+        if why is not None:
+            print(f"[mfqat] convert loads the whole model in float32 ({why})")
+        model = anchor_model(anchor, a.to) if why is not None else None
         with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
             if model is not None:
                 model.save_pretrained(tmp)
                 fmt = model.mfqat_format
-                searched = bool(model.mfqat_scale_search and model.mfqat_scale_search["formats"])
             else:
-                fmt, searched = save_dequantized(anchor, tmp, a.to), False
+                fmt = save_dequantized(anchor, tmp, a.to)
             _save_listed_tokenizer(a.anchor, tmp)
             write_model_card(tmp, "convert", source=a.anchor, formats=[fmt], name=Path(a.out).name,
                              note=f"float32 weights that hold exactly the {fmt} values of the anchor (dequantized: "
@@ -42,8 +46,7 @@ def convert(a: argparse.Namespace) -> None:
             marker = {"source": str(Path(a.anchor).absolute()), "format": fmt, "scale_search": searched}
             write_json(tmp / "mfqat_convert.json", seal(marker, tmp, "mfqat_convert.json"))
     finally:
-        if anchor is not None:
-            close_anchor(anchor)
+        close_anchor(anchor)
     print(f"wrote {a.out}: {fmt} values as dequantized float32 weights (a plain from_pretrained "
           "checkpoint, not smaller than full precision; for packed low-bit weights use mfqat export-mlx)")
 
@@ -108,9 +111,7 @@ def evaluate(a: argparse.Namespace) -> None:
         from transformers import AutoTokenizer
 
         from mfqat.anchor.checkpoint import empty_model, load_format
-        anchor = read_anchor(a.model, lazy=True)
-        if a.scale_search:
-            anchor.materialize()
+        anchor = read_anchor(a.model, lazy=True)  # --scale-search marks it by name (mfqat.anchor.lazy.annotate)
         lazy = module_by_module(anchor, dtype, getattr(a, "max_memory", None))
         if lazy is not None:
             model = lazy.model
@@ -241,6 +242,7 @@ def calibration_ids(tok, calib_text: Optional[str], model: Optional[str] = None)
 def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str], model: Optional[str] = None) -> None:
     """``eval --scale-search``: mark the anchor so that the evaluated formats the search serves are searched."""
     from mfqat.anchor.search import search_scales, searchable_formats
+    from mfqat.export.scale_search import lazy_importance
     from mfqat.formats import canonical_name
 
     can = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
@@ -249,7 +251,7 @@ def search_for_eval(anchor, tok, formats: list, calib_text: Optional[str], model
         print(f"scale search: none of {', '.join(formats)} is searched from a {anchor.format} anchor "
               f"(it serves {', '.join(can) or 'no format of this family'})")
         return
-    rep = search_scales(anchor, calibration_ids(tok, calib_text, model), served)
+    rep = search_scales(anchor, calibration_ids(tok, calib_text, model), served, measure=lazy_importance)
     print(f"scale search: {', '.join(rep['formats'])} lowered with the output-aware per-block exponent "
           f"({rep['tensors']} tensors, {rep['calibration_tokens']} calibration tokens); other formats keep their rule")
 

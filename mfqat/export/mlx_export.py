@@ -170,7 +170,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
     tensor whatever the model's size. ``--refine`` keeps the affine codes (a byte a weight) on disk in the
     staging folder and runs the model one module's weights at a time (mfqat.export.refine), and so does ``auto:``'s sensitivity pass
-    (mfqat.export.sensitivity); ``--scale-search`` and imatrix exports hold the model. Returns the report.
+    (mfqat.export.sensitivity), and so do ``--scale-search``'s importance (mfqat.export.scale_search) and
+    ``--awq``'s (mfqat.export.awq.streamed_awq). Returns the report.
     """
     import time
 
@@ -190,9 +191,6 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             anchor, own_tok = _ptq_anchor(source, scratch, awq, calib_text, report, ptq_anchor_format(recipe),
                                           imatrix_path, written=recipe.startswith("auto:") or (
                                               refine is not None and _may_refine(recipe, refine)))
-        holds_model = scale_search or imatrix_path is not None
-        if holds_model:  # these steps run the whole model: they hold it anyway, and read each tensor many times
-            anchor.materialize()  # (--refine and auto: do not: they read one module's tensors at a time as it runs)
         if (dropped := drop_towers(anchor)):  # a VL release's vision tower: not in mlx-lm's model (warns)
             report["dropped"] = dropped
         tok_dir = Path(tokenizer) if tokenizer else own_tok
@@ -269,22 +267,27 @@ def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], rep
                 fmt: str = "mxint8", imatrix_path: Optional[str] = None, written: bool = False) -> Tuple[Anchor, Path]:
     """(the post-training anchor of a plain HF model in ``fmt``, the folder of its tokenizer files).
     When its names map one to one (mfqat.anchor.stream), the anchor is never written: its tensors are
-    quantized from the source's shards when the export asks for them (``folder_anchor``), and only the
-    tokenizer is saved into ``scratch`` - unless ``written`` (``--refine`` reads every tensor at every
-    step: it reads the anchor's codes from ``scratch`` rather than quantize the source again each time).
-    Else (or with AWQ, first, from ``imatrix_path`` if given) the model is loaded and its anchor saved at
-    ``scratch`` and read back."""
+    quantized from the source's shards when the export asks for them (``folder_anchor``; with ``awq``, each
+    rescaled first: mfqat.export.awq.streamed_awq), and only the tokenizer is saved into ``scratch`` - unless
+    ``written`` (``--refine`` reads every tensor at every step: it reads the anchor's codes from ``scratch``
+    rather than quantize the source again each time). Else the model is loaded (and AWQ applied to it, from
+    ``imatrix_path`` if given) and its anchor saved at ``scratch`` and read back."""
     from mfqat.anchor.stream import anchor_from_folder, folder_anchor, folder_tokenizer, inspect_folder
     from mfqat.data.sources import calibration_blocks, load_model
 
-    inspected = (None, None, None) if awq else inspect_folder(source)  # the meta model, built once
+    inspected = inspect_folder(source)  # the meta model, built once
     why = inspected[0]
-    if not awq and why is None and written:
+    if why is None:
+        transforms = None
         report["ptq"] = "tensor by tensor"
-        return read_anchor(anchor_from_folder(source, scratch, fmt), lazy=True), scratch
-    if not awq and why is None:
-        report["ptq"] = "tensor by tensor"
-        anchor = folder_anchor(source, fmt, inspected=inspected)
+        if awq:
+            from mfqat.export.awq import streamed_awq
+            transforms, entry = streamed_awq(source, inspected, calib_text, imatrix_path)
+            report.update(entry)
+            report["ptq"] = "AWQ, tensor by tensor"
+        if written:
+            return read_anchor(anchor_from_folder(source, scratch, fmt, transforms=transforms), lazy=True), scratch
+        anchor = folder_anchor(source, fmt, inspected=inspected, transforms=transforms)
         tok = folder_tokenizer(source)
         scratch.mkdir(parents=True)
         if tok is not None:

@@ -5,14 +5,20 @@ quantized Linear's input channels, then per block the exponent among floor-1, fl
 the lowest importance-weighted squared error, for mxint6..mxint3 only). Every consumer of the plan
 (the writer, the PyTorch reference, the verification, auto:BPW's sensitivities) lowers through
 ``slice_and_scale``, so they all see the same blocks.
+The importance is measured module by module (:func:`lazy_importance`: the anchor's model on the meta device,
+each module's weights read from the anchor as it runs), and the marks are kept by name on the lazily read
+anchor, so a searched export holds one tensor at a time like any other.
 Reference (pure PyTorch) speed: about a minute per format for a 135M-parameter model on 2 cores.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
+
+import torch
 
 from mfqat.anchor.checkpoint import Anchor
+from mfqat.anchor.importance import importance_matrix
 from mfqat.anchor.search import search_scales
 
 
@@ -28,7 +34,19 @@ def apply_scale_search(anchor: Anchor, tokenizer_dir: Path, calib_text: Optional
     from mfqat.data.sources import calibration_blocks
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    return search_scales(anchor, calibration_blocks(tok, calib_text, n_blocks=n_blocks, seq_len=seq_len))
+    return search_scales(anchor, calibration_blocks(tok, calib_text, n_blocks=n_blocks, seq_len=seq_len),
+                         measure=lazy_importance)
+
+
+def lazy_importance(anchor: Anchor, calib: torch.Tensor, batch_size: int = 4) -> Dict[str, torch.Tensor]:
+    """The importance :func:`mfqat.anchor.search.held_importance` measures (every nn.Linear's mean squared input
+    in the anchor's own format, float32), with the model run module by module on the CPU
+    (mfqat.export.lazy_model): one module's weights in memory at a time, the same values bit for bit."""
+    from mfqat.export.lazy_model import LazyModel, anchor_source
+
+    lazy = LazyModel(anchor, checkpoint_layers=False)
+    with lazy.running(anchor_source(anchor)) as model:
+        return importance_matrix(model, calib.cpu(), batch_size)
 
 
 def imatrix_search(anchor: Anchor, imatrix_path: str) -> dict:
