@@ -43,3 +43,21 @@ def test_a_state_from_another_architecture_is_refused_and_the_model_kept():
         evaluate_formats(base, {"mxint8": state}, torch.randint(0, 256, (2, 8)))
     after = base.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "the model was left half-loaded"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ptq_eval_in_place_scores_each_formats_state_and_restores_the_model(dtype):
+    """``mfqat eval MODEL`` (evaluate_ptq: one format's weights in the model at a time, each quantized from the
+    originals) gives the rows of evaluate_formats over every ptq_state held at once, to the last digit; the
+    order (8 bits after 3) shows a format quantized from the previous one's weights instead of the originals."""
+    from mfqat.eval.elastic import evaluate_ptq, ptq_state
+
+    base = tiny_llama().to(dtype)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    blocks = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(3))
+    formats = ["mxint3", "mxfp4_e2m1", "mxint8"]
+    want = evaluate_formats(base, {f: ptq_state(base, f) for f in formats}, blocks)
+    got = evaluate_ptq(base, formats, blocks)
+    assert got == want
+    after = base.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "the model was not restored"

@@ -97,7 +97,7 @@ def evaluate(a: argparse.Namespace) -> None:
 
     from mfqat.anchor.checkpoint import read_anchor
     from mfqat.data.sources import load_model, load_text, model_label, split_text, token_blocks
-    from mfqat.eval.elastic import evaluate_anchor_formats, evaluate_formats, ptq_state
+    from mfqat.eval.elastic import evaluate_anchor_formats, evaluate_ptq
     from mfqat.eval.perplexity import perplexity
     from mfqat.eval.report import format_table, plot_ppl_vs_bpw
     from mfqat.formats import get_format
@@ -137,13 +137,13 @@ def evaluate(a: argparse.Namespace) -> None:
             rows = [{"format": f, "bits/weight": get_format(f).bits_per_weight(32),
                      "perplexity": lazy_perplexity(lazy, anchor, f, dtype, blocks)} for f in formats]
     else:
-        rows = evaluate_formats(model, {f: ptq_state(model, f) for f in formats}, blocks)
+        rows = evaluate_ptq(model, formats, blocks)
     for r in rows:
         r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
     series = {"Slice-and-Scale from anchor" if is_anchor else "PTQ": [(r["bits/weight"], r["perplexity"], r["format"]) for r in rows]}
     if a.compare:
         fp_model, _ = load_model(a.fp_model)
-        direct = evaluate_formats(fp_model, {f: ptq_state(fp_model, f) for f in formats}, blocks)
+        direct = evaluate_ptq(fp_model, formats, blocks)
         for r, d in zip(rows, direct):
             r["direct ppl"] = d["perplexity"]
         series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]

@@ -22,9 +22,36 @@ def ptq_state(model: nn.Module, fmt: str, block_size: int = 32, targets: Optiona
     also trains with and an anchor slices with."""
     sd = model.state_dict()
     names = targets or default_targets(model, block_size)
+    return {k: ptq_value(sd[k], fmt, block_size, scale_rule) for k in names}
+
+
+def ptq_value(value: torch.Tensor, fmt: str, block_size: int = 32, scale_rule: Optional[str] = None) -> torch.Tensor:
+    """One weight quantized directly to ``fmt`` and dequantized to its own dtype (:func:`ptq_state`'s rule)."""
     if scale_rule is None:
         scale_rule = DEFAULT_SCALE_RULE.get(get_format(fmt).name, "floor") if get_format(fmt).is_mx else "floor"
-    return {k: quantize(sd[k].float(), fmt, block_size, scale_rule).dequantize(sd[k].dtype) for k in names}
+    return quantize(value.float(), fmt, block_size, scale_rule).dequantize(value.dtype)
+
+
+def evaluate_ptq(model: nn.Module, formats: List[str], blocks: torch.Tensor, block_size: int = 32,
+                 batch_size: int = 4, scale_rule: Optional[str] = None) -> List[dict]:
+    """:func:`evaluate_formats` of each format's :func:`ptq_state`, the same rows, with one format's weights in the
+    model at a time: each target is quantized in place from a copy of its original taken once (restored at the
+    end), so the memory is the model and that copy, not one state dict per format beside them."""
+    params = {k: model.get_parameter(k) for k in default_targets(model, block_size)}
+    original = {k: p.detach().clone() for k, p in params.items()}
+    rows = []
+    try:
+        for fmt in formats:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(ptq_value(original[k], fmt, block_size, scale_rule))
+            rows.append({"format": fmt, "bits/weight": get_format(fmt).bits_per_weight(block_size),
+                         "perplexity": perplexity(model, blocks, batch_size, desc=f"ppl {fmt}")})
+    finally:
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(original[k])
+    return rows
 
 
 def anchor_state(anchor: Anchor, fmt: Optional[str], dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
