@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--scale-search", action="store_true", help="lower to mxint6..mxint3 with the output-aware "
                    "per-block scale choice, calibrated on --calib-text with the anchor's tokenizer (docs/numerics.md)")
     c.add_argument("--calib-text", default=None, help="--scale-search: " + CALIB_HELP)
+    c.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="a family convert must load whole (printed) is refused up front when its float32 state "
+                        "dict and model need more than this (default: the memory available now)")
     e = sub.add_parser("eval", help="perplexity table + PNG over formats")
     _model_arg(e, "model", "anchor directory, HF folder, .gguf, or 'smollm2'")
     e.add_argument("--formats", default="mxint8,mxint6,mxint5,mxint4,mxint3,mxint2")
@@ -105,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-memory", type=memory_size, default=None, metavar="SIZE",
                    help="an anchor's model is held in --dtype when it fits this budget (default: the memory available "
                         "now), else run module by module: each format's weights rebuilt on every forward (slower, a "
-                        "module's weights in memory)")
+                        "module's weights in memory); an HF model, which is loaded whole, is refused up front past it")
     e.add_argument("--overwrite", action="store_true", help="replace an existing --plot file")
     x = sub.add_parser("export-mlx", help="anchor (or HF model) -> MLX model directory")
     _model_arg(x, "anchor", "anchor directory or full-precision HF folder")
@@ -152,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget of the export check, e.g. 8GB: when the whole check fits (default 2GB), every "
                         "tensor is dequantized by MLX from the files and the whole model's logits compared; past it, "
                         "every written byte is compared with what the export computed (sha256), sampled rows go "
-                        "through MLX and the logits of the first layers are compared")
+                        "through MLX and the logits of the first layers are compared; an HF source that does not map "
+                        "tensor by tensor, loaded whole in float32, is refused up front past it (default there: the "
+                        "memory available)")
     x.add_argument("--overwrite", action="store_true", help="replace an earlier MLX export at --out")
     r = sub.add_parser("refine", help="learn affine widths' group scales and biases against the anchor and store "
                        "them in it (export-mlx and load_anchor then use them)")

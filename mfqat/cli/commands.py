@@ -16,7 +16,9 @@ def convert(a: argparse.Namespace) -> None:
     from mfqat.anchor.dequantized import save_dequantized, why_not_streamed
     from mfqat.anchor.search import search_scales
     from mfqat.anchor.stream import close_anchor
+    from mfqat.export.mlx_sizes import anchor_parameters
     from mfqat.export.scale_search import lazy_importance
+    from mfqat.memory import check_fits
     from mfqat.storage.io import atomic_directory, write_json
     from mfqat.storage.manifest import seal
     from mfqat.storage.model_card import write_model_card
@@ -31,6 +33,9 @@ def convert(a: argparse.Namespace) -> None:
         why = why_not_streamed(anchor)
         if why is not None:
             print(f"[mfqat] convert loads the whole model in float32 ({why})")
+            check_fits(f"convert: {a.anchor} loaded whole in float32 ({why}): its state dict and model", 8 *
+                       anchor_parameters(anchor), getattr(a, "max_memory", None), "convert on a machine with that "
+                       "much memory or pass a larger --max-memory if more is free; export-mlx streams every family")
         model = anchor_model(anchor, a.to) if why is not None else None
         with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
             if model is not None:
@@ -122,6 +127,13 @@ def evaluate(a: argparse.Namespace) -> None:
         model.eval().mfqat_format = anchor.format
         tok = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     else:
+        if a.model and Path(a.model).is_dir():
+            from mfqat.anchor.stream import folder_numel
+            from mfqat.memory import check_fits
+            check_fits(f"eval: {a.model} in {str(dtype)[6:]} (the model and a copy of its quantized weights)",
+                       dtype.itemsize * folder_numel(a.model, targets_of_model=True), getattr(a, "max_memory", None),
+                       "evaluate on a machine with that much memory, pass a larger --max-memory if more is free, "
+                       "try --dtype bfloat16, or save an anchor (mfqat PTQ anchors stream) and evaluate that")
         model, tok = load_model(a.model, dtype=dtype)
     text = load_text(a.text) if a.text else split_text(load_text(None))[1]
     check_model_fits(model, a.seq_len)

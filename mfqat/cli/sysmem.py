@@ -21,6 +21,8 @@ import ctypes.util
 import os
 import sys
 
+from mfqat.memory import available_memory  # noqa: F401 (its old home: mfqat.cli.commands imports it here)
+
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 RETURN_FROM_BYTES = 1 << 20  # blocks of 1 MiB and up get their own mapping, returned when freed
 STREAMING_COMMANDS = ("export-mlx", "refine")  # the commands that set it (export-mlx: when it refines)
@@ -39,19 +41,3 @@ def return_freed_memory(threshold: int = RETURN_FROM_BYTES) -> bool:
         return False
     mallopt = getattr(libc, "mallopt", None)  # glibc has it; musl does not
     return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, int(threshold)))
-
-
-def available_memory() -> int:
-    """Bytes the system can give a new allocation now without swapping: Linux's ``MemAvailable`` (free memory
-    plus the page cache it can drop), else the free physical pages; 0 when neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0

@@ -164,7 +164,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     (mfqat.export.refine.RefineConfig, DWQ's lever); ``"auto"`` (``mfqat export-mlx``'s default) refines the
     plan's affine and nvfp4 tensors with steps chosen by model size, and exports an MX plan (or widths the anchor
     already stores) unrefined. ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
-    logits check when it fits, else the check on the model's first layers).
+    logits check when it fits, else the check on the model's first layers), and the budget an HF source that must be
+    loaded whole is checked against before it loads (default: the memory available; mfqat.memory.check_fits).
 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
     written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
@@ -190,7 +191,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             scratch = tmp / "ptq-anchor"
             anchor, own_tok = _ptq_anchor(source, scratch, awq, calib_text, report, ptq_anchor_format(recipe),
                                           imatrix_path, written=recipe.startswith("auto:") or (
-                                              refine is not None and _may_refine(recipe, refine)))
+                                              refine is not None and _may_refine(recipe, refine)), budget=max_memory)
         if (dropped := drop_towers(anchor)):  # a VL release's vision tower: not in mlx-lm's model (warns)
             report["dropped"] = dropped
         tok_dir = Path(tokenizer) if tokenizer else own_tok
@@ -264,16 +265,19 @@ def _may_refine(recipe: str, refine: "RefineConfig") -> bool:
 
 
 def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], report: dict,
-                fmt: str = "mxint8", imatrix_path: Optional[str] = None, written: bool = False) -> Tuple[Anchor, Path]:
+                fmt: str = "mxint8", imatrix_path: Optional[str] = None, written: bool = False,
+                budget: Optional[int] = None) -> Tuple[Anchor, Path]:
     """(the post-training anchor of a plain HF model in ``fmt``, the folder of its tokenizer files).
     When its names map one to one (mfqat.anchor.stream), the anchor is never written: its tensors are
     quantized from the source's shards when the export asks for them (``folder_anchor``; with ``awq``, each
     rescaled first: mfqat.export.awq.streamed_awq), and only the tokenizer is saved into ``scratch`` - unless
     ``written`` (``--refine`` reads every tensor at every step: it reads the anchor's codes from ``scratch``
     rather than quantize the source again each time). Else the model is loaded (and AWQ applied to it, from
-    ``imatrix_path`` if given) and its anchor saved at ``scratch`` and read back."""
-    from mfqat.anchor.stream import anchor_from_folder, folder_anchor, folder_tokenizer, inspect_folder
+    ``imatrix_path`` if given) and its anchor saved at ``scratch`` and read back, after mfqat.memory.check_fits
+    (``budget``: bytes, None: the memory available) has refused it up front if its float32 weights cannot fit."""
+    from mfqat.anchor.stream import anchor_from_folder, folder_anchor, folder_numel, folder_tokenizer, inspect_folder
     from mfqat.data.sources import calibration_blocks, load_model
+    from mfqat.memory import check_fits
 
     inspected = inspect_folder(source)  # the meta model, built once
     why = inspected[0]
@@ -294,6 +298,10 @@ def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], rep
             tok.save_pretrained(scratch)
         return anchor, scratch
     report["ptq"] = "AWQ on the loaded model" if awq else f"loaded model ({why})"
+    check_fits(f"export-mlx: {source} does not map tensor by tensor ({why}), and loading it whole in float32",
+               4 * folder_numel(source), budget, "export on a machine with that much memory, pass a larger "
+               "--max-memory if more is free, or save the model with save_pretrained (plain safetensors whose "
+               "names match the model stream tensor by tensor)")
     model, tok = load_model(str(source))
     if awq:
         from mfqat.export.awq import apply_awq, awq_pairs

@@ -1,0 +1,99 @@
+"""Steps that still load a whole model are refused up front when they cannot fit (mfqat.memory.check_fits):
+``export-mlx`` from a source that does not map tensor by tensor, ``convert`` of a family transformers converts on
+save, ``eval`` of a plain HF model. The boundary is the least each holds - its weights in the dtype it loads them,
+as many copies as it keeps, and the libraries - so a budget one byte short is refused, naming the step, and
+nothing is written; the exact budget is not."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import mfqat
+from mfqat.cli.app import main
+from mfqat.data.sources import tiny_llama, tiny_tokenizer
+from mfqat.memory import LIBRARY_BYTES, BudgetError, check_fits
+from mfqat.models.catalog import SUPPORTED, build
+
+
+def test_check_fits_refuses_past_the_budget_with_the_step_and_sizes():
+    check_fits("step", 100, LIBRARY_BYTES + 100)
+    with pytest.raises(BudgetError, match=r"^step needs at least 0\.5 GiB, over --max-memory \(0\.5 GiB\); nothing "
+                                          r"was written: do this"):
+        check_fits("step", 100, LIBRARY_BYTES + 99, "do this")
+    check_fits("step", 10 ** 15, 0)  # an unknown budget: no check
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory):
+    """A tiny Llama saved as an FP8 checkpoint (e4m3 + a scale per 32 x 32 block): transformers loads it
+    dequantized, mfqat cannot stream it (a pre-quantized checkpoint); with the element count its headers hold."""
+    tok = tiny_tokenizer()
+    root = tmp_path_factory.mktemp("fp8")
+    tiny_llama(vocab_size=len(tok)).save_pretrained(root / "src")
+    tensors = {}
+    for k, v in load_file(root / "src" / "model.safetensors").items():
+        if ".layers." in k and k.endswith("proj.weight"):
+            blocks = v.reshape(v.shape[0] // 32, 32, v.shape[1] // 32, 32)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            tensors[k] = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(v.shape)
+            tensors[f"{k}_scale_inv"] = scale.float()
+        else:
+            tensors[k] = v
+    (root / "fp8").mkdir()
+    save_file(tensors, root / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((root / "src" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    (root / "fp8" / "config.json").write_text(json.dumps(cfg))
+    tok.save_pretrained(root / "fp8")
+    return root / "fp8", sum(t.numel() for t in tensors.values())
+
+
+def test_an_export_that_must_load_the_model_is_refused_one_byte_short(fp8_folder, tmp_path):
+    pytest.importorskip("mlx_lm")
+    from mfqat.export import to_mlx
+
+    folder, numel = fp8_folder
+    need = 4 * numel + LIBRARY_BYTES  # the float32 model
+    with pytest.raises(BudgetError, match=r"export-mlx: .* does not map tensor by tensor \(a pre-quantized checkpoint"
+                                          r".*loading it whole in float32 needs at least .* over --max-memory"):
+        to_mlx(folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=need - 1)
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m*"))
+    rep = to_mlx(folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=need, verify=False)
+    assert rep["ptq"].startswith("loaded model")
+
+
+def test_convert_of_a_family_loaded_whole_is_refused_one_byte_short(tmp_path, capsys):
+    from mfqat.anchor.dequantized import why_not_streamed
+    from mfqat.export.mlx_sizes import anchor_parameters
+
+    model_type, extra = SUPPORTED["gpt_neox"]
+    path = mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8", tiny_tokenizer())
+    anchor = mfqat.read_anchor(path, lazy=True)
+    assert why_not_streamed(anchor) is not None  # GPT-NeoX's fused qkv: converted on save
+    need = 8 * anchor_parameters(anchor) + LIBRARY_BYTES  # the float32 state dict and model
+    with pytest.raises(SystemExit) as e:
+        main(["convert", str(path), "--to", "mxint4", "--out", str(tmp_path / "c"), "--max-memory", str(need - 1)])
+    assert e.value.code == 2 and not (tmp_path / "c").exists()
+    assert "convert: " in capsys.readouterr().err
+    main(["convert", str(path), "--to", "mxint4", "--out", str(tmp_path / "c"), "--max-memory", str(need)])
+    assert (tmp_path / "c" / "mfqat_convert.json").is_file()
+
+
+def test_eval_of_an_hf_model_is_refused_one_byte_short(tmp_path, capsys):
+    from mfqat.anchor.tensors import default_targets
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(vocab_size=len(tok))
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    tok.save_pretrained(tmp_path / "src")
+    params = dict(model.named_parameters())
+    numel = sum(p.numel() for p in params.values()) + sum(params[k].numel() for k in default_targets(model, 32))
+    need = 2 * numel + LIBRARY_BYTES  # the bfloat16 model and a copy of its targets
+    args = ["eval", str(tmp_path / "src"), "--formats", "mxint4", "--blocks", "2", "--seq-len", "32", "--dtype",
+            "bfloat16", "--plot", str(tmp_path / "p.png")]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--max-memory", str(need - 1)])
+    assert e.value.code == 2 and "eval: " in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+    main(args + ["--max-memory", str(need)])
+    assert (tmp_path / "p.png").is_file()
