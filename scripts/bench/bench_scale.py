@@ -54,6 +54,9 @@ COMMANDS = {
     "export-mlx HF auto:4.5:affine": lambda src, out: [PY, "-m", "mfqat", "export-mlx", str(src), "--out",
                                                        str(out / "auto-affine"), "--recipe", "auto:4.5:affine"],
     # (the default: the sensitivity pass, then refine with steps by model size)
+    "export-mlx ANCHOR auto:4.5:affine --refine-steps 2": lambda src, out: [
+        PY, "-m", "mfqat", "export-mlx", str(out / "anchor"), "--out", str(out / "auto-affine-a"), "--recipe",
+        "auto:4.5:affine", "--refine-steps", "2"],  # the sensitivity pass and a short refine (its memory, not its time)
     "convert ANCHOR --to mxint4": lambda src, out: [PY, "-m", "mfqat", "convert", str(out / "anchor"), "--to", "mxint4",
                                                     "--out", str(out / "converted"), "--overwrite"],
     "eval ANCHOR --formats mxint4 --dtype bfloat16": lambda src, out: [PY, "-m", "mfqat", "eval", str(out / "anchor"), "--formats",
