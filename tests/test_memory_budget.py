@@ -3,8 +3,6 @@
 save, ``eval`` of a plain HF model. The boundary is the least each holds - its weights in the dtype it loads them,
 as many copies as it keeps, and the libraries - so a budget one byte short is refused, naming the step, and
 nothing is written; the exact budget is not."""
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,37 +23,30 @@ def test_check_fits_refuses_past_the_budget_with_the_step_and_sizes():
 
 
 @pytest.fixture(scope="module")
-def fp8_folder(tmp_path_factory):
-    """A tiny Llama saved as an FP8 checkpoint (e4m3 + a scale per 32 x 32 block): transformers loads it
-    dequantized, mfqat cannot stream it (a pre-quantized checkpoint); with the element count its headers hold."""
+def old_folder(tmp_path_factory):
+    """A tiny Llama saved as older checkpoints were, with each layer's rotary ``inv_freq`` buffer among its weights:
+    transformers loads it (the extra tensors are ignored), mfqat cannot map it tensor by tensor; with the element
+    count its headers hold."""
     tok = tiny_tokenizer()
-    root = tmp_path_factory.mktemp("fp8")
+    root = tmp_path_factory.mktemp("old")
     tiny_llama(vocab_size=len(tok)).save_pretrained(root / "src")
-    tensors = {}
-    for k, v in load_file(root / "src" / "model.safetensors").items():
-        if ".layers." in k and k.endswith("proj.weight"):
-            blocks = v.reshape(v.shape[0] // 32, 32, v.shape[1] // 32, 32)
-            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-            tensors[k] = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(v.shape)
-            tensors[f"{k}_scale_inv"] = scale.float()
-        else:
-            tensors[k] = v
-    (root / "fp8").mkdir()
-    save_file(tensors, root / "fp8" / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((root / "src" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
-    (root / "fp8" / "config.json").write_text(json.dumps(cfg))
-    tok.save_pretrained(root / "fp8")
-    return root / "fp8", sum(t.numel() for t in tensors.values())
+    tensors = load_file(root / "src" / "model.safetensors")
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+    (root / "old").mkdir()
+    save_file(tensors, root / "old" / "model.safetensors", metadata={"format": "pt"})
+    (root / "old" / "config.json").write_text((root / "src" / "config.json").read_text())
+    tok.save_pretrained(root / "old")
+    return root / "old", sum(t.numel() for t in tensors.values())
 
 
-def test_an_export_that_must_load_the_model_is_refused_one_byte_short(fp8_folder, tmp_path):
+def test_an_export_that_must_load_the_model_is_refused_one_byte_short(old_folder, tmp_path):
     pytest.importorskip("mlx_lm")
     from mfqat.export import to_mlx
 
-    folder, numel = fp8_folder
+    folder, numel = old_folder
     need = 4 * numel + LIBRARY_BYTES  # the float32 model
-    with pytest.raises(BudgetError, match=r"export-mlx: .* does not map tensor by tensor \(a pre-quantized checkpoint"
+    with pytest.raises(BudgetError, match=r"export-mlx: .* does not map tensor by tensor \(its tensor names"
                                           r".*loading it whole in float32 needs at least .* over --max-memory"):
         to_mlx(folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=need - 1)
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m*"))

@@ -10,9 +10,10 @@ The same anchor as ``save_anchor(load_model(folder)[0], ...)`` (same targets, co
 except that plain tensors keep the checkpoint's dtype. Released MoE checkpoints, whose experts are stored one
 by one and stacked into fused parameters on load, and keys transformers renames on load, stream too: the
 source is read under the model's names by transformers' own conversion mapping (mfqat.anchor.source), one
-fused parameter at a time. Pre-quantized checkpoints (FP8 block scales, MXFP4) and any checkpoint whose
-names or shapes still differ from the model's do not map tensor by tensor: :func:`streamable` says why, and
-the caller loads the model instead.
+fused parameter at a time. FP8 releases (e4m3 weights with block scales) stream too, each weight dequantized
+to float32 as it is read (recorded as float32, as the float32 model loaded from them holds it). Other
+pre-quantized checkpoints (MXFP4) and any checkpoint whose names or shapes still differ from the model's do
+not map tensor by tensor: :func:`streamable` says why, and the caller loads the model instead.
 """
 from __future__ import annotations
 
@@ -95,8 +96,9 @@ def inspect_folder(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
         cfg = json.loads(cfg_file.read_text())
     except ValueError:
         return "config.json is not JSON", None, None
-    if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None:
-        return "a pre-quantized checkpoint (dequantized by transformers on load)", None, None
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict) or (qc is not None and not (isinstance(qc, dict) and qc.get("quant_method") == "fp8")):
+        return "a pre-quantized checkpoint (dequantized by transformers on load)", None, None  # FP8: read dequantized
     if not (folder / INDEX_FILE).is_file() and not (folder / WEIGHTS_FILE).is_file():
         return "no safetensors weights", None, None
     try:
@@ -220,10 +222,11 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
     anchor = Anchor(Path(folder), meta, config=_saved_config(config, f.name, block_size, rule, recorded))
     anchor.quantized = LazyQuantized({k: tuple(e["shape"]) for k, e in entries.items()}, build)
     plain = [k for k in sd if k not in entries]
-    anchor.plain = LazyTensors({k: src.location(k) for k in plain if k not in src.fused and k not in transforms},
+    direct = {k: src.location(k) for k in plain if k not in transforms}
+    anchor.plain = LazyTensors({k: v for k, v in direct.items() if v is not None},
                                stored={k: src.renamed[k] for k in plain if k in src.renamed})
-    for k in plain:  # a fused parameter kept in full precision (no target), a rescaled norm: built and held
-        if k in src.fused or k in transforms:
+    for k in plain:  # kept in full precision (no target) but built: fused, FP8 (dequantized), rescaled: held
+        if direct.get(k) is None:
             anchor.plain[k] = read(k)
     anchor.files = {str(tf.where): tf for tf in src.files}
     anchor.source_order = list(sd)
