@@ -71,3 +71,25 @@ def test_streamed_awq_export_is_bit_exact_and_never_loads_the_model(tok, tmp_pat
     rep = to_mlx(src, tmp_path / "m", recipe="uniform:mxint4", awq=True)
     assert rep["ptq"] == "AWQ, tensor by tensor" and rep["awq"]
     assert rep["verify"]["weights_bit_exact"]
+
+
+def test_a_written_awq_anchor_holds_the_scaled_codes(tok, tmp_path):
+    """``export-mlx HF --awq`` with ``auto:`` or ``--refine`` writes its PTQ anchor (anchor_from_folder) instead of
+    reading it from the shards: it must be the same AWQ-scaled anchor, not the source quantized unscaled."""
+    from mfqat.export.mlx_export import _ptq_anchor
+
+    src = bf16_folder("llama", tok, tmp_path / "src")
+    codes = {}
+    for written in (False, True):
+        report: dict = {}
+        anchor, _ = _ptq_anchor(src, tmp_path / f"scratch-{written}", True, None, report, "mxint8", written=written)
+        try:
+            assert report["ptq"] == "AWQ, tensor by tensor" and report["awq"]
+            codes[written] = {k: anchor.quantized[k].codes.clone() for k in anchor.quantized}
+            if written:
+                assert anchor.meta["tensors"]["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "float32"
+        finally:
+            close_anchor(anchor)
+    assert codes[True].keys() == codes[False].keys()
+    for k in codes[False]:
+        assert torch.equal(codes[True][k], codes[False][k]), k

@@ -240,7 +240,7 @@ def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", to
     """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
     docstring; the tensors are :func:`folder_anchor`'s). ``tokenizer``: saved with it (default: the
     folder's, when it has one). Raises ValueError when :func:`streamable` refuses the folder."""
-    anchor = folder_anchor(folder, fmt, block_size, scale_rule)
+    anchor = folder_anchor(folder, fmt, block_size, scale_rule, transforms=transforms)
     meta = anchor.meta
     try:
         if tokenizer is None:
