@@ -141,3 +141,25 @@ def test_export_mlx_awq_from_imatrix(calibrated, tmp_path):
     rep = to_mlx(tmp_path / "fp", tmp_path / "m", recipe="uniform:mxint8", awq=True, imatrix_path=str(path),
                  verify=False)
     assert rep["imatrix"] == str(path) and rep["awq"] == apply_awq(copy.deepcopy(model), blocks)
+
+
+def test_imatrix_search_reads_no_tensor_to_mark_a_lazy_anchor(calibrated, tmp_path):
+    """``export-mlx HF --imatrix-path`` (no --awq) marks the lazily read anchor from its shapes: no tensor is
+    built (quantized from the source, or read from an anchor's files) until the export asks for it, and every
+    one it builds afterwards carries the imatrix importance."""
+    from mfqat.anchor.stream import close_anchor, folder_anchor
+    from mfqat.export.scale_search import imatrix_search
+
+    model, tok, _, sums, counts = calibrated
+    model.save_pretrained(tmp_path / "fp")
+    anchor = folder_anchor(tmp_path / "fp", "mxint8")
+    built = []
+    build = anchor.quantized._build
+    anchor.quantized._build = lambda name: built.append(name) or build(name)
+    try:
+        rep = imatrix_search(anchor, str(write_imatrix(tmp_path / "imatrix.gguf", sums, counts)))
+        assert rep["tensors"] == 14 and built == []
+        q = anchor.quantized["model.layers.0.mlp.down_proj.weight"]
+        assert q.slice_rules["mxint4"] == "search" and q.importance is not None
+    finally:
+        close_anchor(anchor)

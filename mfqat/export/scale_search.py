@@ -59,8 +59,8 @@ def imatrix_search(anchor: Anchor, imatrix_path: str) -> dict:
 
     config = anchor.config or {}
     text = config.get("text_config") or config
-    widths = {n[: -len(".weight")]: q.shape[-1] for n, q in anchor.quantized.items()
-              if n.endswith(".weight") and len(q.shape) == 2}
+    shapes = {n: anchor.shape(n) for n in anchor.quantized}  # from the headers: no tensor read or quantized
+    widths = {n[: -len(".weight")]: s[-1] for n, s in shapes.items() if n.endswith(".weight") and len(s) == 2}
     importance = imatrix_for_modules(imatrix_path, config.get("model_type"), int(text.get("num_hidden_layers") or 0),
                                      widths)
     formats = searchable_formats(anchor.format, anchor.meta.get("scale_rules"))
