@@ -88,3 +88,20 @@ def test_eval_of_an_hf_model_is_refused_one_byte_short(tmp_path, capsys):
     assert e.value.code == 2 and "eval: " in capsys.readouterr().err and not (tmp_path / "p.png").exists()
     main(args + ["--max-memory", str(need)])
     assert (tmp_path / "p.png").is_file()
+
+
+def test_convert_scale_search_is_refused_before_its_calibration_pass(tmp_path, capsys, monkeypatch):
+    """A convert that will be refused for memory says so before ``--scale-search``'s calibration pass runs (the
+    pass over the whole model would otherwise be spent first)."""
+    from mfqat.anchor import search
+
+    model_type, extra = SUPPORTED["gpt_neox"]
+    path = mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8", tiny_tokenizer())
+
+    def refuse(*a, **k):
+        raise AssertionError("the calibration pass ran before the memory check")
+    monkeypatch.setattr(search, "search_scales", refuse)
+    with pytest.raises(SystemExit) as e:
+        main(["convert", str(path), "--to", "mxint4", "--scale-search", "--out", str(tmp_path / "c"),
+              "--max-memory", "1"])
+    assert e.value.code == 2 and "convert: " in capsys.readouterr().err and not (tmp_path / "c").exists()

@@ -23,19 +23,19 @@ def convert(a: argparse.Namespace) -> None:
     from mfqat.storage.manifest import seal
     from mfqat.storage.model_card import write_model_card
 
-    calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text, a.anchor) if a.scale_search else None
     anchor = read_anchor(a.anchor, lazy=True)
     try:
-        searched = False
-        if calib is not None:
-            report = search_scales(anchor, calib, a.to or anchor.format, measure=lazy_importance)
-            searched = bool(report["formats"])
-        why = why_not_streamed(anchor)
+        why = why_not_streamed(anchor)  # refused before the calibration pass, not after it
         if why is not None:
             print(f"[mfqat] convert loads the whole model in float32 ({why})")
             check_fits(f"convert: {a.anchor} loaded whole in float32 ({why}): its state dict and model", 8 *
                        anchor_parameters(anchor), getattr(a, "max_memory", None), "convert on a machine with that "
                        "much memory or pass a larger --max-memory if more is free; export-mlx streams every family")
+        searched = False
+        if a.scale_search:
+            calib = calibration_ids(AutoTokenizer.from_pretrained(a.anchor), a.calib_text, a.anchor)
+            report = search_scales(anchor, calib, a.to or anchor.format, measure=lazy_importance)
+            searched = bool(report["formats"])
         model = anchor_model(anchor, a.to) if why is not None else None
         with atomic_directory(a.out, overwrite=a.overwrite, kind="convert", protect=[a.anchor]) as tmp:
             if model is not None:
