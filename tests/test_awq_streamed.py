@@ -50,9 +50,12 @@ def test_streamed_awq_quantizes_the_loaded_models_anchor(name, tok, tmp_path):
         for k in want.quantized:
             a, b = got.quantized[k], want.quantized[k]
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales), k
+            if k in transforms:  # rescaled in float32, recorded so, as the loaded model holds it
+                assert a.dtype == b.dtype == torch.float32 and got.meta["tensors"][k]["dtype"] == "float32", k
         scaled_plain = [k for k in want.plain if k in transforms]
         for k in want.plain:
             assert torch.equal(got.plain[k].float(), want.plain[k].float()), k
+            assert k not in transforms or got.plain[k].dtype == torch.float32, k
         assert any(k in transforms for k in want.quantized) and (scaled_plain or name == "olmo2")
     finally:
         close_anchor(got)
