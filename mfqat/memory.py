@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+
 class BudgetError(ValueError):
     """A step refused before it starts: it would not fit the memory budget (the message names the step, the sizes
     and what to do)."""

@@ -25,9 +25,9 @@ from mfqat.anchor.checkpoint import Anchor, anchor_model
 from mfqat.anchor.lazy import annotate
 from mfqat.formats import FORMATS, canonical_name
 from mfqat.anchor.importance import importance_matrix
-
-Measure = Callable[[Anchor, torch.Tensor, int], Dict[str, torch.Tensor]]
 from mfqat.quant.scale_rules import SCALE_SEARCH_FORMATS, SEARCH_RULE
+
+Measure = Callable[[Anchor, torch.Tensor, int], Dict[str, torch.Tensor]]  # (anchor, calib, batch) -> importance
 
 
 def searchable_formats(anchor_fmt: str, recorded: Optional[Mapping[str, str]] = None) -> List[str]:

@@ -300,8 +300,8 @@ def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], rep
     report["ptq"] = "AWQ on the loaded model" if awq else f"loaded model ({why})"
     check_fits(f"export-mlx: {source} does not map tensor by tensor ({why}), and loading it whole in float32",
                4 * folder_numel(source), budget, "export on a machine with that much memory, pass a larger "
-               "--max-memory if more is free, or save the model with save_pretrained (plain safetensors whose "
-               "names match the model stream tensor by tensor)")
+               "--max-memory if more is free, or once, where the memory is, load it and save_pretrained it in "
+               "bfloat16 (float safetensors whose names match the model stream tensor by tensor)")
     model, tok = load_model(str(source))
     if awq:
         from mfqat.export.awq import apply_awq, awq_pairs
