@@ -60,11 +60,15 @@ def test_ptq_temporary_anchor_lives_in_the_partial_output(tmp_path, monkeypatch)
     seen = []
     real = mlx_export.build_plan
     monkeypatch.setattr(mlx_export, "build_plan", lambda a, *x, **k: seen.append(a.path) or real(a, *x, **k))
-    to_mlx(src, tmp_path / "m", recipe="uniform:mxint4", verify=False, awq=True)  # AWQ: an anchor is saved
+    from mfqat.export.refine import RefineConfig
+    # a refine reads every tensor at every step: the PTQ anchor is written, inside the partial output
+    to_mlx(src, tmp_path / "m", recipe="uniform:affine4", verify=False, refine=RefineConfig(steps=1, n_blocks=2))
     assert seen[0].parent.name.startswith(".m.") and seen[0].parent.name.endswith(".partial")
     assert not any(p.name.startswith(".") or p.name == "ptq-anchor" for p in (tmp_path / "m").iterdir())
     to_mlx(src, tmp_path / "s", recipe="uniform:mxint4", verify=False)  # streamed: no anchor is written at all
     assert seen[1] == src and not (tmp_path / "s" / "ptq-anchor").exists()
+    to_mlx(src, tmp_path / "w", recipe="uniform:mxint4", verify=False, awq=True)  # AWQ streams too
+    assert seen[2] == src and not (tmp_path / "w" / "ptq-anchor").exists()
 
 
 def test_files_the_anchor_manifest_lacks_are_not_sealed_into_the_export(anchor, tmp_path):
