@@ -41,6 +41,12 @@ def fp8_moe(tmp_path_factory):
             expect[k] = _dequantized(tensors[k], tensors[f"{k}_scale_inv"])
         else:
             tensors[k] = expect[k] = v
+    return write_fp8_folder(root, tensors, tok), expect
+
+
+def write_fp8_folder(root, tensors, tok):
+    """``root / "fp8"``: ``tensors`` in one safetensors file, ``root / "src"``'s config with an FP8
+    quantization_config (BLOCK x BLOCK blocks), and the tokenizer."""
     (root / "fp8").mkdir()
     save_file(tensors, root / "fp8" / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((root / "src" / "config.json").read_text())
@@ -48,7 +54,7 @@ def fp8_moe(tmp_path_factory):
                                   "weight_block_size": [BLOCK, BLOCK]}
     (root / "fp8" / "config.json").write_text(json.dumps(cfg))
     tok.save_pretrained(root / "fp8")
-    return root / "fp8", expect
+    return root / "fp8"
 
 
 def test_fp8_checkpoint_loads_dequantized_block_by_block_experts_stacked_after(fp8_moe):

@@ -13,7 +13,7 @@ from mfqat.anchor.stream import close_anchor, folder_anchor, inspect_folder
 from mfqat.data.sources import load_model, tiny_tokenizer
 from mfqat.models.catalog import SUPPORTED, build
 
-BLOCK = 32
+from .test_fp8_source import _to_fp8, write_fp8_folder
 
 
 def fp8_folder(name, root):
@@ -25,22 +25,11 @@ def fp8_folder(name, root):
     tensors = {}
     for k, v in load_file(root / "src" / "model.safetensors").items():
         if ".layers." in k and k.endswith("proj.weight") and v.dim() == 2:
-            out, inp = v.shape
-            blocks = v.float().reshape(out // BLOCK, BLOCK, inp // BLOCK, BLOCK)
-            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-            tensors[k] = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(out, inp)
-            tensors[f"{k}_scale_inv"] = scale
+            tensors[k], tensors[f"{k}_scale_inv"] = _to_fp8(v.float())
             tensors[k.replace(".weight", ".activation_scale")] = torch.ones(1)
         else:
             tensors[k] = v
-    (root / "fp8").mkdir()
-    save_file(tensors, root / "fp8" / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((root / "src" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": [BLOCK, BLOCK]}
-    (root / "fp8" / "config.json").write_text(json.dumps(cfg))
-    tok.save_pretrained(root / "fp8")
-    return root / "fp8"
+    return write_fp8_folder(root, tensors, tok)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
