@@ -41,7 +41,7 @@ from mfqat.storage.sharded import unique_state_dict
 from mfqat.storage.tensor_files import ShardWriter
 
 __all__ = ["SourceCheckpoint", "anchor_from_folder", "close_anchor", "folder_anchor", "folder_numel",
-           "folder_tokenizer", "inspect_folder", "meta_model", "streamable"]
+           "folder_tokenizer", "inspect_folder", "meta_model", "model_and_targets_numel", "streamable"]
 
 # Rows quantized at once: bounds the float32 working copy of a large matrix (an embedding) to ~64 MB a chunk.
 CHUNK_ELEMENTS = 16 * 1024 ** 2
@@ -61,24 +61,26 @@ def meta_model(folder: PathLike):
     return model, config
 
 
-def folder_numel(folder: PathLike, targets_of_model: bool = False) -> int:
+def folder_numel(folder: PathLike) -> int:
     """Elements of the weights an HF folder stores, read from the safetensors headers (0 when it has none it can
-    read: a .bin or GGUF checkpoint). ``targets_of_model``: those of the model built from its config instead,
-    plus its PTQ targets once more (``eval``'s model and the copy of its targets; 0 when the config cannot
-    be built)."""
-    if targets_of_model:
-        try:
-            model, _ = meta_model(folder)
-        except Exception:  # the load reports it with its own message
-            return 0
-        params = dict(model.named_parameters())
-        return sum(p.numel() for p in params.values()) + sum(params[k].numel() for k in default_targets(model, 32)
-                                                             if k in params)
+    read: a .bin or GGUF checkpoint)."""
     try:
         with SourceCheckpoint(folder) as src:
             return sum(int(torch.Size(info.shape).numel()) for _, info in src.where.values())
     except ValueError:
         return 0
+
+
+def model_and_targets_numel(folder: PathLike) -> int:
+    """Elements of the model built from an HF folder's config plus its PTQ targets once more (``eval`` holds the
+    model and a copy of its targets); 0 when the config cannot be built (the load reports it)."""
+    try:
+        model, _ = meta_model(folder)
+    except Exception:
+        return 0
+    params = dict(model.named_parameters())
+    return sum(p.numel() for p in params.values()) + sum(params[k].numel() for k in default_targets(model, 32)
+                                                         if k in params)
 
 
 def streamable(folder: PathLike) -> Optional[str]:

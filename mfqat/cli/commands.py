@@ -128,10 +128,10 @@ def evaluate(a: argparse.Namespace) -> None:
         tok = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
     else:
         if a.model and Path(a.model).is_dir():
-            from mfqat.anchor.stream import folder_numel
+            from mfqat.anchor.stream import model_and_targets_numel
             from mfqat.memory import check_fits
             check_fits(f"eval: {a.model} in {str(dtype)[6:]} (the model and a copy of its quantized weights)",
-                       dtype.itemsize * folder_numel(a.model, targets_of_model=True), getattr(a, "max_memory", None),
+                       dtype.itemsize * model_and_targets_numel(a.model), getattr(a, "max_memory", None),
                        "evaluate on a machine with that much memory, pass a larger --max-memory if more is free, "
                        "try --dtype bfloat16, or save an anchor (mfqat PTQ anchors stream) and evaluate that")
         model, tok = load_model(a.model, dtype=dtype)
