@@ -241,6 +241,30 @@ def test_byte_codes_pack_as_their_int32_bit_stream(bits, dtype, rows, groups, se
     assert fast.dtype == torch.uint8 and torch.equal(fast, pack_codes(codes.to(torch.int32), bits))
 
 
+def _bit_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The layout by its definition: bit k of code i is bit i * bits + k of the row's LSB-first byte stream."""
+    c = codes.to(torch.int64) & ((1 << bits) - 1)
+    stream = ((c.unsqueeze(-1) >> torch.arange(bits)) & 1).reshape(*c.shape[:-1], -1, 8)
+    return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+@given(st.integers(1, 8), st.sampled_from([torch.int8, torch.uint8, torch.int32]), st.integers(1, 4),
+       st.integers(1, 6), st.integers(0, 2 ** 31 - 1))
+def test_codes_pack_as_their_bit_stream_and_back(bits, dtype, rows, groups, seed):
+    """pack_codes (words of whole-byte groups) gives the bit stream's bytes at every width, and unpack_codes
+    inverts it (sign-extended for signed codes)."""
+    from mfqat.quant.packing import pack_codes, unpack_codes
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
+    codes = torch.randint(lo, hi, (rows, groups * 8), generator=g).to(dtype)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and torch.equal(packed, _bit_stream(codes, bits))
+    low = codes.to(torch.int64) & ((1 << bits) - 1)
+    assert torch.equal(unpack_codes(packed, bits, groups * 8, signed=False).to(torch.int64), low)
+    signed = torch.where(low >= (1 << (bits - 1)), low - (1 << bits), low)
+    assert torch.equal(unpack_codes(packed, bits, groups * 8, signed=True).to(torch.int64), signed)
+
+
 def test_pack_layout_low_nibble_first():
     f = get_format("mxint4")
     codes = torch.tensor([[1, 2, -1, 3] + [0] * 28], dtype=torch.int8)

@@ -523,6 +523,23 @@ def test_large_matrices_written_in_row_chunks_equal_the_whole_tensor_export(bf16
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.parametrize("recipe", ["uniform:affine6", "uniform:affine3"])
+def test_refined_matrices_written_in_row_chunks_equal_the_whole_tensor_export(bf16_folder, tmp_path, monkeypatch,
+                                                                               recipe):
+    """A matrix with --refine's learned scales is written (and checked) in row chunks too, each chunk with its
+    rows' learned scales: a 3B model's embedding at affine6 written whole took 13 GB."""
+    from mfqat.export import recipes
+    from mfqat.export.refine import RefineConfig
+
+    cfg = RefineConfig(steps=3, batch=1, seq_len=16, n_blocks=2, n_valid=1)
+    whole = mfqat.export.to_mlx(bf16_folder, tmp_path / "w", recipe=recipe, refine=cfg)
+    assert whole["refine"]["kept"], "the learned scales were not kept: nothing to write"
+    monkeypatch.setattr(recipes, "CHUNK_ELEMENTS", 64 * 7 + 3)  # 7 rows a chunk, an uneven last chunk
+    chunked = mfqat.export.to_mlx(bf16_folder, tmp_path / "c", recipe=recipe, refine=cfg)
+    assert chunked["verify"]["weights_checked"] == whole["verify"]["weights_checked"]
+    assert _model_bytes(tmp_path / "c") == _model_bytes(tmp_path / "w")
+
+
 def test_the_cut_check_counts_the_layers_of_a_vision_language_releases_text_config():
     from mfqat.export.verify import cut_config
 

@@ -70,6 +70,10 @@ class LearnedScales:
         """``q`` (the derived tensor: its codes) with these scales and biases."""
         return dataclasses.replace(q, scales=self.scales, biases=self.biases)
 
+    def rows(self, lo: int, hi: int) -> "LearnedScales":
+        """The scales and biases of a matrix's rows lo:hi (groups run along the rows, so its chunks are rows)."""
+        return LearnedScales(self.scales[lo:hi], None if self.biases is None else self.biases[lo:hi])
+
 
 @dataclass
 class LearnedExponents:
@@ -139,8 +143,7 @@ class Plan:
         elements = CHUNK_ELEMENTS if elements is None else elements
         shape = anchor.shape(name)
         fmt = self.formats[name]
-        learned = self.learned_scales.get(name)
-        whole = learned is not None and not isinstance(learned, LearnedExponents)  # learned scales: whole tensors
+        whole = isinstance(self.learned_scales.get(name), MXTensor)  # held whole already
         if len(shape) != 2 or shape[0] * shape[1] <= elements or whole:
             return None
         if name in anchor.quantized and is_derived(fmt) and pick(anchor.learned_scales, fmt, self.group_of(fmt)):
@@ -154,7 +157,10 @@ class Plan:
         learned = self.learned_scales.get(name)
         if isinstance(learned, LearnedExponents):
             return learned.chunks(anchor.quantized[name], self.formats[name], rows)
-        return in_format_chunks(anchor, name, self.formats[name], self.derived_group, rows)
+        chunks = in_format_chunks(anchor, name, self.formats[name], self.derived_group, rows)
+        if isinstance(learned, LearnedScales):
+            return ((lo, hi, learned.rows(lo, hi).on(q)) for lo, hi, q in chunks)
+        return chunks
 
     def mlx_modules(self, name: str, shape: tuple) -> List[str]:
         """The mlx-lm module paths that hold the tensor ``name`` (several for a split expert parameter)."""
