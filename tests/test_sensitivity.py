@@ -177,3 +177,25 @@ def test_the_lazily_run_pass_scores_equal_the_model_loaded_whole(family, tmp_pat
     want = _loaded_pass(mfqat.read_anchor(path), names, "mxint3", blocks)
     got = measure(anchor, names, "mxint3", blocks)
     assert {n: s.probe_kl for n, s in got.items()} == want
+
+
+def test_large_matrices_measured_in_row_chunks_score_as_whole(anchor, monkeypatch):
+    """A matrix over sensitivity.CHUNK_ELEMENTS (a 1B+ model's embedding and head) is measured a block of rows at a
+    time: the same probe tensor (so the same KL, bit for bit) and the same relative errors up to the summation
+    order, for plain and quantized tensors, MX and derived (affine) levels."""
+    from mfqat.export import sensitivity
+
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"]
+    levels = ["mxint3", "affine4", "affine6", "mxint8"]
+    blocks = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    whole = measure(anchor, names, "affine4", blocks, levels=levels)
+    monkeypatch.setattr(sensitivity, "CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(sensitivity, "ROWS_ELEMENTS", 64 * 7 + 3)  # 7 rows a chunk, an uneven last chunk
+    for name in names:
+        assert sensitivity._chunk_rows(anchor, name, levels, 64) is not None, f"{name} is not measured in chunks"
+    chunked = measure(anchor, names, "affine4", blocks, levels=levels)
+    for name in names:
+        assert chunked[name].probe_kl == whole[name].probe_kl > 0, name
+        assert chunked[name].numel == whole[name].numel, name
+        assert chunked[name].rel_error == pytest.approx(whole[name].rel_error, rel=1e-5, abs=1e-12), name
+        assert chunked[name].rel_error["mxint3"] > chunked[name].rel_error["affine6"] > 0, name

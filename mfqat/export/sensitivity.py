@@ -44,6 +44,11 @@ from mfqat.quant.api import quantize
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.slice import slice_and_scale
 
+# Matrices above this many elements (a 1B+ model's embedding and head) are measured in row chunks of about
+# ROWS_ELEMENTS elements (_errors_in_chunks); SmolLM2-135M's largest, 28M, stays whole (its plans unchanged).
+CHUNK_ELEMENTS = 32 * 1024 ** 2
+ROWS_ELEMENTS = 4 * 1024 ** 2
+
 LADDERS = {
     "mxint": ["mxint2", "mxint3", "mxint4", "mxint5", "mxint6", "mxint8"],
     "mxfp": ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"],
@@ -223,19 +228,67 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
     levels = levels or ladder(anchor.format)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
-        original = kl_of.weights(name)
-        errors = {}
-        norm = original.pow(2).sum().item() or 1.0
-        values = anchor_values(anchor, name) if any(is_derived(f) for f in levels) else None  # once, not per width
-        for f in levels:
-            w = in_format(anchor, name, f, derived_group, values).dequantize(torch.float32)
-            errors[f] = (w - original).pow(2).sum().item() / norm
-            if f == probe:
-                probe_w = w
+        rows = _chunk_rows(anchor, name, levels, derived_group)
+        if rows is None:
+            errors, probe_w = _errors_whole(anchor, name, levels, probe, derived_group, kl_of.weights(name))
+        else:
+            errors, probe_w = _errors_in_chunks(anchor, name, levels, probe, derived_group, rows)
         kl = kl_of(name, probe_w)
-        out[name] = TensorSensitivity(name, original.numel(), probe, max(kl, 0.0), errors)
-        del original, values, probe_w
+        out[name] = TensorSensitivity(name, probe_w.numel(), probe, max(kl, 0.0), errors)
+        del probe_w
     return out
+
+
+def _errors_whole(anchor: Anchor, name: str, levels: List[str], probe: str, derived_group: int,
+                  original: torch.Tensor) -> tuple:
+    """({level: squared error of tensor ``name`` at that level / squared norm}, the tensor at ``probe``), whole."""
+    errors = {}
+    norm = original.pow(2).sum().item() or 1.0
+    values = anchor_values(anchor, name) if any(is_derived(f) for f in levels) else None  # once, not per width
+    probe_w = None
+    for f in levels:
+        w = in_format(anchor, name, f, derived_group, values).dequantize(torch.float32)
+        errors[f] = (w - original).pow(2).sum().item() / norm
+        if f == probe:
+            probe_w = w
+    return errors, probe_w
+
+
+def _chunk_rows(anchor: Anchor, name: str, levels: List[str], derived_group: int) -> Optional[int]:
+    """Rows per chunk when tensor ``name`` is measured in row chunks (a matrix of over :data:`CHUNK_ELEMENTS`
+    elements, with no width the anchor stores learned scales for), else None (whole)."""
+    from mfqat.anchor.learned_scales import pick
+
+    shape = anchor.shape(name)
+    if len(shape) != 2 or shape[0] * shape[1] <= CHUNK_ELEMENTS:
+        return None
+    if name in anchor.quantized and any(is_derived(f) and pick(anchor.learned_scales, f, group_of_derived(f, derived_group))
+                                        for f in levels):
+        return None
+    return max(1, ROWS_ELEMENTS // shape[1])
+
+
+def _errors_in_chunks(anchor: Anchor, name: str, levels: List[str], probe: str, derived_group: int,
+                      rows: int) -> tuple:
+    """:func:`_errors_whole` a block of ``rows`` rows at a time: one float32 copy of the tensor (the probe's) instead
+    of five (the anchor's values twice, a level's, the probe's and the derivation's). The sums run in another
+    order, so an error may differ from the whole tensor's in its last digits."""
+    src = anchor.quantized.get(name)
+    plain = anchor.plain[name] if src is None else None  # read once (a lazy anchor reads it at each lookup)
+    probe_w = torch.empty(tuple(anchor.shape(name)), dtype=torch.float32)
+    sums = dict.fromkeys(levels, 0.0)
+    norm = 0.0
+    for i, f in enumerate(levels):
+        for lo, hi, q in in_format_chunks(anchor, name, f, derived_group, rows):
+            original = (MXTensor(src.codes[lo:hi], src.scales[lo:hi], src.fmt, src.block_size, src.dtype).dequantize(
+                torch.float32) if src is not None else plain[lo:hi].float())
+            w = q.dequantize(torch.float32)
+            sums[f] += (w - original).pow(2).sum().item()
+            if i == 0:
+                norm += original.pow(2).sum().item()
+            if f == probe:
+                probe_w[lo:hi] = w
+    return {f: v / (norm or 1.0) for f, v in sums.items()}, probe_w
 
 
 def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: float, group: int = 32,
