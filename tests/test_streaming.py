@@ -170,6 +170,32 @@ def test_a_checkpoint_whose_names_do_not_map_is_not_streamed(bf16_folder, tmp_pa
     assert "differ from the model's" in streamable(odd)
 
 
+def test_stored_tensors_the_model_lacks_are_ignored_as_transformers_ignores_them(bf16_folder, tmp_path):
+    """An older checkpoint's ``rotary_emb.inv_freq`` buffers: from_pretrained leaves them unused, and so does the
+    stream (with a warning naming them) instead of loading the whole model."""
+    import shutil
+    from safetensors.torch import save_file
+
+    old = tmp_path / "old"
+    shutil.copytree(bf16_folder, old)
+    index = json.loads((old / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"]["model.layers.0.self_attn.q_proj.weight"]
+    tensors = load_file(old / shard)
+    extra = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    tensors[extra] = torch.rand(8)
+    index["weight_map"][extra] = shard
+    save_file(tensors, old / shard, metadata={"format": "pt"})
+    (old / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.warns(UserWarning, match="rotary_emb.inv_freq"):
+        assert streamable(old) is None
+    want = read_anchor(anchor_from_folder(bf16_folder, tmp_path / "a"))
+    with pytest.warns(UserWarning, match="ignored"):
+        got = read_anchor(anchor_from_folder(old, tmp_path / "b"))
+    assert set(got.plain) == set(want.plain) and set(got.quantized) == set(want.quantized)
+    assert all(torch.equal(got.plain[k], v) for k, v in want.plain.items())
+    assert all(torch.equal(got.quantized[k].codes, q.codes) for k, q in want.quantized.items())
+
+
 @pytest.fixture
 def llama_renaming():
     """transformers' conversion mapping told (as a family's own mapping would) that checkpoints store the final

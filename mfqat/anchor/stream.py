@@ -18,6 +18,7 @@ not map tensor by tensor: :func:`streamable` says why, and the caller loads the 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -115,9 +116,12 @@ def inspect_folder(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
         aliases = dict(model.named_parameters(remove_duplicate=False))  # tied names the state dict dropped
         extra = [k for k in src.names if k not in sd and k not in aliases]
         wrong = [k for k in sd if k in held and src.shape(k) != tuple(sd[k].shape)]
-    if missing or extra or wrong:
-        first = (missing or extra or wrong)[0]
+    if missing or wrong:
+        first = (missing or wrong)[0]
         return f"its tensor names or shapes differ from the model's (e.g. {first}: renamed or fused on load)", None, None
+    if extra:  # every model tensor is there as it is: the rest are what from_pretrained leaves unused too
+        warnings.warn(f"{folder}: {len(extra)} stored tensor(s) the model does not have are ignored, as transformers "
+                      f"ignores them on load (e.g. {', '.join(extra[:3])})", stacklevel=2)
     return None, model, config
 
 
