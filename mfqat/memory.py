@@ -10,6 +10,9 @@ at once, naming the step, both sizes and what to do, instead of failing (or swap
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from typing import Optional
 
 
@@ -23,7 +26,8 @@ LIBRARY_BYTES = 512 * 2 ** 20  # torch, transformers and the interpreter: less t
 
 def available_memory() -> int:
     """Bytes the system can give a new allocation now without swapping: Linux's ``MemAvailable`` (free memory
-    plus the page cache it can drop), else the free physical pages; 0 when neither is known."""
+    plus the page cache it can drop), macOS's free, inactive, speculative and purgeable pages (``vm_stat``: what
+    Activity Monitor counts as not in use), else the free physical pages; 0 when none is known."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -31,10 +35,31 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=10, check=True).stdout
+            return darwin_available(out)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+DARWIN_RECLAIMABLE = ("free", "inactive", "speculative", "purgeable")
+
+
+def darwin_available(vm_stat: str) -> int:
+    """Bytes of the pages macOS can hand out without swapping, from ``vm_stat``'s output: its page size (first
+    line) times its free, inactive, speculative and purgeable page counts. ValueError when the output has no page
+    size or none of those counts."""
+    size = re.search(r"page size of (\d+) bytes", vm_stat)
+    pages = {m.group(1): int(m.group(2)) for m in re.finditer(r"^Pages ([a-z ]+?):\s+(\d+)\.?\s*$", vm_stat, re.M)}
+    counted = [pages[k] for k in DARWIN_RECLAIMABLE if k in pages]
+    if size is None or not counted:
+        raise ValueError("vm_stat: no page size or no free/inactive page counts in its output")
+    return int(size.group(1)) * sum(counted)
 
 
 def gib(n: float) -> str:

@@ -24,20 +24,18 @@ def test_check_fits_refuses_past_the_budget_with_the_step_and_sizes():
 
 @pytest.fixture(scope="module")
 def old_folder(tmp_path_factory):
-    """A tiny Llama saved as older checkpoints were, with each layer's rotary ``inv_freq`` buffer among its weights:
-    transformers loads it (the extra tensors are ignored), mfqat cannot map it tensor by tensor; with the element
-    count its headers hold."""
+    """A tiny Llama saved as older checkpoints were, in a ``pytorch_model.bin``: transformers loads it, mfqat cannot
+    read it tensor by tensor (no safetensors headers: the size is the model's parameters, from its config)."""
     tok = tiny_tokenizer()
     root = tmp_path_factory.mktemp("old")
-    tiny_llama(vocab_size=len(tok)).save_pretrained(root / "src")
+    model = tiny_llama(vocab_size=len(tok))
+    model.save_pretrained(root / "src")
     tensors = load_file(root / "src" / "model.safetensors")
-    for i in range(2):
-        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
     (root / "old").mkdir()
-    save_file(tensors, root / "old" / "model.safetensors", metadata={"format": "pt"})
+    torch.save(tensors, root / "old" / "pytorch_model.bin")
     (root / "old" / "config.json").write_text((root / "src" / "config.json").read_text())
     tok.save_pretrained(root / "old")
-    return root / "old", sum(t.numel() for t in tensors.values())
+    return root / "old", sum(p.numel() for p in model.parameters())
 
 
 def test_an_export_that_must_load_the_model_is_refused_one_byte_short(old_folder, tmp_path):
@@ -46,7 +44,7 @@ def test_an_export_that_must_load_the_model_is_refused_one_byte_short(old_folder
 
     folder, numel = old_folder
     need = 4 * numel + LIBRARY_BYTES  # the float32 model
-    with pytest.raises(BudgetError, match=r"export-mlx: .* does not map tensor by tensor \(its tensor names"
+    with pytest.raises(BudgetError, match=r"export-mlx: .* does not map tensor by tensor \(no safetensors weights\)"
                                           r".*loading it whole in float32 needs at least .* over --max-memory"):
         to_mlx(folder, tmp_path / "m", recipe="uniform:mxint4", max_memory=need - 1)
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m*"))
@@ -105,3 +103,34 @@ def test_convert_scale_search_is_refused_before_its_calibration_pass(tmp_path, c
         main(["convert", str(path), "--to", "mxint4", "--scale-search", "--out", str(tmp_path / "c"),
               "--max-memory", "1"])
     assert e.value.code == 2 and "convert: " in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+VM_STAT = """Mach Virtual Memory Statistics: (page size of 16384 bytes)
+Pages free:                                3512.
+Pages active:                            240170.
+Pages inactive:                          236818.
+Pages speculative:                         1902.
+Pages throttled:                              0.
+Pages wired down:                        130431.
+Pages purgeable:                            842.
+"Translation faults":                1290873245.
+Pages copy-on-write:                   53460281.
+Pages zero filled:                    544391127.
+Pages reactivated:                     34221233.
+Pages purged:                           3372845.
+File-backed pages:                       127436.
+Anonymous pages:                         351454.
+Pages stored in compressor:              663107.
+Pages occupied by compressor:            193394.
+"""
+
+
+def test_macos_available_memory_is_its_free_inactive_speculative_and_purgeable_pages():
+    """A Mac has no /proc/meminfo: the default budget is vm_stat's reclaimable pages at its page size (16 KiB on
+    Apple silicon), not the pages 'wired', 'active' or 'purged' (a counter) or the compressor's."""
+    from mfqat.memory import darwin_available
+
+    assert darwin_available(VM_STAT) == 16384 * (3512 + 236818 + 1902 + 842)
+    assert darwin_available(VM_STAT.replace("16384", "4096")) == 4096 * (3512 + 236818 + 1902 + 842)
+    with pytest.raises(ValueError, match="vm_stat"):
+        darwin_available("Mach Virtual Memory Statistics:\nPages active: 5.\n")

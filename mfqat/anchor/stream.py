@@ -63,13 +63,20 @@ def meta_model(folder: PathLike):
 
 
 def folder_numel(folder: PathLike) -> int:
-    """Elements of the weights an HF folder stores, read from the safetensors headers (0 when it has none it can
-    read: a .bin or GGUF checkpoint)."""
+    """Elements of the weights an HF folder stores, read from the safetensors headers; without any (a
+    ``pytorch_model.bin`` checkpoint), the parameters of the model its config builds; 0 when neither is known."""
     try:
         with SourceCheckpoint(folder) as src:
-            return sum(int(torch.Size(info.shape).numel()) for _, info in src.where.values())
+            stored = sum(int(torch.Size(info.shape).numel()) for _, info in src.where.values())
+        if stored:
+            return stored
     except ValueError:
+        pass
+    try:
+        model, _ = meta_model(folder)
+    except Exception:  # no config, or one transformers cannot build: the load reports it
         return 0
+    return sum(p.numel() for p in model.parameters())
 
 
 def model_and_targets_numel(folder: PathLike) -> int:
