@@ -88,6 +88,30 @@ def test_eval_of_an_hf_model_is_refused_one_byte_short(tmp_path, capsys):
     assert (tmp_path / "p.png").is_file()
 
 
+def test_eval_compare_is_refused_before_anything_runs_when_its_float32_model_cannot_fit(tmp_path, capsys):
+    """``eval ANCHOR --compare --fp-model FP`` loads FP whole in float32 after the anchor's rows: refused up front,
+    one byte short of that model and a copy of its targets, before the anchor's evaluation is spent."""
+    from mfqat.anchor.tensors import default_targets
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(vocab_size=len(tok))
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "fp")
+    tok.save_pretrained(tmp_path / "fp")
+    anchor = mfqat.save_anchor(model, tmp_path / "a", "mxint8", tok)
+    params = dict(model.named_parameters())
+    need = 4 * (sum(p.numel() for p in params.values()) + sum(params[k].numel() for k in default_targets(model, 32)))
+    need += LIBRARY_BYTES
+    args = ["eval", str(anchor), "--formats", "mxint4", "--blocks", "2", "--seq-len", "32", "--compare",
+            "--fp-model", str(tmp_path / "fp"), "--plot", str(tmp_path / "p.png")]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--max-memory", str(need - 1)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "eval --compare/--bnb: " in err and "ppl" not in err
+    assert not (tmp_path / "p.png").exists()
+    main(args + ["--max-memory", str(need)])
+    assert (tmp_path / "p.png").is_file()
+
+
 def test_convert_scale_search_is_refused_before_its_calibration_pass(tmp_path, capsys, monkeypatch):
     """A convert that will be refused for memory says so before ``--scale-search``'s calibration pass runs (the
     pass over the whole model would otherwise be spent first)."""

@@ -112,6 +112,13 @@ def evaluate(a: argparse.Namespace) -> None:
     is_anchor = (Path(a.model) / "mfqat.json").is_file()
     dtype = getattr(torch, getattr(a, "dtype", None) or "float32")
     lazy = None
+    if is_anchor and a.fp_model and (a.compare or a.bnb) and Path(a.fp_model).is_dir():  # before hours are spent
+        from mfqat.anchor.stream import model_and_targets_numel
+        from mfqat.memory import check_fits
+        check_fits(f"eval --compare/--bnb: {a.fp_model} loaded whole in float32 (the model and a copy of its quantized "
+                   "weights)", 4 * model_and_targets_numel(a.fp_model), getattr(a, "max_memory", None),
+                   "evaluate on a machine with that much memory, pass a larger --max-memory if more is free, or "
+                   "leave out --compare and --bnb")
     if is_anchor:  # read once, lazily; the model filled tensor by tensor, or run module by module (eval at any size)
         from transformers import AutoTokenizer
 
@@ -153,16 +160,17 @@ def evaluate(a: argparse.Namespace) -> None:
     for r in rows:
         r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
     series = {"Slice-and-Scale from anchor" if is_anchor else "PTQ": [(r["bits/weight"], r["perplexity"], r["format"]) for r in rows]}
+    fp_model = None
     if a.compare:
         fp_model, _ = load_model(a.fp_model)
-        direct = evaluate_ptq(fp_model, formats, blocks)
+        direct = evaluate_ptq(fp_model, formats, blocks)  # restores its weights: --bnb's model too
         for r, d in zip(rows, direct):
             r["direct ppl"] = d["perplexity"]
         series["direct quantization of fp model"] = [(d["bits/weight"], d["perplexity"], d["format"]) for d in direct]
     if a.bnb:
         from mfqat.eval.bnb import bnb_rows
         from mfqat.train.lora import bnb_config
-        fp = load_model(a.fp_model)[0] if is_anchor else model
+        fp = model if not is_anchor else fp_model if fp_model is not None else load_model(a.fp_model)[0]
         bnb = bnb_rows(fp, {b: bnb_config(b) for b in a.bnb.split(",") if b}, blocks)
         for r in bnb:
             r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
