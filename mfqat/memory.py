@@ -26,8 +26,8 @@ LIBRARY_BYTES = 512 * 2 ** 20  # torch, transformers and the interpreter: less t
 
 def available_memory() -> int:
     """Bytes the system can give a new allocation now without swapping: Linux's ``MemAvailable`` (free memory
-    plus the page cache it can drop), macOS's free, inactive, speculative and purgeable pages (``vm_stat``: what
-    Activity Monitor counts as not in use), else the free physical pages; 0 when none is known."""
+    plus the page cache it can drop), an estimate on macOS (``vm_stat``'s free, inactive and speculative pages:
+    :func:`darwin_available`), else the free physical pages; 0 when none is known."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -47,13 +47,14 @@ def available_memory() -> int:
         return 0
 
 
-DARWIN_RECLAIMABLE = ("free", "inactive", "speculative", "purgeable")
+DARWIN_RECLAIMABLE = ("free", "inactive", "speculative")  # purgeable pages are counted in active/inactive too
 
 
 def darwin_available(vm_stat: str) -> int:
-    """Bytes of the pages macOS can hand out without swapping, from ``vm_stat``'s output: its page size (first
-    line) times its free, inactive, speculative and purgeable page counts. ValueError when the output has no page
-    size or none of those counts."""
+    """An estimate of the bytes macOS can hand out without swapping, from ``vm_stat``'s output: its page size
+    (first line) times its free, inactive and speculative page counts (inactive pages include anonymous ones that
+    come back only by compression or swap: an upper bound). ValueError when the output has no page size or none
+    of those counts."""
     size = re.search(r"page size of (\d+) bytes", vm_stat)
     pages = {m.group(1): int(m.group(2)) for m in re.finditer(r"^Pages ([a-z ]+?):\s+(\d+)\.?\s*$", vm_stat, re.M)}
     counted = [pages[k] for k in DARWIN_RECLAIMABLE if k in pages]

@@ -88,10 +88,11 @@ def test_eval_of_an_hf_model_is_refused_one_byte_short(tmp_path, capsys):
     assert (tmp_path / "p.png").is_file()
 
 
-def test_eval_compare_is_refused_before_anything_runs_when_its_float32_model_cannot_fit(tmp_path, capsys):
+def test_eval_compare_is_refused_before_anything_runs_when_its_float32_model_cannot_fit(tmp_path, capsys, monkeypatch):
     """``eval ANCHOR --compare --fp-model FP`` loads FP whole in float32 after the anchor's rows: refused up front,
     one byte short of that model and a copy of its targets, before the anchor's evaluation is spent."""
     from mfqat.anchor.tensors import default_targets
+    from mfqat.data import sources
 
     tok = tiny_tokenizer()
     model = tiny_llama(vocab_size=len(tok))
@@ -108,8 +109,14 @@ def test_eval_compare_is_refused_before_anything_runs_when_its_float32_model_can
     err = capsys.readouterr().err
     assert e.value.code == 2 and "eval --compare/--bnb: " in err and "ppl" not in err
     assert not (tmp_path / "p.png").exists()
-    main(args + ["--max-memory", str(need)])
+    loads = []
+    real = sources.load_model
+    monkeypatch.setattr(sources, "load_model", lambda *x, **k: loads.append(x) or real(*x, **k))
+    main(args + ["--bnb", "nf4", "--max-memory", str(need)])
     assert (tmp_path / "p.png").is_file()
+    assert len(loads) == 1, "--compare and --bnb loaded the full-precision model twice"
+    out = capsys.readouterr().out
+    assert "bnb_nf4" in out and "direct ppl" in out
 
 
 def test_convert_scale_search_is_refused_before_its_calibration_pass(tmp_path, capsys, monkeypatch):
@@ -149,12 +156,13 @@ Pages occupied by compressor:            193394.
 """
 
 
-def test_macos_available_memory_is_its_free_inactive_speculative_and_purgeable_pages():
-    """A Mac has no /proc/meminfo: the default budget is vm_stat's reclaimable pages at its page size (16 KiB on
-    Apple silicon), not the pages 'wired', 'active' or 'purged' (a counter) or the compressor's."""
+def test_macos_available_memory_is_its_free_inactive_and_speculative_pages():
+    """A Mac has no /proc/meminfo: the default budget is vm_stat's free, inactive and speculative pages at its page
+    size (16 KiB on Apple silicon), not the pages 'wired', 'active', 'purgeable' (counted in active/inactive too),
+    'purged' (a counter) or the compressor's."""
     from mfqat.memory import darwin_available
 
-    assert darwin_available(VM_STAT) == 16384 * (3512 + 236818 + 1902 + 842)
-    assert darwin_available(VM_STAT.replace("16384", "4096")) == 4096 * (3512 + 236818 + 1902 + 842)
+    assert darwin_available(VM_STAT) == 16384 * (3512 + 236818 + 1902)
+    assert darwin_available(VM_STAT.replace("16384", "4096")) == 4096 * (3512 + 236818 + 1902)
     with pytest.raises(ValueError, match="vm_stat"):
         darwin_available("Mach Virtual Memory Statistics:\nPages active: 5.\n")

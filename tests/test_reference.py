@@ -248,17 +248,20 @@ def _bit_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
 
 
-@given(st.integers(1, 8), st.sampled_from([torch.int8, torch.uint8, torch.int32]), st.integers(1, 4),
-       st.integers(1, 6), st.integers(0, 2 ** 31 - 1))
-def test_codes_pack_as_their_bit_stream_and_back(bits, dtype, rows, groups, seed):
-    """pack_codes (words of whole-byte groups) gives the bit stream's bytes at every width, and unpack_codes
-    inverts it (sign-extended for signed codes)."""
+@given(st.integers(1, 8), st.sampled_from([torch.int8, torch.uint8, torch.int32, torch.int64]),
+       st.sampled_from([(1,), (3,), (2, 3)]), st.integers(1, 6), st.booleans(), st.integers(0, 2 ** 31 - 1))
+def test_codes_pack_as_their_bit_stream_and_back(bits, dtype, lead, groups, signed_bytes, seed):
+    """pack_codes (words of whole-byte groups) gives the bit stream's bytes at every width, for codes of any
+    integer dtype (negative ones keep their low bits) and leading shape, and unpack_codes inverts it (sign-extended
+    for signed codes), also from bytes held as int8."""
     from mfqat.quant.packing import pack_codes, unpack_codes
     g = torch.Generator().manual_seed(seed)
-    lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
-    codes = torch.randint(lo, hi, (rows, groups * 8), generator=g).to(dtype)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128) if dtype == torch.int8 else (-1000, 1000)
+    codes = torch.randint(lo, hi, lead + (groups * 8,), generator=g).to(dtype)
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and torch.equal(packed, _bit_stream(codes, bits))
+    if signed_bytes:
+        packed = packed.view(torch.int8)
     low = codes.to(torch.int64) & ((1 << bits) - 1)
     assert torch.equal(unpack_codes(packed, bits, groups * 8, signed=False).to(torch.int64), low)
     signed = torch.where(low >= (1 << (bits - 1)), low - (1 << bits), low)

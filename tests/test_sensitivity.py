@@ -199,3 +199,39 @@ def test_large_matrices_measured_in_row_chunks_score_as_whole(anchor, monkeypatc
         assert chunked[name].numel == whole[name].numel, name
         assert chunked[name].rel_error == pytest.approx(whole[name].rel_error, rel=1e-5, abs=1e-12), name
         assert chunked[name].rel_error["mxint3"] > chunked[name].rel_error["affine6"] > 0, name
+
+
+def test_a_matrix_with_stored_learned_scales_is_measured_whole(anchor, tmp_path, monkeypatch):
+    """An anchor that stores learned scales for a derived width (mfqat refine) is measured with them: such a matrix
+    is not cut into row chunks (the chunks would be derived without them), so its errors are the whole tensor's."""
+    import shutil
+
+    from mfqat.anchor.learned_scales_store import add_learned_scales
+    from mfqat.export import sensitivity
+    from mfqat.quant.derive import derive, derived_group
+
+    path = tmp_path / "a"
+    shutil.copytree(anchor.path, path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    group = derived_group("affine4", 64)
+    q = derive(anchor.quantized[name].dequantize(torch.float32), "affine4", group)
+    learned = {name: type(q)(q.codes, q.scales * 1.25, q.fmt, q.block_size, q.dtype, q.biases)}
+    add_learned_scales(path, "affine4", group, learned, {"steps": 0})
+    stored = mfqat.read_anchor(path)
+    levels = ["mxint3", "affine4", "mxint8"]
+    blocks = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    whole = measure(stored, [name], "mxint3", blocks, levels=levels)
+    monkeypatch.setattr(sensitivity, "CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(sensitivity, "ROWS_ELEMENTS", 64 * 7 + 3)
+    assert sensitivity._chunk_rows(stored, name, levels, 64) is None
+    assert sensitivity._chunk_rows(anchor, name, levels, 64) is not None  # without the stored width: in chunks
+    got = measure(stored, [name], "mxint3", blocks, levels=levels)
+    assert got[name].rel_error == whole[name].rel_error
+    plain = measure(anchor, [name], "mxint3", blocks, levels=levels)
+    assert plain[name].rel_error["affine4"] != pytest.approx(got[name].rel_error["affine4"], rel=1e-3)
+
+
+def test_a_probe_outside_the_levels_is_refused(anchor):
+    blocks = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="probe format mxint2 is not one of the levels mxint4, mxint8"):
+        measure(anchor, ["lm_head.weight"], "mxint2", blocks, levels=["mxint4", "mxint8"])

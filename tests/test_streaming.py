@@ -194,6 +194,13 @@ def test_stored_tensors_the_model_lacks_are_ignored_as_transformers_ignores_them
     assert set(got.plain) == set(want.plain) and set(got.quantized) == set(want.quantized)
     assert all(torch.equal(got.plain[k], v) for k, v in want.plain.items())
     assert all(torch.equal(got.quantized[k].codes, q.codes) for k, q in want.quantized.items())
+    # any other stored tensor the model lacks (a scale under another name, a tower the class does not build) is
+    # not dropped by guess: the folder is refused, and the model loaded (transformers decides what it means)
+    tensors["model.layers.0.self_attn.q_proj.weight_scale"] = torch.ones(1)
+    index["weight_map"]["model.layers.0.self_attn.q_proj.weight_scale"] = shard
+    save_file(tensors, old / shard, metadata={"format": "pt"})
+    (old / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "weight_scale" in streamable(old)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ not map tensor by tensor: :func:`streamable` says why, and the caller loads the 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
@@ -123,13 +124,28 @@ def inspect_folder(folder: PathLike) -> Tuple[Optional[str], Any, Any]:
         aliases = dict(model.named_parameters(remove_duplicate=False))  # tied names the state dict dropped
         extra = [k for k in src.names if k not in sd and k not in aliases]
         wrong = [k for k in sd if k in held and src.shape(k) != tuple(sd[k].shape)]
-    if missing or wrong:
-        first = (missing or wrong)[0]
+    ignored = [k for k in extra if unused_on_load(model, k)]
+    unknown = [k for k in extra if k not in ignored]
+    if missing or wrong or unknown:
+        first = (missing or wrong or unknown)[0]
         return f"its tensor names or shapes differ from the model's (e.g. {first}: renamed or fused on load)", None, None
-    if extra:  # every model tensor is there as it is: the rest are what from_pretrained leaves unused too
-        warnings.warn(f"{folder}: {len(extra)} stored tensor(s) the model does not have are ignored, as transformers "
-                      f"ignores them on load (e.g. {', '.join(extra[:3])})", stacklevel=2)
+    if ignored:  # every model tensor is there as it is; the rest are what from_pretrained drops without a word
+        warnings.warn(f"{folder}: {len(ignored)} stored tensor(s) the model does not use are ignored, as transformers "
+                      f"ignores them on load (e.g. {', '.join(ignored[:3])})", stacklevel=2)
     return None, model, config
+
+
+# What from_pretrained drops without a warning whatever the model (modeling_utils: older checkpoints' rotary and
+# position-id buffers); each model class adds its own _keys_to_ignore_on_load_unexpected (e.g. MTP layers).
+UNUSED_ON_LOAD = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
+
+def unused_on_load(model, name: str) -> bool:
+    """Whether transformers ignores the stored tensor ``name`` on load by rule (its patterns, searched as it
+    searches them). Any other stored tensor the model lacks (a scale of another name, a tower the class does not
+    build) stops the stream: the model is loaded, and transformers decides."""
+    patterns = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | set(UNUSED_ON_LOAD)
+    return any(re.search(p, name) for p in patterns)
 
 
 def folder_tokenizer(folder: PathLike):
@@ -249,11 +265,13 @@ def folder_anchor(folder: PathLike, fmt: str = "mxint8", block_size: int = 32, s
 def anchor_from_folder(folder: PathLike, path: PathLike, fmt: str = "mxint8", tokenizer=None, block_size: int = 32,
                        scale_rule: str = "floor", max_shard_bytes: int = MAX_SHARD_BYTES,
                        overwrite: bool = False,
-                       transforms: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None) -> Path:
+                       transforms: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None,
+                       inspected: Optional[Tuple[Optional[str], Any, Any]] = None) -> Path:
     """Post-training anchor of the HF checkpoint ``folder`` written to ``path``, tensor by tensor (module
     docstring; the tensors are :func:`folder_anchor`'s). ``tokenizer``: saved with it (default: the
-    folder's, when it has one). Raises ValueError when :func:`streamable` refuses the folder."""
-    anchor = folder_anchor(folder, fmt, block_size, scale_rule, transforms=transforms)
+    folder's, when it has one). Raises ValueError when :func:`streamable` refuses the folder. ``inspected``:
+    :func:`inspect_folder`'s answer when the caller has it."""
+    anchor = folder_anchor(folder, fmt, block_size, scale_rule, inspected=inspected, transforms=transforms)
     meta = anchor.meta
     try:
         if tokenizer is None:

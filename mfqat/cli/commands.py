@@ -116,7 +116,7 @@ def evaluate(a: argparse.Namespace) -> None:
         from mfqat.anchor.stream import model_and_targets_numel
         from mfqat.memory import check_fits
         check_fits(f"eval --compare/--bnb: {a.fp_model} loaded whole in float32 (the model and a copy of its quantized "
-                   "weights)", 4 * model_and_targets_numel(a.fp_model), getattr(a, "max_memory", None),
+                   "weights, after the anchor's model is freed)", 4 * model_and_targets_numel(a.fp_model), getattr(a, "max_memory", None),
                    "evaluate on a machine with that much memory, pass a larger --max-memory if more is free, or "
                    "leave out --compare and --bnb")
     if is_anchor:  # read once, lazily; the model filled tensor by tensor, or run module by module (eval at any size)
@@ -160,6 +160,9 @@ def evaluate(a: argparse.Namespace) -> None:
     for r in rows:
         r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
     series = {"Slice-and-Scale from anchor" if is_anchor else "PTQ": [(r["bits/weight"], r["perplexity"], r["format"]) for r in rows]}
+    base = f"anchor format {model.mfqat_format}" if is_anchor else model_label(a.model)
+    if is_anchor:  # the anchor's rows are done: its model goes before --compare / --bnb load theirs
+        del model, lazy
     fp_model = None
     if a.compare:
         fp_model, _ = load_model(a.fp_model)
@@ -176,7 +179,6 @@ def evaluate(a: argparse.Namespace) -> None:
             r["delta vs base"] = f"{100 * (r['perplexity'] / base_ppl - 1):+.2f}%"
         rows += bnb
         series["bitsandbytes"] = [(r["bits/weight"], r["perplexity"], r["format"]) for r in bnb]
-    base = f"anchor format {model.mfqat_format}" if is_anchor else model_label(a.model)
     print(f"base ({base}) perplexity: {base_ppl:.3f}")
     cols = ["format", "bits/weight", "perplexity", "delta vs base"] + (["direct ppl"] if a.compare else [])
     print(format_table(rows, cols))

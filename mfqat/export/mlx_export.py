@@ -290,7 +290,8 @@ def _ptq_anchor(source, scratch: Path, awq: bool, calib_text: Optional[str], rep
             report.update(entry)
             report["ptq"] = "AWQ, tensor by tensor"
         if written:
-            return read_anchor(anchor_from_folder(source, scratch, fmt, transforms=transforms), lazy=True), scratch
+            return read_anchor(anchor_from_folder(source, scratch, fmt, transforms=transforms, inspected=inspected),
+                               lazy=True), scratch
         anchor = folder_anchor(source, fmt, inspected=inspected, transforms=transforms)
         tok = folder_tokenizer(source)
         scratch.mkdir(parents=True)

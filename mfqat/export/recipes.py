@@ -139,7 +139,8 @@ class Plan:
     def chunk_rows(self, anchor: Anchor, name: str, elements: Optional[int] = None) -> Optional[int]:
         """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row
         chunks (a 2-D matrix of over ``elements`` elements, default :data:`CHUNK_ELEMENTS` read at the call,
-        written under one mlx-lm name, with no learned scales but learned MX exponents), else None (whole)."""
+        written under one mlx-lm name, not held whole already: learned scales and MX exponents are cut with it), else
+        None (whole)."""
         elements = CHUNK_ELEMENTS if elements is None else elements
         shape = anchor.shape(name)
         fmt = self.formats[name]

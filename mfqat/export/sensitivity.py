@@ -224,8 +224,10 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
     tensor's relative weight error at every level (default: the anchor family's ladder).
     ``replay=False``: a full forward per tensor (the same numbers, slower; see _ProbeKL). The model is
     never held: each forward reads its modules' weights from the anchor (read lazily or not) as they run."""
-    kl_of = _ProbeKL(anchor, blocks, names, replay)
     levels = levels or ladder(anchor.format)
+    if probe not in levels:
+        raise ValueError(f"sensitivity: the probe format {probe} is not one of the levels {', '.join(levels)}")
+    kl_of = _ProbeKL(anchor, blocks, names, replay)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
         rows = _chunk_rows(anchor, name, levels, derived_group)

@@ -43,7 +43,7 @@ def _group(bits: int) -> int:
 
 def _pack_words(c: torch.Tensor, bits: int) -> torch.Tensor:
     """:func:`pack_codes` of masked int32 codes: each group of :func:`_group` codes gathered in one int64 word
-    (code i at bit i * bits, at most 40 bits), whose low bytes are the group's bytes. A few bytes of work per code
+    (code i at bit i * bits, at most 56 bits), whose low bytes are the group's bytes. A few bytes of work per code
     (a bit-by-bit stream took ~100: 15 GB for one 49152 x 3072 embedding at 6 bits)."""
     g = _group(bits)
     nbytes = g * bits // 8
@@ -62,9 +62,9 @@ def _unpack_words(p: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     g = _group(bits)
     nbytes = g * bits // 8
     pg = p.reshape(*p.shape[:-1], n // g, nbytes)
-    word = pg[..., 0].to(torch.int64)
+    word = pg[..., 0].to(torch.int64) & 0xFF  # & 0xFF: bytes held in a signed dtype are not sign-extended
     for j in range(1, nbytes):
-        word |= pg[..., j].to(torch.int64) << (8 * j)
+        word |= (pg[..., j].to(torch.int64) & 0xFF) << (8 * j)
     out = torch.empty(*word.shape, g, dtype=torch.int32, device=p.device)
     for i in range(g):
         out[..., i] = (word >> (i * bits)) & ((1 << bits) - 1)
@@ -95,10 +95,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int, signed: bool) -> torch
         )
     if bits == 8 and packed.dtype == torch.uint8:  # a byte a code: sign-extending is reading it as int8
         return packed.contiguous().view(torch.int8).clone() if signed else packed.clone()
-    p = packed.to(torch.int32)
     if bits == 8:
-        c = p
+        c = packed.to(torch.int32) & 0xFF
     elif bits == 4:
+        p = packed.to(torch.int32) & 0xFF
         c = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], n)
     else:
         c = _unpack_words(packed, bits, n)
