@@ -243,8 +243,8 @@ def plot(rows, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in dict.fromkeys(r["command"] for r in rows):
-        pts = [(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0
-               and r["size"] in SHAPES]
+        pts = sorted((r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0
+                     and r["size"] in SHAPES)  # by size: --merge appends rows out of order
         if pts:
             line, = ax.plot(*zip(*pts), marker="o", label=name)
             moe = [(r["bf16_gib"], r["peak_gib"]) for r in rows if r["command"] == name and r["rc"] == 0
