@@ -393,3 +393,18 @@ def test_hypothesis_codes_round_trip(name, values):
     assert torch.equal(mx_codes_to_values(q.codes, f), mx_round_elements(mx_codes_to_values(q.codes, f), f)[0])
     u = mfqat.MXTensor.unpack(q.pack(), q.scales, f, 32, (1, 32))
     assert torch.equal(u.codes, q.codes)
+
+
+@pytest.mark.parametrize("name", ["mxint8", "affine4", "nvfp4"])
+def test_rows_of_a_quantized_matrix_are_the_quantized_rows(name):
+    """MXTensor.rows(lo, hi) is the quantization of rows lo:hi (blocks run along the last axis): codes, scales and
+    affine biases sliced, every other field kept; it decodes to the whole tensor's rows."""
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5))
+    q = mfqat.quantize(x, name)
+    part = q.rows(2, 7)
+    want = mfqat.quantize(x[2:7], name)
+    assert torch.equal(part.codes, want.codes) and torch.equal(part.scales, want.scales)
+    assert (part.biases is None) == (want.biases is None)
+    if want.biases is not None:
+        assert torch.equal(part.biases, want.biases)
+    assert torch.equal(part.dequantize(), q.dequantize()[2:7]) and part.fmt == q.fmt

@@ -95,8 +95,7 @@ class LearnedExponents:
         chunk is the rows of the whole)."""
         for lo in range(0, a.shape[0], rows):
             hi = min(a.shape[0], lo + rows)
-            part = MXTensor(a.codes[lo:hi], a.scales[lo:hi], a.fmt, a.block_size, a.dtype, None, a.scale_rule)
-            yield lo, hi, LearnedExponents(self.scales[lo:hi]).on(part, fmt)
+            yield lo, hi, LearnedExponents(self.scales[lo:hi]).on(a.rows(lo, hi), fmt)
 
 
 @dataclass

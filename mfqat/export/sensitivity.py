@@ -147,8 +147,7 @@ def in_format_chunks(anchor: Anchor, name: str, fmt: str, derived_group: int = D
     for lo in range(0, n, rows):
         hi = min(n, lo + rows)
         if isinstance(src, MXTensor):
-            part = MXTensor(src.codes[lo:hi], src.scales[lo:hi], src.fmt, src.block_size, src.dtype, None,
-                            src.scale_rule, src.slice_rules, src.importance)
+            part = src.rows(lo, hi)
             yield lo, hi, (derive(part.dequantize(torch.float32), fmt, derived_group) if is_derived(fmt)
                            else slice_and_scale(part, fmt))
         elif is_derived(fmt):
@@ -282,8 +281,7 @@ def _errors_in_chunks(anchor: Anchor, name: str, levels: List[str], probe: str, 
     norm = 0.0
     for i, f in enumerate(levels):
         for lo, hi, q in in_format_chunks(anchor, name, f, derived_group, rows):
-            original = (MXTensor(src.codes[lo:hi], src.scales[lo:hi], src.fmt, src.block_size, src.dtype).dequantize(
-                torch.float32) if src is not None else plain[lo:hi].float())
+            original = src.rows(lo, hi).dequantize(torch.float32) if src is not None else plain[lo:hi].float()
             w = q.dequantize(torch.float32)
             sums[f] += (w - original).pow(2).sum().item()
             if i == 0:

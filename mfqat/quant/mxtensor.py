@@ -1,6 +1,7 @@
 """MXTensor: unpacked codes + block scales + format, with dense packing."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -48,6 +49,12 @@ class MXTensor:
     def shape(self) -> torch.Size:
         """Shape of the quantized tensor."""
         return self.codes.shape
+
+    def rows(self, lo: int, hi: int) -> "MXTensor":
+        """Rows lo:hi of a quantized matrix (blocks run along the last axis, so its rows are independent): the
+        codes, scales and biases sliced, every other field the same."""
+        return dataclasses.replace(self, codes=self.codes[lo:hi], scales=self.scales[lo:hi],
+                                   biases=None if self.biases is None else self.biases[lo:hi])
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Decode to a float tensor (the original dtype unless ``dtype`` is given)."""
