@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--scale-search", action="store_true", help="output-aware per-block MX scale choice when "
                    "lowering the anchor to mxint6..mxint3 (importance-weighted error, calibrated on --calib-text; "
                    "docs/numerics.md)")
+    x.add_argument("--gptq", action="store_true", help="GPTQ codes for the derived affine matrices: each rounding "
+                   "error is pushed onto the columns not yet rounded, weighted by the matrix's inputs on --calib-text "
+                   "(32 x 128 tokens), the derived scales and biases kept, before the refine learns them "
+                   "(mfqat.export.gptq; holds those matrices' codes in memory, a byte a weight)")
     how = x.add_mutually_exclusive_group()
     how.add_argument("--refine", action="store_true", help="the default for a plan with affine tensors, required "
                      "for nvfp4 and MX plans: learn the affine tensors' group scales and biases, the nvfp4 tensors' "

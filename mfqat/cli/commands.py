@@ -235,8 +235,12 @@ def export(a: argparse.Namespace) -> None:
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
                  imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,
-                 max_memory=getattr(a, "max_memory", None))
+                 max_memory=getattr(a, "max_memory", None), gptq=_gptq_config(a))
     v = rep.get("verify", {})
+    if "gptq" in rep:
+        g = rep["gptq"]
+        print(f"gptq: {g['tensors']} of {g['candidates']} affine matrices, output error on the calibration inputs "
+              f"{g['output_error_rtn']:.4g} -> {g['output_error_gptq']:.4g}, {g['seconds']:.0f}s")
     if "skipped" in rep.get("refine", {}):
         print(f"refine: skipped: {rep['refine']['skipped']}")
     elif "refine" in rep:
@@ -250,6 +254,14 @@ def export(a: argparse.Namespace) -> None:
           f"for the quantized matrices, {rep['scale_dtype']} scales), "
           f"{rep['seconds']:.1f}s; weights bit-exact: {v.get('weights_bit_exact')}, "
           f"max |logit diff| {v.get('max_abs_logit_diff')}")
+
+
+def _gptq_config(a: argparse.Namespace):
+    """``--gptq``: GPTQ's default settings (mfqat.export.gptq.GPTQConfig), else None."""
+    if not getattr(a, "gptq", False):
+        return None
+    from mfqat.export.gptq import GPTQConfig
+    return GPTQConfig()
 
 
 def calibration_ids(tok, calib_text: Optional[str], model: Optional[str] = None):

@@ -143,7 +143,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
            group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
            imatrix_path: Optional[str] = None, scale_search: bool = False,
-           refine: Union["RefineConfig", str, None] = None, max_memory: Optional[int] = None) -> dict:
+           refine: Union["RefineConfig", str, None] = None, max_memory: Optional[int] = None,
+           gptq: Optional["GPTQConfig"] = None) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -166,6 +167,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     already stores) unrefined. ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
     logits check when it fits, else the check on the model's first layers), and the budget an HF source that must be
     loaded whole is checked against before it loads (default: the memory available; mfqat.memory.check_fits).
+    ``gptq``: error-compensated codes for the plan's derived affine matrices on ``calib_text``, the grid kept
+    (mfqat.export.gptq.GPTQConfig), before any refine; those matrices are then held whole until written.
 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
     written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
@@ -218,6 +221,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             report["caveats"] = caveats
             for caveat in caveats:
                 warnings.warn(f"{source}: {caveat}", stacklevel=2)
+        if gptq is not None:
+            from mfqat.export.gptq import apply_gptq_text
+            report["gptq"] = apply_gptq_text(anchor, plan, tok_dir, calib_text, gptq)
         if refine is not None:
             from mfqat.export.refine import apply_refine
             spilled = refine if refine.spill_dir is not None else dataclasses.replace(refine, spill_dir=tmp)

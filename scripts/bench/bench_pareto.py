@@ -107,13 +107,19 @@ def measure_each_probe_once(store: Path) -> None:
 
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None:
-    """``RECIPE[@gN][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
+    """``RECIPE[@gN][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
+    +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP sets
+    GPTQConfig.n_blocks and .damp);
     +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
     +refineSTEPS/bBLOCKS on BLOCKS calibration blocks (RefineConfig.n_blocks, default 32).
     ``calib``: export-mlx's --calib-text spec for the sensitivity pass and the refine (default: pydoc)."""
     from mfqat.data.mix import mixed_text
+    from mfqat.export.gptq import GPTQConfig
 
     recipe, refined, steps = recipe.partition("+refine")
+    recipe, gptq, gptq_opts = recipe.partition("+gptq")
+    gptq_kw = {{"b": "n_blocks", "d": "damp"}[o[0]]: (int if o[0] == "b" else float)(o[1:])
+               for o in gptq_opts.split("/") if o}
     recipe, _, group = recipe.partition("@g")
     refine = None
     if refined:
@@ -122,7 +128,8 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
         refine = RefineConfig(steps=int(steps or 64), **({"n_blocks": int(blocks)} if blocks else {}))
     if not (dest / "mfqat_export.json").is_file():
         to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
-               refine=refine, calib_text=mixed_text(calib, model=str(anchor)) if calib else None)
+               refine=refine, calib_text=mixed_text(calib, model=str(anchor)) if calib else None,
+               gptq=GPTQConfig(**gptq_kw) if gptq else None)
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,

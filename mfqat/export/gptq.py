@@ -1,0 +1,203 @@
+"""``export-mlx --gptq``: error-compensated codes for the derived affine matrices of an export.
+
+GPTQ (Frantar et al., 2022) with each group's derived scale and bias kept: the grid MLX stores is the one
+round-to-nearest derives from the anchor, and only the codes change. Each quantized matrix's rounding
+error is pushed onto the columns not yet quantized, weighted by the second moment of the matrix's input on
+calibration text, so that ``||(W - Q) x||`` (the layer's output error) shrinks rather than ``||W - Q||``.
+The inputs are the anchor's own (its model in its format, one pass over the calibration blocks, as
+mlx-lm's ``gptq`` takes the unquantized model's), so every matrix is independent of the others.
+
+The result is the plain MLX affine layout (same bytes per weight, stock ``mlx_lm.load``), held whole in the
+plan (``Plan.learned_scales[name]``: an MXTensor with the new codes); ``--refine`` after it learns the scales
+and biases of those codes, and the export check compares what is written with PyTorch bit for bit as ever.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from mfqat.anchor.checkpoint import Anchor
+from mfqat.export.recipes import Plan
+from mfqat.export.sensitivity import anchor_values
+from mfqat.formats import get_format
+from mfqat.progress import progress
+from mfqat.quant.derive import DERIVED_DTYPE, is_derived
+from mfqat.quant.mxtensor import MXTensor
+
+
+@dataclass
+class GPTQConfig:
+    """GPTQ on a plan's derived affine matrices, each group's derived scale ``s`` and bias ``b`` fixed.
+
+    For a matrix ``W`` (rows x K) whose input ``x`` has the calibration second moment ``H = mean(x x^T)``
+    (K x K), with ``U`` the upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, the columns are
+    quantized one at a time (in order of decreasing ``diag H`` when ``act_order``), each on its own group's grid::
+
+        q_j = clamp(round((w_j - b) / s), 0, 2^k - 1)      e_j = (w_j - (q_j * s + b)) / U_jj
+        w_l -= e_j * U_jl      for every column l quantized after j
+
+    which minimises ``sum over tokens ||(W - Q) x||^2`` column by column (Frantar et al., 2022). With a diagonal
+    ``H`` nothing is pushed on, and the codes are round-to-nearest on the derived grid.
+
+    ``n_blocks`` x ``seq_len`` calibration tokens (the refine's 32 x 128 by default); ``damp`` the relative
+    dampening (raised tenfold, up to three times, if the Cholesky factorisation fails); ``block_columns``
+    columns per lazy batch update (speed only: the same codes up to float32 rounding order).
+    """
+
+    n_blocks: int = 32
+    seq_len: int = 128
+    damp: float = 0.01
+    act_order: bool = True
+    block_columns: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("n_blocks", "seq_len", "block_columns"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"gptq: {name} must be at least 1, got {getattr(self, name)}")
+        if not self.damp > 0:
+            raise ValueError(f"gptq: damp must be positive, got {self.damp}")
+
+
+def _upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of ``(h + damp * mean(diag h) * I)^-1`` (float64 in, float32 out); the
+    dampening grows tenfold, up to three times, when ``h`` is too ill-conditioned to factor."""
+    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    level = damp * float(torch.diagonal(h).mean())
+    for _ in range(4):
+        low, info = torch.linalg.cholesky_ex(h + level * eye)
+        if int(info) == 0:
+            return torch.linalg.cholesky(torch.cholesky_inverse(low), upper=True).float()
+        level *= 10
+    raise ValueError("gptq: the calibration inputs' second moment could not be factored even at 1000x dampening")
+
+
+def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+               group: int, cfg: Optional[GPTQConfig] = None) -> torch.Tensor:
+    """The uint8 codes (rows x K) GPTQ gives matrix ``w`` (rows x K, float) on the affine grid ``scales``,
+    ``biases`` (rows x K/group, float32) at ``bits`` bits, for inputs of second moment ``h`` (K x K)."""
+    cfg = cfg or GPTQConfig()
+    rows, k = w.shape
+    if k % group or scales.shape != (rows, k // group) or biases.shape != scales.shape or h.shape != (k, k):
+        raise ValueError(f"gptq: matrix {tuple(w.shape)}, grid {tuple(scales.shape)} / {tuple(biases.shape)}, "
+                         f"second moment {tuple(h.shape)} do not fit groups of {group}")
+    h = h.double().clone()
+    dead = torch.diagonal(h) == 0  # an input that is always 0: its weight never matters
+    h[dead, dead] = 1.0
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if cfg.act_order else torch.arange(k)
+    u = _upper_inverse_factor(h[perm][:, perm], cfg.damp)
+    work = w.float()[:, perm].clone()
+    groups = perm // group
+    s, b = scales.float(), biases.float()
+    qmax = float(2 ** bits - 1)
+    codes = torch.empty(rows, k, dtype=torch.uint8)
+    for lo in range(0, k, cfg.block_columns):
+        hi = min(k, lo + cfg.block_columns)
+        block, errors, ub = work[:, lo:hi].clone(), torch.zeros(rows, hi - lo), u[lo:hi, lo:hi]
+        for i in range(hi - lo):
+            g = int(groups[lo + i])
+            col = block[:, i]
+            q = torch.round((col - b[:, g]) / s[:, g]).clamp_(0, qmax)
+            codes[:, lo + i] = q.to(torch.uint8)
+            e = (col - (q * s[:, g] + b[:, g])) / ub[i, i]
+            block[:, i:] -= e.unsqueeze(1) * ub[i, i:].unsqueeze(0)
+            errors[:, i] = e
+        work[:, hi:] -= errors @ u[lo:hi, hi:]
+    out = torch.empty_like(codes)
+    out[:, perm] = codes
+    return out
+
+
+def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:
+    """``trace((W - Q) H (W - Q)^T)``: the summed squared output error of ``q`` against ``w`` per token."""
+    err = w.float() - q.dequantize(torch.float32)
+    return float(((err @ h.float()) * err).sum())
+
+
+def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_size: int = 4) -> Dict[str, torch.Tensor]:
+    """{weight name: mean(x x^T) of its nn.Linear's input over the calibration tokens} (float32, K x K) for the
+    ``names`` that are nn.Linear weights of the anchor's model, run in its own format (mfqat.export.lazy_model).
+    Memory: one K x K float32 matrix per such Linear."""
+    from mfqat.export.lazy_model import LazyModel, anchor_source
+
+    lazy = LazyModel(anchor, checkpoint_layers=False)
+    wanted = set(names)
+    linears = {n: m for n, m in lazy.model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight" in wanted}
+    sums: Dict[str, torch.Tensor] = {}
+    counts: Dict[str, int] = {}
+
+    def hook(name: str):
+        def fn(_mod, inputs, _out):
+            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+            sums[name] = sums[name].addmm_(x.T, x) if name in sums else x.T @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return fn
+
+    hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad(), lazy.running(anchor_source(anchor)) as model:
+            for i in progress(range(0, calib.shape[0], batch_size), desc="gptq inputs", leave=False):
+                model(calib[i:i + batch_size], use_cache=False)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return {f"{n}.weight": sums[n] / counts[n] for n in sums}
+
+
+def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
+    """The planned 2-D tensors in a derived affine format that GPTQ can take (the anchor quantizes them)."""
+    return [n for n, f in plan.formats.items() if is_derived(f) and get_format(f).family == "affine"
+            and n in anchor.quantized and len(anchor.shape(n)) == 2]
+
+
+def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None) -> dict:
+    """GPTQ codes for every :func:`gptq_names` tensor that is an nn.Linear's weight, held whole in
+    ``plan.learned_scales`` (an MXTensor each). Returns the report entry: tensors, the summed output error of
+    round-to-nearest and of GPTQ on the calibration inputs, seconds. A tensor whose GPTQ error is not lower
+    keeps its round-to-nearest codes."""
+    cfg = cfg or GPTQConfig()
+    t0 = time.perf_counter()
+    names = gptq_names(anchor, plan)
+    if not names:
+        raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
+                         "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
+                         "auto:BPW:affine) or drop --gptq")
+    moments = input_moments(anchor, calib, names)
+    before = after = 0.0
+    changed = 0
+    for name in progress([n for n in names if n in moments], desc="gptq", unit="tensor"):
+        q = plan.tensor(anchor, name)
+        w = anchor_values(anchor, name).to(DERIVED_DTYPE).float()
+        if not torch.isfinite(w).all():
+            continue
+        h = moments[name]
+        codes = gptq_codes(w, h, q.scales, q.biases, q.fmt.bits, q.block_size, cfg)
+        new = dataclasses.replace(q, codes=codes)
+        e0, e1 = output_error(w, q, h), output_error(w, new, h)
+        before += e0
+        if e1 < e0:
+            plan.learned_scales[name] = new
+            after += e1
+            changed += 1
+        else:
+            after += e0
+    return {"tensors": changed, "candidates": len(names), "output_error_rtn": before, "output_error_gptq": after,
+            "calibration_blocks": int(calib.shape[0]), "damp": cfg.damp, "act_order": cfg.act_order,
+            "seconds": time.perf_counter() - t0}
+
+
+def apply_gptq_text(anchor: Anchor, plan: Plan, tokenizer_dir, calib_text: Optional[str],
+                    cfg: Optional[GPTQConfig] = None) -> dict:
+    """Tokenize the calibration text (default: the pydoc training split) and :func:`apply_gptq`."""
+    from transformers import AutoTokenizer
+
+    from mfqat.data.sources import calibration_blocks, describe_calibration
+
+    cfg = cfg or GPTQConfig()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    calib = calibration_blocks(tok, calib_text, n_blocks=cfg.n_blocks, seq_len=cfg.seq_len)
+    return {**apply_gptq(anchor, plan, calib, cfg), "calibration": describe_calibration(calib_text)}

@@ -1,0 +1,194 @@
+"""``export-mlx --gptq``: error-compensated codes on the derived affine grid (mfqat.export.gptq), checked against a
+column-by-column oracle written from the update rule (inverse Hessian downdated after each column, no Cholesky
+factor, no lazy batches), then through a real export that stays bit-exact and keeps its codes under --refine."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mfqat.export.gptq import GPTQConfig, gptq_codes, output_error
+from mfqat.quant.derive import derive_affine
+
+
+def _problem(seed: int, rows: int = 24, k: int = 128, bits: int = 3, group: int = 32, corr: float = 0.4):
+    """A bfloat16-valued matrix, its derived affine grid and the second moment of correlated inputs."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, k, generator=g).bfloat16().float()
+    mix = torch.eye(k) + corr * torch.randn(k, k, generator=g)
+    x = torch.randn(4 * k, k, generator=g) @ mix
+    h = x.T @ x / x.shape[0]
+    q = derive_affine(w, f"affine{bits}", group)
+    return w, h, q
+
+
+def _oracle(w, h, s, b, bits, group, damp):
+    """GPTQ as first written (OBQ's update in column order): quantize column j on its group's grid, spread
+    its error over the later columns with the inverse Hessian, then remove column j from that inverse."""
+    w = w.double().clone()
+    k = w.shape[1]
+    hd = h.double() + damp * torch.diagonal(h.double()).mean() * torch.eye(k)
+    hinv = torch.linalg.inv(hd)
+    codes = torch.empty(w.shape, dtype=torch.uint8)
+    for j in range(k):
+        sj, bj = s[:, j // group].double(), b[:, j // group].double()
+        q = torch.round((w[:, j] - bj) / sj).clamp(0, 2 ** bits - 1)
+        codes[:, j] = q.to(torch.uint8)
+        err = (w[:, j] - (q * sj + bj)) / hinv[j, j]
+        w[:, j + 1:] -= err.unsqueeze(1) * hinv[j, j + 1:].unsqueeze(0)
+        hinv = hinv - torch.outer(hinv[:, j], hinv[j, :]) / hinv[j, j]
+    return codes
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gptq_codes_are_the_column_by_column_oracle(bits):
+    w, h, q = _problem(bits, bits=bits)
+    cfg = GPTQConfig(act_order=False, block_columns=16)
+    got = gptq_codes(w, h, q.scales, q.biases, bits, 32, cfg)
+    want = _oracle(w, h, q.scales, q.biases, bits, 32, cfg.damp)
+    assert (got != want).float().mean() < 0.01  # float32 against float64: a rounding tie may land either way
+    assert (got != q.codes).float().mean() > 0.05  # and it is not round-to-nearest
+
+
+def test_act_order_is_the_oracle_on_permuted_columns():
+    w, h, q = _problem(7)
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    got = gptq_codes(w, h, q.scales, q.biases, 3, 32, GPTQConfig(act_order=True))
+    # the oracle on the permuted problem, each column on its own group's grid, then put back in place
+    s, b = q.scales[:, perm // 32], q.biases[:, perm // 32]
+    want = _oracle(w[:, perm], h[perm][:, perm], s, b, 3, 1, GPTQConfig().damp)
+    back = torch.empty_like(want)
+    back[:, perm] = want
+    assert (got != back).float().mean() < 0.01
+
+
+def test_lazy_batches_do_not_change_the_codes():
+    w, h, q = _problem(3)
+    one = gptq_codes(w, h, q.scales, q.biases, 3, 32, GPTQConfig(block_columns=1))
+    big = gptq_codes(w, h, q.scales, q.biases, 3, 32, GPTQConfig(block_columns=128))
+    assert (one != big).float().mean() < 0.005
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), bits=st.sampled_from([2, 3, 4]), corr=st.floats(0.1, 1.0))
+def test_gptq_lowers_the_output_error_of_round_to_nearest(seed, bits, corr):
+    w, h, q = _problem(seed, bits=bits, corr=corr)
+    new = dataclasses.replace(q, codes=gptq_codes(w, h, q.scales, q.biases, bits, 32))
+    assert output_error(w, new, h) < output_error(w, q, h)
+
+
+def test_uncorrelated_inputs_give_round_to_nearest_on_the_grid():
+    w, h, q = _problem(5)
+    diag = torch.diag(torch.rand(128) + 0.5)
+    got = gptq_codes(w, diag, q.scales, q.biases, 3, 32)
+    s = q.scales.repeat_interleave(32, dim=1)
+    b = q.biases.repeat_interleave(32, dim=1)
+    assert torch.equal(got, torch.round((w - b) / s).clamp(0, 7).to(torch.uint8))
+
+
+def test_a_dead_input_and_a_singular_moment_are_handled():
+    w, h, q = _problem(9)
+    h[:, 3] = 0
+    h[3, :] = 0  # input 3 is always zero
+    low_rank = torch.randn(128, 2)
+    for m in (h, low_rank @ low_rank.T):
+        codes = gptq_codes(w, m, q.scales, q.biases, 3, 32)
+        assert codes.max() <= 7 and codes.shape == w.shape
+    # a matrix whose inputs were all zero: nothing to weigh, so round-to-nearest on the grid
+    s, b = q.scales.repeat_interleave(32, dim=1), q.biases.repeat_interleave(32, dim=1)
+    assert torch.equal(gptq_codes(w, torch.zeros(128, 128), q.scales, q.biases, 3, 32),
+                       torch.round((w - b) / s).clamp(0, 7).to(torch.uint8))
+
+
+def test_mismatched_shapes_and_bad_settings_are_refused():
+    w, h, q = _problem(1)
+    with pytest.raises(ValueError, match="do not fit groups of 32"):
+        gptq_codes(w[:, :100], h, q.scales, q.biases, 3, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        gptq_codes(w, h[:64, :64], q.scales, q.biases, 3, 32)
+    with pytest.raises(ValueError, match="damp must be positive"):
+        GPTQConfig(damp=0)
+
+
+# ----------------------------------------------------------------------------- through a real export
+
+pytest.importorskip("mlx_lm")
+import mlx.core as mx  # noqa: E402
+
+import mfqat  # noqa: E402
+from mfqat.data.sources import tiny_llama  # noqa: E402
+from mfqat.export.mlx_files import load_weights  # noqa: E402
+from mfqat.export.refine import RefineConfig  # noqa: E402
+
+SMALL_GPTQ = GPTQConfig(n_blocks=8, seq_len=32)
+SMALL_REFINE = dict(steps=6, lr=3e-3, batch=2, seq_len=32, n_blocks=8, n_valid=2)
+
+
+@pytest.fixture(scope="module")
+def anchor(tok, tmp_path_factory):
+    torch.manual_seed(0)
+    return mfqat.save_anchor(tiny_llama(vocab_size=len(tok), tie=True), tmp_path_factory.mktemp("gptq") / "a",
+                             "mxint8", tok)
+
+
+@pytest.fixture(scope="module")
+def exports(anchor, tmp_path_factory):
+    d = tmp_path_factory.mktemp("gptq_out")
+    out = {}
+    for name, kw in {"plain": {}, "gptq": dict(gptq=SMALL_GPTQ),
+                     "gptq_refined": dict(gptq=SMALL_GPTQ, refine=RefineConfig(**SMALL_REFINE))}.items():
+        out[name] = (d / name, mfqat.export.to_mlx(anchor, d / name, recipe="uniform:affine3", **kw))
+    return out
+
+
+def _arrays(folder):
+    return {k: np.array(v.astype(mx.float32)) for k, v in load_weights(folder).items()}
+
+
+def test_gptq_export_lowers_the_output_error_and_stays_bit_exact(exports):
+    folder, rep = exports["gptq"]
+    g = rep["gptq"]
+    assert g["tensors"] > 0 and g["output_error_gptq"] < g["output_error_rtn"]
+    v = rep["verify"]
+    assert v["weights_bit_exact"] and v["max_abs_logit_diff"] <= v["logit_tolerance"]
+    plain, new = _arrays(exports["plain"][0]), _arrays(folder)
+    assert sorted(plain) == sorted(new) and rep["stored_bytes"] == exports["plain"][1]["stored_bytes"]
+    changed = [k for k in plain if k.endswith(".weight") and not np.array_equal(plain[k], new[k])]
+    assert len(changed) == g["tensors"]  # new codes where GPTQ won, the derived ones elsewhere
+    for k in plain:
+        if k.endswith((".scales", ".biases")):
+            assert np.array_equal(plain[k], new[k]), f"{k}: gptq keeps the derived grid"
+
+
+def test_refine_after_gptq_keeps_the_gptq_codes(exports):
+    gptq, refined = _arrays(exports["gptq"][0]), _arrays(exports["gptq_refined"][0])
+    rep = exports["gptq_refined"][1]
+    assert rep["refine"]["kept"] and rep["verify"]["weights_bit_exact"]
+    moved = 0
+    for k in gptq:
+        if k.endswith(".weight") and k in refined:
+            assert np.array_equal(gptq[k], refined[k]), f"{k}: the refine wrote other codes than GPTQ's"
+        elif k.endswith((".scales", ".biases")):
+            moved += not np.array_equal(gptq[k], refined[k])
+    assert moved > 0
+
+
+def test_gptq_without_affine_matrices_is_refused(anchor, tmp_path):
+    with pytest.raises(ValueError, match="--gptq changes the codes of derived affine"):
+        mfqat.export.to_mlx(anchor, tmp_path / "mx", recipe="uniform:mxint4", gptq=SMALL_GPTQ)
+    assert not (tmp_path / "mx").exists()
+
+
+def test_the_cli_flag_runs_gptq_and_says_what_it_did(anchor, tmp_path, capsys):
+    from mfqat.cli import main
+
+    main(["export-mlx", str(anchor), "--out", str(tmp_path / "g"), "--recipe", "uniform:affine3", "--gptq",
+          "--no-refine"])
+    said = capsys.readouterr().out
+    rep = json.loads((tmp_path / "g" / "mfqat_export.json").read_text())
+    g = rep["gptq"]
+    assert g["tensors"] > 0 and g["calibration_blocks"] == GPTQConfig().n_blocks and "refine" not in rep
+    assert f"gptq: {g['tensors']} of {g['candidates']} affine matrices" in said
