@@ -176,6 +176,17 @@ def test_refine_after_gptq_keeps_the_gptq_codes(exports):
     assert moved > 0
 
 
+def test_gptq_codes_survive_a_row_chunked_write(anchor, exports, tmp_path, monkeypatch):
+    # real models' matrices are over CHUNK_ELEMENTS: the writer and the check must not derive them again in chunks
+    import mfqat.export.recipes as recipes
+    monkeypatch.setattr(recipes, "CHUNK_ELEMENTS", 256)
+    rep = mfqat.export.to_mlx(anchor, tmp_path / "c", recipe="uniform:affine3", gptq=SMALL_GPTQ)
+    assert rep["verify"]["weights_bit_exact"]
+    whole, chunked = _arrays(exports["gptq"][0]), _arrays(tmp_path / "c")
+    for k in whole:
+        assert np.array_equal(whole[k], chunked[k]), f"{k}: a row-chunked write lost the GPTQ codes"
+
+
 def test_gptq_without_affine_matrices_is_refused(anchor, tmp_path):
     with pytest.raises(ValueError, match="--gptq changes the codes of derived affine"):
         mfqat.export.to_mlx(anchor, tmp_path / "mx", recipe="uniform:mxint4", gptq=SMALL_GPTQ)
