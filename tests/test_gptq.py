@@ -80,6 +80,17 @@ def test_gptq_lowers_the_output_error_of_round_to_nearest(seed, bits, corr):
     assert output_error(w, new, h) < output_error(w, q, h)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_errors_are_taken_in_the_bfloat16_arithmetic_mlx_dequantizes_in(seed):
+    # at 8 bits the bfloat16 roundings of q * s and + b are as large as the code steps: an error taken in float32
+    # pushes the wrong amount on, and the output error of the written (bfloat16-dequantized) codes is higher
+    w, h, q = _problem(seed, bits=8)
+    assert q.dtype == torch.bfloat16
+    right = dataclasses.replace(q, codes=gptq_codes(w, h, q.scales, q.biases, 8, 32, None, torch.bfloat16))
+    float32 = dataclasses.replace(q, codes=gptq_codes(w, h, q.scales, q.biases, 8, 32, None, torch.float32))
+    assert output_error(w, right, h) < 0.8 * output_error(w, float32, h)
+
+
 def test_uncorrelated_inputs_give_round_to_nearest_on_the_grid():
     w, h, q = _problem(5)
     diag = torch.diag(torch.rand(128) + 0.5)
@@ -203,3 +214,12 @@ def test_the_cli_flag_runs_gptq_and_says_what_it_did(anchor, tmp_path, capsys):
     g = rep["gptq"]
     assert g["tensors"] > 0 and g["calibration_blocks"] == GPTQConfig().n_blocks and "refine" not in rep
     assert f"gptq: {g['tensors']} of {g['candidates']} affine matrices" in said
+
+
+@pytest.mark.parametrize("recipe", ["uniform:mxint4", "auto:4.5:mxint", "seed", "uniform:nvfp4"])
+def test_the_cli_refuses_gptq_up_front_for_a_recipe_without_affine_matrices(anchor, tmp_path, capsys, recipe):
+    from .conftest import one_line_exit_2
+
+    one_line_exit_2(["export-mlx", str(anchor), "--out", str(tmp_path / "g"), "--recipe", recipe, "--gptq"],
+                    capsys, "GPTQ changes the codes of derived affine matrices")
+    assert not (tmp_path / "g").exists()

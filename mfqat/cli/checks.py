@@ -98,6 +98,19 @@ def need_calib_sources(spec: Optional[str]) -> None:
             need_path(path, "--calib-text")
 
 
+def need_affine_for_gptq(a) -> None:
+    """``export-mlx --gptq`` changes the codes of derived affine matrices: refused up front (before a PTQ anchor
+    or a sensitivity pass) for a recipe that plans none."""
+    if not getattr(a, "gptq", False):
+        return
+    kind, _, rest = a.recipe.partition(":")
+    affine = rest.startswith("affine") if kind == "uniform" else rest.rpartition(":")[2] == "affine"
+    if not affine:
+        raise UsageError(f"--gptq with --recipe {a.recipe}: GPTQ changes the codes of derived affine matrices and "
+                         "this recipe plans none; use an affine recipe (uniform:affine4, auto:BPW:affine, seed:affine) "
+                         "or drop --gptq")
+
+
 def need_calib_text(a) -> None:
     """``--calib-text`` (of eval / convert) goes with ``--scale-search`` and must exist."""
     if a.calib_text and not a.scale_search:
@@ -403,6 +416,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             positive(a, "refine_lr")
             positive(a, "refine_exponent_lr")
             need_something_to_refine(a)
+            need_affine_for_gptq(a)
             if not 2 <= a.base_bits <= 8:
                 raise UsageError(f"--base-bits must be between 2 and 8 (the bits of the recipe's base format), "
                                  f"got {a.base_bits}")

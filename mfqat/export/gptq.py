@@ -64,12 +64,14 @@ class GPTQConfig:
 
 
 def _upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """The upper Cholesky factor of ``(h + damp * mean(diag h) * I)^-1`` (float64 in, float32 out); the
-    dampening grows tenfold, up to three times, when ``h`` is too ill-conditioned to factor."""
-    eye = torch.eye(h.shape[0], dtype=h.dtype)
+    """The upper Cholesky factor of ``(h + damp * mean(diag h) * I)^-1`` (float64 in, float32 out; ``h`` is
+    changed in place and restored); the dampening grows tenfold, up to three times, when ``h`` is too
+    ill-conditioned to factor."""
     level = damp * float(torch.diagonal(h).mean())
     for _ in range(4):
-        low, info = torch.linalg.cholesky_ex(h + level * eye)
+        torch.diagonal(h).add_(level)
+        low, info = torch.linalg.cholesky_ex(h)
+        torch.diagonal(h).sub_(level)
         if int(info) == 0:
             return torch.linalg.cholesky(torch.cholesky_inverse(low), upper=True).float()
         level *= 10
@@ -77,9 +79,11 @@ def _upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
-               group: int, cfg: Optional[GPTQConfig] = None) -> torch.Tensor:
+               group: int, cfg: Optional[GPTQConfig] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The uint8 codes (rows x K) GPTQ gives matrix ``w`` (rows x K, float) on the affine grid ``scales``,
-    ``biases`` (rows x K/group, float32) at ``bits`` bits, for inputs of second moment ``h`` (K x K)."""
+    ``biases`` (rows x K/group, float32) at ``bits`` bits, for inputs of second moment ``h`` (K x K). Each
+    column's error is taken against its value as ``mx.dequantize`` computes it for scales of ``dtype``
+    (bfloat16: ``q * s`` and ``+ b`` each rounded to bfloat16, mfqat.quant.reference.affine_dequantize_blocks)."""
     cfg = cfg or GPTQConfig()
     rows, k = w.shape
     if k % group or scales.shape != (rows, k // group) or biases.shape != scales.shape or h.shape != (k, k):
@@ -103,13 +107,20 @@ def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: t
             col = block[:, i]
             q = torch.round((col - b[:, g]) / s[:, g]).clamp_(0, qmax)
             codes[:, lo + i] = q.to(torch.uint8)
-            e = (col - (q * s[:, g] + b[:, g])) / ub[i, i]
+            e = (col - _dequantized(q, s[:, g], b[:, g], dtype)) / ub[i, i]
             block[:, i:] -= e.unsqueeze(1) * ub[i, i:].unsqueeze(0)
             errors[:, i] = e
         work[:, hi:] -= errors @ u[lo:hi, hi:]
     out = torch.empty_like(codes)
     out[:, perm] = codes
     return out
+
+
+def _dequantized(q: torch.Tensor, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One column's value ``q * s + b`` in the arithmetic of ``dtype`` (as mx.dequantize), as float32."""
+    if dtype == torch.float32:
+        return q * s + b
+    return (q.to(dtype) * s.to(dtype) + b.to(dtype)).float()
 
 
 def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:
@@ -121,7 +132,7 @@ def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:
 def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_size: int = 4) -> Dict[str, torch.Tensor]:
     """{weight name: mean(x x^T) of its nn.Linear's input over the calibration tokens} (float32, K x K) for the
     ``names`` that are nn.Linear weights of the anchor's model, run in its own format (mfqat.export.lazy_model).
-    Memory: one K x K float32 matrix per such Linear."""
+    Memory: one K x K float32 matrix per such Linear (K its input features)."""
     from mfqat.export.lazy_model import LazyModel, anchor_source
 
     lazy = LazyModel(anchor, checkpoint_layers=False)
@@ -145,13 +156,15 @@ def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_s
     finally:
         for hk in hooks:
             hk.remove()
-    return {f"{n}.weight": sums[n] / counts[n] for n in sums}
+    # a Linear that saw fewer tokens than it has inputs (an expert the text rarely routes to) keeps its derived codes
+    return {f"{n}.weight": sums[n] / counts[n] for n in sums if counts[n] >= sums[n].shape[0]}
 
 
 def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
-    """The planned 2-D tensors in a derived affine format that GPTQ can take (the anchor quantizes them)."""
+    """The planned 2-D tensors in a derived affine format (GPTQ takes those that are an nn.Linear's weight; expert
+    stacks, 3-D, keep their derived codes)."""
     return [n for n, f in plan.formats.items() if is_derived(f) and get_format(f).family == "affine"
-            and n in anchor.quantized and len(anchor.shape(n)) == 2]
+            and len(anchor.shape(n)) == 2]
 
 
 def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None) -> dict:
@@ -174,8 +187,8 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         w = anchor_values(anchor, name).to(DERIVED_DTYPE).float()
         if not torch.isfinite(w).all():
             continue
-        h = moments[name]
-        codes = gptq_codes(w, h, q.scales, q.biases, q.fmt.bits, q.block_size, cfg)
+        h = moments.pop(name)  # freed as each matrix is done
+        codes = gptq_codes(w, h, q.scales, q.biases, q.fmt.bits, q.block_size, cfg, q.dtype)
         new = dataclasses.replace(q, codes=codes)
         e0, e1 = output_error(w, q, h), output_error(w, new, h)
         before += e0
@@ -185,7 +198,9 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
             changed += 1
         else:
             after += e0
-    return {"tensors": changed, "candidates": len(names), "output_error_rtn": before, "output_error_gptq": after,
+    skipped = sum(1 for n, f in plan.formats.items() if is_derived(f) and get_format(f).family == "affine"
+                  and len(anchor.shape(n)) != 2)
+    return {"tensors": changed, "candidates": len(names), "skipped_expert_stacks": skipped, "output_error_rtn": before, "output_error_gptq": after,
             "calibration_blocks": int(calib.shape[0]), "damp": cfg.damp, "act_order": cfg.act_order,
             "seconds": time.perf_counter() - t0}
 

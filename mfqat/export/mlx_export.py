@@ -47,7 +47,8 @@ from mfqat.storage.model_card import write_model_card
 from mfqat.storage.manifest import seal
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.reference import E8M0_BIAS, exp2i, mx_codes_to_values, mx_values_to_codes
-from mfqat.export.recipes import AFFINE_BITS, Plan, build_plan, drop_towers, ptq_anchor_format
+from mfqat.export.recipes import (AFFINE_BITS, LearnedExponents, LearnedScales, Plan, build_plan, drop_towers,
+                                  ptq_anchor_format)
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from mfqat.export.mlx_sizes import anchor_parameters, resolve_scale_dtype, stored_size
 from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, WriteRecord, reference_state,  # noqa: F401 (public since 0.1)
@@ -228,7 +229,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
             from mfqat.export.refine import apply_refine
             spilled = refine if refine.spill_dir is not None else dataclasses.replace(refine, spill_dir=tmp)
             report["refine"] = apply_refine(anchor, plan, tok_dir, calib_text, spilled)  # codes on disk in tmp
-        stored = sorted({f for n, f in plan.formats.items() if n not in plan.learned_scales and n in anchor.quantized
+        stored = sorted({f for n, f in plan.formats.items() if n in anchor.quantized
+                         and not isinstance(plan.learned_scales.get(n), (LearnedScales, LearnedExponents))
                          and pick(anchor.learned_scales, f, plan.group_of(f))})
         if stored:
             report["anchor_refined"] = stored  # the learned scales the anchor holds (on-disk key name kept)

@@ -138,15 +138,16 @@ class Plan:
     def chunk_rows(self, anchor: Anchor, name: str, elements: Optional[int] = None) -> Optional[int]:
         """Rows per chunk when tensor ``name`` is large enough to be lowered, written and checked in row
         chunks (a 2-D matrix of over ``elements`` elements, default :data:`CHUNK_ELEMENTS` read at the call,
-        written under one mlx-lm name, not held whole already: learned scales and MX exponents are cut with it), else
-        None (whole)."""
+        written under one mlx-lm name: learned scales, MX exponents and codes the plan holds, GPTQ's, are cut with it),
+        else None (whole)."""
         elements = CHUNK_ELEMENTS if elements is None else elements
         shape = anchor.shape(name)
         fmt = self.formats[name]
-        whole = isinstance(self.learned_scales.get(name), MXTensor)  # held whole already
-        if len(shape) != 2 or shape[0] * shape[1] <= elements or whole:
+        held = isinstance(self.learned_scales.get(name), MXTensor)  # its codes in the plan: rows of them, not derived
+        if len(shape) != 2 or shape[0] * shape[1] <= elements:
             return None
-        if name in anchor.quantized and is_derived(fmt) and pick(anchor.learned_scales, fmt, self.group_of(fmt)):
+        if not held and name in anchor.quantized and is_derived(fmt) and pick(anchor.learned_scales, fmt,
+                                                                            self.group_of(fmt)):
             return None
         if [(lo, hi) for _, lo, hi in self.family.mlx_pieces(name, shape[0])] != [(0, shape[0])]:
             return None
@@ -155,6 +156,9 @@ class Plan:
     def tensor_chunks(self, anchor: Anchor, name: str, rows: int):
         """(lo, hi, MXTensor) row chunks of :meth:`tensor` (see :meth:`chunk_rows`)."""
         learned = self.learned_scales.get(name)
+        if isinstance(learned, MXTensor):  # codes held whole (mfqat.export.gptq): cut, never derived again
+            n = learned.shape[0]
+            return ((lo, min(n, lo + rows), learned.rows(lo, min(n, lo + rows))) for lo in range(0, n, rows))
         if isinstance(learned, LearnedExponents):
             return learned.chunks(anchor.quantized[name], self.formats[name], rows)
         chunks = in_format_chunks(anchor, name, self.formats[name], self.derived_group, rows)

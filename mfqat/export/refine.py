@@ -646,7 +646,8 @@ def _refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig, 
     if kept:  # the learned scales only: the codes are derived again as each tensor is written (LearnedScales),
         # except codes the plan holds whole (mfqat.export.gptq's), kept with their learned scales
         plan.learned_scales = {**plan.learned_scales, **{
-            n: g.learned() if isinstance(plan.learned_scales.get(n), MXTensor) else g.learned_scales()
+            n: g.learned_scales().on(plan.learned_scales[n]) if isinstance(plan.learned_scales.get(n), MXTensor)
+            else g.learned_scales()
             for n, g in ((n, groups.pop(n)) for n in list(groups))}}
     return {"tensors": len(names), "steps": steps, "steps_from": planned["steps_from"], "lr": cfg.lr,
             "exponent_lr": cfg.exponent_lr,
