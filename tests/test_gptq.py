@@ -223,3 +223,11 @@ def test_the_cli_refuses_gptq_up_front_for_a_recipe_without_affine_matrices(anch
     one_line_exit_2(["export-mlx", str(anchor), "--out", str(tmp_path / "g"), "--recipe", recipe, "--gptq"],
                     capsys, "GPTQ changes the codes of derived affine matrices")
     assert not (tmp_path / "g").exists()
+
+
+def test_a_calibration_text_shorter_than_the_blocks_asked_for_is_said(anchor, tmp_path):
+    short = "def f(x):\n    return x + 1\n" * 40  # ~1,100 bytes: 34 blocks of 32 byte tokens, not 64
+    with pytest.warns(UserWarning, match="gptq: the calibration text gives 3[0-9] blocks of 32 tokens, not 64"):
+        rep = mfqat.export.to_mlx(anchor, tmp_path / "s", recipe="uniform:affine3", calib_text=short,
+                                  gptq=GPTQConfig(n_blocks=64, seq_len=32), verify=False)
+    assert 30 <= rep["gptq"]["calibration_blocks"] < 64

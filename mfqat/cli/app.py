@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "docs/numerics.md)")
     x.add_argument("--gptq", action="store_true", help="GPTQ codes for the derived affine matrices: each rounding "
                    "error is pushed onto the columns not yet rounded, weighted by the matrix's inputs on --calib-text "
-                   "(32 x 128 tokens), the derived scales and biases kept, before the refine learns them "
+                   "(256 x 128 tokens), the derived scales and biases kept, before the refine learns them "
                    "(mfqat.export.gptq; holds those matrices' codes in memory, a byte a weight)")
     how = x.add_mutually_exclusive_group()
     how.add_argument("--refine", action="store_true", help="the default for a plan with affine tensors, required "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -44,12 +45,14 @@ class GPTQConfig:
     which minimises ``sum over tokens ||(W - Q) x||^2`` column by column (Frantar et al., 2022). With a diagonal
     ``H`` nothing is pushed on, and the codes are round-to-nearest on the derived grid.
 
-    ``n_blocks`` x ``seq_len`` calibration tokens (the refine's 32 x 128 by default); ``damp`` the relative
+    ``n_blocks`` x ``seq_len`` calibration tokens (256 x 128 by default: on SmolLM2-135M 32 x 128 fitted the
+    calibration text's inputs and raised another text's perplexity, 256 x 128 lowered both; BENCHMARKS.md,
+    "A size class down"; a text with fewer tokens gives what it has, with a warning); ``damp`` the relative
     dampening (raised tenfold, up to three times, if the Cholesky factorisation fails); ``block_columns``
     columns per lazy batch update (speed only: the same codes up to float32 rounding order).
     """
 
-    n_blocks: int = 32
+    n_blocks: int = 256
     seq_len: int = 128
     damp: float = 0.01
     act_order: bool = True
@@ -215,4 +218,8 @@ def apply_gptq_text(anchor: Anchor, plan: Plan, tokenizer_dir, calib_text: Optio
     cfg = cfg or GPTQConfig()
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     calib = calibration_blocks(tok, calib_text, n_blocks=cfg.n_blocks, seq_len=cfg.seq_len)
+    if calib.shape[0] < cfg.n_blocks:
+        warnings.warn(f"gptq: the calibration text gives {calib.shape[0]} blocks of {cfg.seq_len} tokens, not "
+                      f"{cfg.n_blocks}: fewer tokens fit the text's inputs more closely and may generalise less "
+                      "(give a longer --calib-text)", stacklevel=2)
     return {**apply_gptq(anchor, plan, calib, cfg), "calibration": describe_calibration(calib_text)}
