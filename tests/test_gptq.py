@@ -231,3 +231,22 @@ def test_a_calibration_text_shorter_than_the_blocks_asked_for_is_said(anchor, tm
         rep = mfqat.export.to_mlx(anchor, tmp_path / "s", recipe="uniform:affine3", calib_text=short,
                                   gptq=GPTQConfig(n_blocks=64, seq_len=32), verify=False)
     assert 30 <= rep["gptq"]["calibration_blocks"] < 64
+
+
+def test_gptq_past_the_memory_budget_is_refused_before_it_runs(anchor, tmp_path):
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.memory import LIBRARY_BYTES, BudgetError
+
+    from mfqat.export import build_plan
+
+    a = read_anchor(anchor)
+    shapes = [tuple(a.shape(n)) for n in build_plan(a, "uniform:affine3").formats if len(a.shape(n)) == 2]
+    held = sum(k * k * 4 + rows * k for rows, k in shapes)  # as documented: the moments and codes held,
+    work = max(rows * k * 8 + k * k * 24 for rows, k in shapes)  # and the largest matrix's working copies
+    with pytest.raises(BudgetError, match="--gptq .* drop --gptq"):
+        mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:affine3", gptq=SMALL_GPTQ,
+                            max_memory=LIBRARY_BYTES + held + work - 1)
+    assert not (tmp_path / "m").exists()
+    rep = mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:affine3", gptq=SMALL_GPTQ, verify=False,
+                              max_memory=LIBRARY_BYTES + held + work)
+    assert rep["gptq"]["tensors"] > 0

@@ -170,11 +170,25 @@ def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
             and len(anchor.shape(n)) == 2]
 
 
-def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None) -> dict:
+def memory_needed(anchor: Anchor, names: List[str]) -> int:
+    """Bytes :func:`apply_gptq` holds for the matrices ``names``: one K x K float32 input moment each (K its
+    input features) and their codes (a byte a weight), plus the largest matrix's working copies (its weights
+    twice in float32, three K x K float64 factors)."""
+    shapes = [tuple(anchor.shape(n)) for n in names]
+    held = sum(k * k * 4 + rows * k for rows, k in shapes)
+    work = max((rows * k * 8 + k * k * 24 for rows, k in shapes), default=0)
+    return held + work
+
+
+def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None,
+               budget: Optional[int] = None) -> dict:
     """GPTQ codes for every :func:`gptq_names` tensor that is an nn.Linear's weight, held whole in
     ``plan.learned_scales`` (an MXTensor each). Returns the report entry: tensors, the summed output error of
     round-to-nearest and of GPTQ on the calibration inputs, seconds. A tensor whose GPTQ error is not lower
-    keeps its round-to-nearest codes."""
+    keeps its round-to-nearest codes. Refused up front (mfqat.memory.BudgetError) when :func:`memory_needed` does
+    not fit ``budget`` (bytes; None: the memory available)."""
+    from mfqat.memory import check_fits, gib
+
     cfg = cfg or GPTQConfig()
     t0 = time.perf_counter()
     names = gptq_names(anchor, plan)
@@ -182,6 +196,9 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
                          "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
                          "auto:BPW:affine) or drop --gptq")
+    need = memory_needed(anchor, names)
+    check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their input moments and codes, {gib(need)})", need,
+               budget, remedy="drop --gptq, or export on a machine with more memory")
     moments = input_moments(anchor, calib, names)
     before = after = 0.0
     changed = 0
@@ -209,8 +226,9 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
 
 
 def apply_gptq_text(anchor: Anchor, plan: Plan, tokenizer_dir, calib_text: Optional[str],
-                    cfg: Optional[GPTQConfig] = None) -> dict:
-    """Tokenize the calibration text (default: the pydoc training split) and :func:`apply_gptq`."""
+                    cfg: Optional[GPTQConfig] = None, budget: Optional[int] = None) -> dict:
+    """Tokenize the calibration text (default: the pydoc training split) and :func:`apply_gptq` (``budget``: its
+    memory check's)."""
     from transformers import AutoTokenizer
 
     from mfqat.data.sources import calibration_blocks, describe_calibration
@@ -222,4 +240,4 @@ def apply_gptq_text(anchor: Anchor, plan: Plan, tokenizer_dir, calib_text: Optio
         warnings.warn(f"gptq: the calibration text gives {calib.shape[0]} blocks of {cfg.seq_len} tokens, not "
                       f"{cfg.n_blocks}: fewer tokens fit the text's inputs more closely and may generalise less "
                       "(give a longer --calib-text)", stacklevel=2)
-    return {**apply_gptq(anchor, plan, calib, cfg), "calibration": describe_calibration(calib_text)}
+    return {**apply_gptq(anchor, plan, calib, cfg, budget), "calibration": describe_calibration(calib_text)}

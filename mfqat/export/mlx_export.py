@@ -224,7 +224,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
                 warnings.warn(f"{source}: {caveat}", stacklevel=2)
         if gptq is not None:
             from mfqat.export.gptq import apply_gptq_text
-            report["gptq"] = apply_gptq_text(anchor, plan, tok_dir, calib_text, gptq)
+            report["gptq"] = apply_gptq_text(anchor, plan, tok_dir, calib_text, gptq, max_memory)
         if refine is not None:
             from mfqat.export.refine import apply_refine
             spilled = refine if refine.spill_dir is not None else dataclasses.replace(refine, spill_dir=tmp)
