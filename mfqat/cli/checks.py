@@ -103,9 +103,13 @@ def need_affine_for_gptq(a) -> None:
     or a sensitivity pass) for a recipe that plans none."""
     if not getattr(a, "gptq", False):
         return
-    kind, _, rest = a.recipe.partition(":")
-    affine = rest.startswith("affine") if kind == "uniform" else rest.rpartition(":")[2] == "affine"
-    if not affine:
+    from mfqat.export.recipes import parse_recipe  # loads torch: only with --gptq
+
+    try:
+        family = parse_recipe(a.recipe)[2]
+    except (ValueError, KeyError):
+        return  # an unknown recipe is refused by the export, which names the recipes
+    if family != "affine":
         raise UsageError(f"--gptq with --recipe {a.recipe}: GPTQ changes the codes of derived affine matrices and "
                          "this recipe plans none; use an affine recipe (uniform:affine4, auto:BPW:affine, seed:affine) "
                          "or drop --gptq")

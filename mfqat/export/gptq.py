@@ -29,6 +29,7 @@ from mfqat.formats import get_format
 from mfqat.progress import progress
 from mfqat.quant.derive import DERIVED_DTYPE, is_derived
 from mfqat.quant.mxtensor import MXTensor
+from mfqat.quant.reference import affine_dequantize_blocks
 
 
 @dataclass
@@ -92,7 +93,7 @@ def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: t
     if k % group or scales.shape != (rows, k // group) or biases.shape != scales.shape or h.shape != (k, k):
         raise ValueError(f"gptq: matrix {tuple(w.shape)}, grid {tuple(scales.shape)} / {tuple(biases.shape)}, "
                          f"second moment {tuple(h.shape)} do not fit groups of {group}")
-    h = h.double().clone()
+    h = h.to(torch.float64, copy=True)
     dead = torch.diagonal(h) == 0  # an input that is always 0: its weight never matters
     h[dead, dead] = 1.0
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if cfg.act_order else torch.arange(k)
@@ -110,20 +111,13 @@ def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: t
             col = block[:, i]
             q = torch.round((col - b[:, g]) / s[:, g]).clamp_(0, qmax)
             codes[:, lo + i] = q.to(torch.uint8)
-            e = (col - _dequantized(q, s[:, g], b[:, g], dtype)) / ub[i, i]
+            e = (col - affine_dequantize_blocks(q.unsqueeze(1), s[:, g], b[:, g], dtype)[:, 0]) / ub[i, i]
             block[:, i:] -= e.unsqueeze(1) * ub[i, i:].unsqueeze(0)
             errors[:, i] = e
         work[:, hi:] -= errors @ u[lo:hi, hi:]
     out = torch.empty_like(codes)
     out[:, perm] = codes
     return out
-
-
-def _dequantized(q: torch.Tensor, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One column's value ``q * s + b`` in the arithmetic of ``dtype`` (as mx.dequantize), as float32."""
-    if dtype == torch.float32:
-        return q * s + b
-    return (q.to(dtype) * s.to(dtype) + b.to(dtype)).float()
 
 
 def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:

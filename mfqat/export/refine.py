@@ -645,10 +645,9 @@ def _refine(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: RefineConfig, 
     kept = after < before
     if kept:  # the learned scales only: the codes are derived again as each tensor is written (LearnedScales),
         # except codes the plan holds whole (mfqat.export.gptq's), kept with their learned scales
-        plan.learned_scales = {**plan.learned_scales, **{
-            n: g.learned_scales().on(plan.learned_scales[n]) if isinstance(plan.learned_scales.get(n), MXTensor)
-            else g.learned_scales()
-            for n, g in ((n, groups.pop(n)) for n in list(groups))}}
+        for n in list(groups):
+            learned, held = groups.pop(n).learned_scales(), plan.learned_scales.get(n)
+            plan.learned_scales[n] = learned.on(held) if isinstance(held, MXTensor) else learned
     return {"tensors": len(names), "steps": steps, "steps_from": planned["steps_from"], "lr": cfg.lr,
             "exponent_lr": cfg.exponent_lr,
             "batch": cfg.batch, "seq_len": cfg.seq_len, "calibration_blocks": cfg.n_blocks,
