@@ -239,10 +239,16 @@ def test_gptq_past_the_memory_budget_is_refused_before_it_runs(anchor, tmp_path)
 
     from mfqat.export import build_plan
 
+    from mfqat.models import layer_index
+
     a = read_anchor(anchor)
-    shapes = [tuple(a.shape(n)) for n in build_plan(a, "uniform:affine3").formats if len(a.shape(n)) == 2]
-    held = sum(k * k * 4 + rows * k for rows, k in shapes)  # as documented: the moments and codes held,
-    work = max(rows * k * 8 + k * k * 24 for rows, k in shapes)  # and the largest matrix's working copies
+    shapes = {n: tuple(a.shape(n)) for n in build_plan(a, "uniform:affine3").formats if len(a.shape(n)) == 2}
+    layer = {}
+    for n, (_, k) in shapes.items():  # as documented: one layer's moments at a time,
+        layer[layer_index(n)] = layer.get(layer_index(n), 0) + k * k * 4
+    hidden = 2 * SMALL_GPTQ.n_blocks * SMALL_GPTQ.seq_len * a.config["hidden_size"] * 4  # the hidden states twice,
+    held = sum(rows * k for rows, k in shapes.values()) + max(layer.values()) + hidden  # every matrix's codes,
+    work = max(rows * k * 8 + k * k * 24 for rows, k in shapes.values())  # and the largest matrix's working copies
     with pytest.raises(BudgetError, match="--gptq .* drop --gptq"):
         mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:affine3", gptq=SMALL_GPTQ,
                             max_memory=LIBRARY_BYTES + held + work - 1)

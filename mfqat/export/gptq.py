@@ -4,8 +4,9 @@ GPTQ (Frantar et al., 2022) with each group's derived scale and bias kept: the g
 round-to-nearest derives from the anchor, and only the codes change. Each quantized matrix's rounding
 error is pushed onto the columns not yet quantized, weighted by the second moment of the matrix's input on
 calibration text, so that ``||(W - Q) x||`` (the layer's output error) shrinks rather than ``||W - Q||``.
-The inputs are the anchor's own (its model in its format, one pass over the calibration blocks, as
-mlx-lm's ``gptq`` takes the unquantized model's), so every matrix is independent of the others.
+The inputs are the anchor's own (its model in its format, as mlx-lm's ``gptq`` takes the unquantized model's), so
+every matrix is independent of the others; they are gathered one decoder layer at a time (mfqat.export.layerwise),
+and each layer's matrices get their codes before the next layer runs, so one layer's input moments are held.
 
 The result is the plain MLX affine layout (same bytes per weight, stock ``mlx_lm.load``), held whole in the
 plan (``Plan.learned_scales[name]``: an MXTensor with the new codes); ``--refine`` after it learns the scales
@@ -17,7 +18,7 @@ import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from mfqat.anchor.checkpoint import Anchor
 from mfqat.export.recipes import Plan
 from mfqat.export.sensitivity import anchor_values
 from mfqat.formats import get_format
-from mfqat.progress import progress
+from mfqat.models import layer_index
 from mfqat.quant.derive import DERIVED_DTYPE, is_derived
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.reference import affine_dequantize_blocks
@@ -126,35 +127,38 @@ def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:
     return float(((err @ h.float()) * err).sum())
 
 
-def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_size: int = 4) -> Dict[str, torch.Tensor]:
-    """{weight name: mean(x x^T) of its nn.Linear's input over the calibration tokens} (float32, K x K) for the
-    ``names`` that are nn.Linear weights of the anchor's model, run in its own format (mfqat.export.lazy_model).
-    Memory: one K x K float32 matrix per such Linear (K its input features)."""
+def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_size: int = 4
+                  ) -> Iterator[Dict[str, torch.Tensor]]:
+    """Per decoder layer (then the tail: an untied output head), {weight name: mean(x x^T) of its nn.Linear's input
+    over the calibration tokens} (float32, K x K) for the ``names`` that are nn.Linear weights of the anchor's model,
+    run in its own format layer by layer (mfqat.export.layerwise: the inputs of the whole forward, bit for bit).
+    Each layer's dict is yielded once its layer has seen every batch, and the next layer runs when the caller asks
+    for it, so one layer's moments are held at a time (beside two copies of the calibration hidden states)."""
+    from mfqat.export.layerwise import layer_stages
     from mfqat.export.lazy_model import LazyModel, anchor_source
 
     lazy = LazyModel(anchor, checkpoint_layers=False)
     wanted = set(names)
-    linears = {n: m for n, m in lazy.model.named_modules() if isinstance(m, nn.Linear) and f"{n}.weight" in wanted}
-    sums: Dict[str, torch.Tensor] = {}
-    counts: Dict[str, int] = {}
+    for stage in layer_stages(lazy, anchor_source(anchor), calib, batch_size, progress_desc="gptq"):
+        linears = {n: m for n, m in stage.modules if isinstance(m, nn.Linear) and f"{n}.weight" in wanted}
+        sums: Dict[str, torch.Tensor] = {}
+        counts: Dict[str, int] = {}
 
-    def hook(name: str):
-        def fn(_mod, inputs, _out):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            sums[name] = sums[name].addmm_(x.T, x) if name in sums else x.T @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
-        return fn
+        def hook(name: str):
+            def fn(_mod, inputs, _out):
+                x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
+                sums[name] = sums[name].addmm_(x.T, x) if name in sums else x.T @ x
+                counts[name] = counts.get(name, 0) + x.shape[0]
+            return fn
 
-    hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
-    try:
-        with torch.no_grad(), lazy.running(anchor_source(anchor)) as model:
-            for i in progress(range(0, calib.shape[0], batch_size), desc="gptq inputs", leave=False):
-                model(calib[i:i + batch_size], use_cache=False)
-    finally:
-        for hk in hooks:
-            hk.remove()
-    # a Linear that saw fewer tokens than it has inputs (an expert the text rarely routes to) keeps its derived codes
-    return {f"{n}.weight": sums[n] / counts[n] for n in sums if counts[n] >= sums[n].shape[0]}
+        hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+        try:
+            stage.run()
+        finally:
+            for hk in hooks:
+                hk.remove()
+        # a Linear that saw fewer tokens than it has inputs (an expert the text rarely routes to) keeps its codes
+        yield {f"{n}.weight": sums[n] / counts[n] for n in sums if counts[n] >= sums[n].shape[0]}
 
 
 def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
@@ -164,14 +168,21 @@ def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
             and len(anchor.shape(n)) == 2]
 
 
-def memory_needed(anchor: Anchor, names: List[str]) -> int:
-    """Bytes :func:`apply_gptq` holds for the matrices ``names``: one K x K float32 input moment each (K its
-    input features) and their codes (a byte a weight), plus the largest matrix's working copies (its weights
-    twice in float32, three K x K float64 factors)."""
-    shapes = [tuple(anchor.shape(n)) for n in names]
-    held = sum(k * k * 4 + rows * k for rows, k in shapes)
-    work = max((rows * k * 8 + k * k * 24 for rows, k in shapes), default=0)
-    return held + work
+def memory_needed(anchor: Anchor, names: List[str], n_tokens: int) -> int:
+    """Bytes :func:`apply_gptq` holds for the matrices ``names`` on ``n_tokens`` calibration tokens: their codes
+    (a byte a weight); the input moments of one decoder layer's matrices at a time (K x K float32 each, K the input
+    features: the largest layer's sum); the calibration hidden states twice (``n_tokens`` x hidden size, float32);
+    and the largest matrix's working copies (its weights twice in float32, three K x K float64 factors)."""
+    shapes = {n: tuple(anchor.shape(n)) for n in names}
+    codes = sum(rows * k for rows, k in shapes.values())
+    per_layer: Dict[Optional[int], int] = {}
+    for n, (_, k) in shapes.items():
+        per_layer[layer_index(n)] = per_layer.get(layer_index(n), 0) + k * k * 4
+    cfg = anchor.config if isinstance(anchor.config, dict) else {}
+    hidden = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size") or max(
+        (k for _, k in shapes.values()), default=0)
+    work = max((rows * k * 8 + k * k * 24 for rows, k in shapes.values()), default=0)
+    return codes + max(per_layer.values(), default=0) + 2 * n_tokens * int(hidden) * 4 + work
 
 
 def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None,
@@ -190,28 +201,29 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
                          "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
                          "auto:BPW:affine) or drop --gptq")
-    need = memory_needed(anchor, names)
-    check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their input moments and codes, {gib(need)})", need,
-               budget, remedy="drop --gptq, or export on a machine with more memory")
-    moments = input_moments(anchor, calib, names)
+    need = memory_needed(anchor, names, calib.numel())
+    check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their codes, one layer's input moments, the "
+               f"calibration hidden states; {gib(need)})", need, budget,
+               remedy="drop --gptq, or export on a machine with more memory")
     before = after = 0.0
     changed = 0
-    for name in progress([n for n in names if n in moments], desc="gptq", unit="tensor"):
-        q = plan.tensor(anchor, name)
-        w = anchor_values(anchor, name).to(DERIVED_DTYPE).float()
-        if not torch.isfinite(w).all():
-            continue
-        h = moments.pop(name)  # freed as each matrix is done
-        codes = gptq_codes(w, h, q.scales, q.biases, q.fmt.bits, q.block_size, cfg, q.dtype)
-        new = dataclasses.replace(q, codes=codes)
-        e0, e1 = output_error(w, q, h), output_error(w, new, h)
-        before += e0
-        if e1 < e0:
-            plan.learned_scales[name] = new
-            after += e1
-            changed += 1
-        else:
-            after += e0
+    for moments in input_moments(anchor, calib, names):  # one decoder layer's at a time
+        for name in [n for n in names if n in moments]:
+            q = plan.tensor(anchor, name)
+            w = anchor_values(anchor, name).to(DERIVED_DTYPE).float()
+            h = moments.pop(name)  # freed as each matrix is done
+            if not torch.isfinite(w).all():
+                continue
+            codes = gptq_codes(w, h, q.scales, q.biases, q.fmt.bits, q.block_size, cfg, q.dtype)
+            new = dataclasses.replace(q, codes=codes)
+            e0, e1 = output_error(w, q, h), output_error(w, new, h)
+            before += e0
+            if e1 < e0:
+                plan.learned_scales[name] = new
+                after += e1
+                changed += 1
+            else:
+                after += e0
     skipped = sum(1 for n, f in plan.formats.items() if is_derived(f) and get_format(f).family == "affine"
                   and len(anchor.shape(n)) != 2)
     return {"tensors": changed, "candidates": len(names), "skipped_expert_stacks": skipped, "output_error_rtn": before, "output_error_gptq": after,

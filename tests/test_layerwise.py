@@ -1,0 +1,62 @@
+"""The layer-major forward (mfqat.export.layerwise: ``--gptq``'s input moments, one layer's held at a time) hands
+every nn.Linear exactly the inputs the whole model's forward hands it, bit for bit, batch by batch, in every family
+mfqat supports (dense, MoE, hybrid attention, the vision-language release's text model), the output head included."""
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+import mfqat
+from mfqat.anchor.checkpoint import anchor_model
+from mfqat.export.layerwise import layer_stages
+from mfqat.export.lazy_model import LazyModel, anchor_source
+from mfqat.models.catalog import SUPPORTED, build
+
+
+def _inputs_of(named_linears, run):
+    """{name: [input of each call]} of the Linears while ``run()`` runs."""
+    seen = defaultdict(list)
+    hooks = [m.register_forward_hook(lambda _m, inp, _o, n=n: seen[n].append(inp[0].detach().clone()))
+             for n, m in named_linears]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_layer_by_layer_inputs_are_the_whole_forwards_in_every_family(name, tmp_path):
+    model_type, extra = SUPPORTED[name]
+    path = mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8")
+    calib = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(0))  # batches of 2, 2 and 1
+    whole = anchor_model(mfqat.read_anchor(path))
+
+    def forward_whole():
+        with torch.no_grad():
+            for i in range(0, 5, 2):
+                whole(calib[i:i + 2], use_cache=False)
+    want = _inputs_of([(n, m) for n, m in whole.named_modules() if isinstance(m, nn.Linear)], forward_whole)
+
+    anchor = mfqat.read_anchor(path, lazy=True)
+    got, stages = defaultdict(list), []
+    for stage in layer_stages(LazyModel(anchor, checkpoint_layers=False), anchor_source(anchor), calib, batch_size=2):
+        stages.append(stage.name)
+        got.update(_inputs_of([(n, m) for n, m in stage.modules if isinstance(m, nn.Linear)], stage.run))
+    assert stages[-1] == "tail" and len(stages) > 2
+    assert sorted(got) == sorted(want), f"{name}: Linears seen differ"
+    for n in want:
+        assert len(got[n]) == len(want[n]), f"{name}: {n} called {len(got[n])} times, not {len(want[n])}"
+        for g, w in zip(got[n], want[n]):
+            assert torch.equal(g, w), f"{name}: {n}: max diff {(g - w).abs().max().item()}"
+
+
+def test_a_stage_must_run_before_the_next(tmp_path):
+    model_type, extra = SUPPORTED[sorted(SUPPORTED)[0]]
+    anchor = mfqat.read_anchor(mfqat.save_anchor(build(model_type, extra, 256), tmp_path / "a", "mxint8"), lazy=True)
+    stages = layer_stages(LazyModel(anchor, checkpoint_layers=False), anchor_source(anchor), torch.zeros(2, 8).long())
+    next(stages)
+    with pytest.raises(RuntimeError, match="was not run"):
+        next(stages)
