@@ -239,15 +239,22 @@ def test_gptq_past_the_memory_budget_is_refused_before_it_runs(anchor, tmp_path)
 
     from mfqat.export import build_plan
 
+    import math
+
     from mfqat.models import layer_index
 
-    a = read_anchor(anchor)
-    shapes = {n: tuple(a.shape(n)) for n in build_plan(a, "uniform:affine3").formats if len(a.shape(n)) == 2}
-    layer = {}
-    for n, (_, k) in shapes.items():  # as documented: one layer's moments at a time,
-        layer[layer_index(n)] = layer.get(layer_index(n), 0) + k * k * 4
-    hidden = 2 * SMALL_GPTQ.n_blocks * SMALL_GPTQ.seq_len * a.config["hidden_size"] * 4  # the hidden states twice,
-    held = sum(rows * k for rows, k in shapes.values()) + max(layer.values()) + hidden  # every matrix's codes,
+    a = read_anchor(anchor)  # tied: the embedding is no GPTQ matrix (no codes, no moment), the head not untied
+    shapes = {n: tuple(a.shape(n)) for n in build_plan(a, "uniform:affine3").formats
+              if len(a.shape(n)) == 2 and "embed" not in n}
+    per_layer = {}  # as documented: one layer at a time, its matrices' moments and all its tensors in float32,
+    for n, (_, k) in shapes.items():
+        per_layer[layer_index(n)] = per_layer.get(layer_index(n), 0) + k * k * 4
+    for n in list(a.quantized) + list(a.plain):
+        per_layer[layer_index(n)] = per_layer.get(layer_index(n), 0) + 4 * math.prod(a.shape(n))
+    outside = per_layer.pop(None)  # or the tensors outside the layers (the embedding) while they are recorded;
+    tokens = SMALL_GPTQ.n_blocks * SMALL_GPTQ.seq_len  # the hidden states twice and the masks,
+    activations = 2 * tokens * a.config["hidden_size"] * 4 + 2 * tokens * SMALL_GPTQ.seq_len * 4
+    held = sum(rows * k for rows, k in shapes.values()) + max(max(per_layer.values()), outside) + activations
     work = max(rows * k * 8 + k * k * 24 for rows, k in shapes.values())  # and the largest matrix's working copies
     with pytest.raises(BudgetError, match="--gptq .* drop --gptq"):
         mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:affine3", gptq=SMALL_GPTQ,

@@ -44,7 +44,9 @@ def test_layer_by_layer_inputs_are_the_whole_forwards_in_every_family(name, tmp_
     got, stages = defaultdict(list), []
     for stage in layer_stages(LazyModel(anchor, checkpoint_layers=False), anchor_source(anchor), calib, batch_size=2):
         stages.append(stage.name)
-        got.update(_inputs_of([(n, m) for n, m in stage.modules if isinstance(m, nn.Linear)], stage.run))
+        seen = _inputs_of([(n, m) for n, m in stage.modules if isinstance(m, nn.Linear)], stage.run)
+        assert not set(seen) & set(got), f"{name}: {stage.name} runs Linears an earlier stage ran"
+        got.update(seen)
     assert stages[-1] == "tail" and len(stages) > 2
     assert sorted(got) == sorted(want), f"{name}: Linears seen differ"
     for n in want:
@@ -60,3 +62,51 @@ def test_a_stage_must_run_before_the_next(tmp_path):
     next(stages)
     with pytest.raises(RuntimeError, match="was not run"):
         next(stages)
+
+
+def _tiny(tmp_path, tie=True):
+    from mfqat.data.sources import tiny_llama
+
+    torch.manual_seed(0)
+    return mfqat.read_anchor(mfqat.save_anchor(tiny_llama(vocab_size=256, tie=tie), tmp_path / "a", "mxint8"), lazy=True)
+
+
+def test_a_layers_weights_are_let_go_before_the_caller_works_on_its_stage(tmp_path, monkeypatch):
+    """One layer's float32 weights at a time: when a stage has run, no tensor the source gave is still alive."""
+    import gc
+    import weakref
+
+    from mfqat.export import gptq, lazy_model
+
+    anchor = _tiny(tmp_path, tie=False)
+    given = []
+    plain = lazy_model.anchor_source
+
+    def recording(a, *args, **kwargs):
+        source = plain(a, *args, **kwargs)
+
+        def get(name):
+            t = source(name)
+            given.append((name, weakref.ref(t)))
+            return t
+        return get
+    monkeypatch.setattr(lazy_model, "anchor_source", recording)
+    names = [n for n in anchor.quantized if n.endswith("proj.weight")] + ["lm_head.weight"]
+    calib = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    stages = 0
+    for moments in gptq.input_moments(anchor, calib, names, batch_size=2):
+        stages += 1
+        gc.collect()
+        alive = [n for n, ref in given if ref() is not None]
+        assert not alive, f"stage {stages}: still held: {sorted(set(alive))[:4]}"
+        assert moments
+    assert stages == anchor.config["num_hidden_layers"] + 1  # an untied head: the tail is measured too
+
+
+def test_a_model_that_changes_the_hidden_state_between_layers_is_refused(tmp_path):
+    anchor = _tiny(tmp_path)
+    lazy = LazyModel(anchor, checkpoint_layers=False)
+    layers = lazy.model.model.layers
+    layers[1].register_forward_pre_hook(lambda _m, args: (args[0] * 1,) + tuple(args[1:]))
+    with pytest.raises(ValueError, match="changes between decoder layers 0 and 1"):
+        next(layer_stages(lazy, anchor_source(anchor), torch.zeros(2, 8).long()))

@@ -15,6 +15,7 @@ and biases of those codes, and the export check compares what is written with Py
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_s
                 counts[name] = counts.get(name, 0) + x.shape[0]
             return fn
 
+        if stage.name == "tail" and not linears:
+            return  # nothing to measure in the tail (a tied or plain output head): skip its full-logits forward
         hooks = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
         try:
             stage.run()
@@ -158,7 +161,10 @@ def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_s
             for hk in hooks:
                 hk.remove()
         # a Linear that saw fewer tokens than it has inputs (an expert the text rarely routes to) keeps its codes
-        yield {f"{n}.weight": sums[n] / counts[n] for n in sums if counts[n] >= sums[n].shape[0]}
+        out = {f"{n}.weight": s.div_(counts[n]) for n, s in sums.items() if counts[n] >= s.shape[0]}
+        sums.clear()  # the yielded tensors are the only copies
+        yield out
+        del out
 
 
 def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
@@ -168,21 +174,35 @@ def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
             and len(anchor.shape(n)) == 2]
 
 
-def memory_needed(anchor: Anchor, names: List[str], n_tokens: int) -> int:
-    """Bytes :func:`apply_gptq` holds for the matrices ``names`` on ``n_tokens`` calibration tokens: their codes
-    (a byte a weight); the input moments of one decoder layer's matrices at a time (K x K float32 each, K the input
-    features: the largest layer's sum); the calibration hidden states twice (``n_tokens`` x hidden size, float32);
-    and the largest matrix's working copies (its weights twice in float32, three K x K float64 factors)."""
-    shapes = {n: tuple(anchor.shape(n)) for n in names}
+def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4) -> int:
+    """Bytes :func:`apply_gptq` holds for the matrices ``names`` on ``n_blocks`` x ``seq_len`` calibration tokens:
+    the codes of the nn.Linear matrices (a byte a weight; an embedding table gets none); one decoder layer at a time,
+    its matrices' input moments (K x K float32 each, K the input features) and all its tensors in float32 (expert
+    stacks included); the calibration hidden states twice (tokens x hidden size, float32) and each layer's recorded
+    attention masks (blocks x seq_len^2 float32, two kinds); the largest matrix's working copies (its weights twice
+    in float32, three K x K float64 factors); and the tensors outside the decoder layers in float32 (the embedding,
+    while each layer's arguments are recorded), with, when an untied output head is among ``names``, its moment and a
+    batch's logits (the model's tail)."""
+    from mfqat.models import is_embedding
+
+    shapes = {n: tuple(anchor.shape(n)) for n in names if not is_embedding(n)}
     codes = sum(rows * k for rows, k in shapes.values())
-    per_layer: Dict[Optional[int], int] = {}
+    moments: Dict[Optional[int], int] = {}
     for n, (_, k) in shapes.items():
-        per_layer[layer_index(n)] = per_layer.get(layer_index(n), 0) + k * k * 4
+        moments[layer_index(n)] = moments.get(layer_index(n), 0) + k * k * 4
+    weights: Dict[Optional[int], int] = {}
+    for n in list(anchor.quantized) + list(anchor.plain):
+        weights[layer_index(n)] = weights.get(layer_index(n), 0) + 4 * math.prod(anchor.shape(n))
+    layer = max((moments.get(i, 0) + weights[i] for i in weights if i is not None), default=0)
     cfg = anchor.config if isinstance(anchor.config, dict) else {}
     hidden = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size") or max(
         (k for _, k in shapes.values()), default=0)
+    activations = 2 * n_blocks * seq_len * int(hidden) * 4 + 2 * n_blocks * seq_len * seq_len * 4
+    heads = [rows for n, (rows, _) in shapes.items() if layer_index(n) is None]
+    outside = weights.get(None, 0)  # the embedding (and the rest outside the layers) while the layers' inputs are recorded
+    tail = (outside + moments.get(None, 0) + batch_size * seq_len * max(heads) * 4) if heads else outside
     work = max((rows * k * 8 + k * k * 24 for rows, k in shapes.values()), default=0)
-    return codes + max(per_layer.values(), default=0) + 2 * n_tokens * int(hidden) * 4 + work
+    return codes + max(layer, tail) + activations + work
 
 
 def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None,
@@ -201,7 +221,7 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
                          "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
                          "auto:BPW:affine) or drop --gptq")
-    need = memory_needed(anchor, names, calib.numel())
+    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1])
     check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their codes, one layer's input moments, the "
                f"calibration hidden states; {gib(need)})", need, budget,
                remedy="drop --gptq, or export on a machine with more memory")

@@ -99,6 +99,9 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
             h, swap = _hidden(args, kwargs)
             if i == 0:
                 hidden.append(h)
+            elif h is not hidden[-1]:  # the stand-ins hand the same tensor on: something else ran in between
+                raise ValueError(f"{type(model).__name__}: the hidden state changes between decoder layers "
+                                 f"{i - 1} and {i}; this model cannot be run layer by layer")
             calls[i].append(swap(None))  # the arguments without the hidden state (not held once per layer)
             return h
         return forward
@@ -110,16 +113,24 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
             with lazy.running(cached) as m:
                 m(ids, use_cache=False, **short)  # the embedding runs (and the head, on one position if it can)
     clear()
-    layers = layers[:sum(1 for c in calls if c)]  # the layers the model calls (not a config's unused extra ones)
+    called = [len(c) for c in calls]
+    n_called = sum(1 for c in called if c)
+    if any(c != len(batches) for c in called[:n_called]) or any(called[n_called:]):
+        raise ValueError(f"{type(model).__name__}: its decoder layers are not each called once per forward, in "
+                         f"order (calls per layer over {len(batches)} batches: {called}); it cannot be run layer by layer")
+    layers = layers[:n_called]  # the layers the model calls (not a config's unused extra ones)
     inside = {id(m) for layer in layers for m in layer.modules()}
     for i in progress(range(len(layers)), desc=progress_desc or "layer by layer", unit="layer", leave=False):
         done = []
 
         def run(i: int = i, done: list = done) -> None:
-            with torch.no_grad(), lazy.running(cached):
-                for b, (args, kwargs) in enumerate(calls[i]):
-                    h_args, h_kwargs = _hidden(args, kwargs)[1](hidden[b])
-                    hidden[b] = _output(layers[i](*h_args, **h_kwargs))
+            try:
+                with torch.no_grad(), lazy.running(cached):
+                    for b, (args, kwargs) in enumerate(calls[i]):
+                        h_args, h_kwargs = _hidden(args, kwargs)[1](hidden[b])
+                        hidden[b] = _output(layers[i](*h_args, **h_kwargs))
+            finally:
+                clear()  # the layer's weights let go before the caller works on what it measured
             calls[i] = []
             done.append(True)
         yield Stage(f"{prefix}.{i}", [(f"{prefix}.{i}.{n}" if n else f"{prefix}.{i}", m)
@@ -138,4 +149,5 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
                 with _stand_ins(layers, {j: (lambda *a, **k: _hidden(a, k)[0]) for j in range(last)}):
                     m(ids, use_cache=False)
         clear()
+        hidden.clear()
     yield Stage("tail", tail, run_tail)
