@@ -284,7 +284,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     args, rest = build_parser().parse_known_args(argv)
     cmd = args.cmd
-    if cmd in STREAMING_COMMANDS and not getattr(args, "no_refine", False):
+    if cmd in STREAMING_COMMANDS and (not getattr(args, "no_refine", False) or getattr(args, "gptq", False)):
         return_freed_memory()  # freed tensors go back to the system at once (mfqat.cli.sysmem)
     if cmd == "bench":
         _bench(rest)

@@ -10,7 +10,7 @@ at 1 MiB (BENCHMARKS.md). The cost is a page fault on every new mapping: a plain
 44 s with the threshold fixed against 35 s without, for 5% less peak (1.03 against 1.09 GiB), and ``convert``
 at 1.2B 43 s against 35 s (0.99 against 1.06 GiB), ``eval`` at 1.2B 21-30 s against 17-18 s (2.83 against 2.92
 GiB). So the ``mfqat`` command fixes it only where a learning step's tensors set the peak
-(:data:`STREAMING_COMMANDS`: ``refine``, ``export-mlx`` unless ``--no-refine``), not for ``convert``, ``eval``, a
+(:data:`STREAMING_COMMANDS`: ``refine``, ``export-mlx`` unless ``--no-refine`` without ``--gptq``), not for ``convert``, ``eval``, a
 ``--no-refine`` export or training (a small training loop ran ~10% slower);
 Python users can call :func:`return_freed_memory` or set ``MALLOC_MMAP_THRESHOLD_`` in the environment.
 """
@@ -25,7 +25,7 @@ from mfqat.memory import available_memory  # noqa: F401 (its old home: mfqat.cli
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 RETURN_FROM_BYTES = 1 << 20  # blocks of 1 MiB and up get their own mapping, returned when freed
-STREAMING_COMMANDS = ("export-mlx", "refine")  # the commands that set it (export-mlx: when it refines)
+STREAMING_COMMANDS = ("export-mlx", "refine")  # the commands that set it (export-mlx: when it refines or runs GPTQ)
 
 
 def return_freed_memory(threshold: int = RETURN_FROM_BYTES) -> bool:
