@@ -194,9 +194,10 @@ def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int,
     for n in list(anchor.quantized) + list(anchor.plain):
         weights[layer_index(n)] = weights.get(layer_index(n), 0) + 4 * math.prod(anchor.shape(n))
     layer = max((moments.get(i, 0) + weights[i] for i in weights if i is not None), default=0)
-    cfg = anchor.config if isinstance(anchor.config, dict) else {}
-    hidden = cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size") or max(
-        (k for _, k in shapes.values()), default=0)
+    from mfqat.export.verify import layer_config
+
+    text = (layer_config(anchor.config) if isinstance(anchor.config, dict) else None) or {}
+    hidden = text.get("hidden_size") or max((k for _, k in shapes.values()), default=0)
     activations = 2 * n_blocks * seq_len * int(hidden) * 4 + 2 * n_blocks * seq_len * seq_len * 4
     heads = [rows for n, (rows, _) in shapes.items() if layer_index(n) is None]
     outside = weights.get(None, 0)  # the embedding (and the rest outside the layers) while the layers' inputs are recorded
