@@ -46,3 +46,6 @@ def test_recipe_suffixes_set_the_group_the_refine_and_the_calibration_text(tmp_p
     assert seen["calib_text"] == f"text of pydoc:1 from {tmp_path / 'anchor'}"
     bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out2", "uniform:affine4+refine8")
     assert (seen["refine"].steps, seen["refine"].n_blocks, seen["calib_text"]) == (8, 32, None)
+    bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out3", "uniform:affine4+refine8/t2/l5e-4/b64")
+    assert (seen["refine"].steps, seen["refine"].n_blocks, seen["refine"].temperature, seen["refine"].lr) == \
+        (8, 64, 2.0, 5e-4)

@@ -111,7 +111,8 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
     +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP sets
     GPTQConfig.n_blocks and .damp);
     +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
-    +refineSTEPS/bBLOCKS on BLOCKS calibration blocks (RefineConfig.n_blocks, default 32).
+    +refineSTEPS/bBLOCKS/tTEMP/lLR on BLOCKS calibration blocks (RefineConfig.n_blocks, default 32), at KL
+    temperature TEMP (default 1) and learning rate LR (default 1e-3), each optional.
     ``calib``: export-mlx's --calib-text spec for the sensitivity pass and the refine (default: pydoc)."""
     from mfqat.data.mix import mixed_text
     from mfqat.export.gptq import GPTQConfig
@@ -124,8 +125,10 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
     refine = None
     if refined:
         from mfqat.export.refine import RefineConfig
-        steps, _, blocks = steps.partition("/b")
-        refine = RefineConfig(steps=int(steps or 64), **({"n_blocks": int(blocks)} if blocks else {}))
+        steps, *opts = steps.split("/")
+        kw = {{"b": "n_blocks", "t": "temperature", "l": "lr"}[o[0]]: (int if o[0] == "b" else float)(o[1:])
+              for o in opts if o}
+        refine = RefineConfig(steps=int(steps or 64), **kw)
     if not (dest / "mfqat_export.json").is_file():
         to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
                refine=refine, calib_text=mixed_text(calib, model=str(anchor)) if calib else None,
