@@ -108,7 +108,7 @@ setup(
     install_requires=[
         "torch>=2.4",
         "safetensors>=0.4",
-        "transformers>=5.2",  # Qwen3.5 arrives in 5.2; decoder layers return a tensor from 5.0 (--gptq runs them one by one)
+        "transformers>=5.2",  # conversion_mapping / core_model_loading from 5.0; Qwen3.5 from 5.2
         "accelerate>=1.0",
         "peft>=0.13",
         "tqdm",

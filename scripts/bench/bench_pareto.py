@@ -126,8 +126,11 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
     if refined:
         from mfqat.export.refine import RefineConfig
         steps, *opts = steps.split("/")
-        kw = {{"b": "n_blocks", "t": "temperature", "l": "lr"}[o[0]]: (int if o[0] == "b" else float)(o[1:])
-              for o in opts if o}
+        names = {"b": "n_blocks", "t": "temperature", "l": "lr"}  # lr: the affine / nvfp4 scales (not MX exponents)
+        bad = [o for o in opts if o and o[0] not in names]
+        if bad:
+            raise ValueError(f"{recipe}+refine{steps}: unknown refine option {bad[0]!r}; use /bBLOCKS, /tTEMP or /lLR")
+        kw = {names[o[0]]: (int if o[0] == "b" else float)(o[1:]) for o in opts if o}
         refine = RefineConfig(steps=int(steps or 64), **kw)
     if not (dest / "mfqat_export.json").is_file():
         to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
