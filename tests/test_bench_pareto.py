@@ -51,5 +51,8 @@ def test_recipe_suffixes_set_the_group_the_refine_and_the_calibration_text(tmp_p
         (8, 64, 2.0, 5e-4)
     bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out4", "auto:3.79:affine+gptq/b192+refine64/b128")
     assert (seen["gptq"].n_blocks, seen["refine"].n_blocks, seen["refine"].steps) == (192, 128, 64)
+    assert not seen["gptq"].sequential
+    bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out6", "auto:3.79:affine+gptq/s/d0.05")
+    assert (seen["gptq"].sequential, seen["gptq"].damp, seen["gptq"].n_blocks, seen["refine"]) == (True, 0.05, 256, None)
     with pytest.raises(ValueError, match="unknown refine option 's2'"):
         bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out5", "uniform:affine4+refine8/s2")

@@ -150,6 +150,7 @@ def exports(anchor, tmp_path_factory):
     d = tmp_path_factory.mktemp("gptq_out")
     out = {}
     for name, kw in {"plain": {}, "gptq": dict(gptq=SMALL_GPTQ),
+                     "gptq_sequential": dict(gptq=dataclasses.replace(SMALL_GPTQ, sequential=True)),
                      "gptq_refined": dict(gptq=SMALL_GPTQ, refine=RefineConfig(**SMALL_REFINE))}.items():
         out[name] = (d / name, mfqat.export.to_mlx(anchor, d / name, recipe="uniform:affine3", **kw))
     return out
@@ -172,6 +173,17 @@ def test_gptq_export_lowers_the_output_error_and_stays_bit_exact(exports):
     for k in plain:
         if k.endswith((".scales", ".biases")):
             assert np.array_equal(plain[k], new[k]), f"{k}: gptq keeps the derived grid"
+
+
+def test_sequential_gptq_takes_other_inputs_and_stays_bit_exact(exports):
+    """On the quantized model's inputs the moments change, so the codes do; the export is still exact."""
+    folder, rep = exports["gptq_sequential"]
+    assert rep["gptq"]["sequential"] and not exports["gptq"][1]["gptq"]["sequential"]
+    assert rep["gptq"]["tensors"] > 0 and rep["verify"]["weights_bit_exact"]
+    anchor_inputs, quantized_inputs = _arrays(exports["gptq"][0]), _arrays(folder)
+    changed = [k for k in anchor_inputs if k.endswith("proj.weight")
+               and not np.array_equal(anchor_inputs[k], quantized_inputs[k])]
+    assert any(".layers.1." in k for k in changed), changed
 
 
 def test_refine_after_gptq_keeps_the_gptq_codes(exports):

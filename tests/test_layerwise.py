@@ -110,3 +110,38 @@ def test_a_model_that_changes_the_hidden_state_between_layers_is_refused(tmp_pat
     layers[1].register_forward_pre_hook(lambda _m, args: (args[0] * 1,) + tuple(args[1:]))
     with pytest.raises(ValueError, match="changes between decoder layers 0 and 1"):
         next(layer_stages(lazy, anchor_source(anchor), torch.zeros(2, 8).long()))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_after_hands_each_layer_the_inputs_of_the_model_on_those_weights(tmp_path, tie):
+    """GPTQ's sequential mode: with ``after``, stage i's first Linear sees what the whole model on the ``after`` weights
+    hands layer i (the embedding included), and the head sees that model's last hidden state; without it, the
+    anchor's (so the two differ: the test would catch ``after`` being ignored)."""
+    anchor = _tiny(tmp_path, tie=tie)
+    low = anchor_source(anchor, "mxint4")  # the embedding, plain in this anchor, is halved so that it changes too
+    after = lambda name: low(name) * (0.5 if "embed" in name else 1)  # noqa: E731
+    calib = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    lazy = LazyModel(anchor, checkpoint_layers=False)
+    firsts = [n for n, m in lazy.model.named_modules() if n.endswith("q_proj")] + ["lm_head"]
+
+    def whole(source):
+        linears = [(n, m) for n, m in lazy.model.named_modules() if n in firsts]
+
+        def run():
+            for i in range(0, 3, 2):
+                lazy.logits(source, calib[i:i + 2])
+        return _inputs_of(linears, run)
+
+    def staged(**kw):
+        got = {}
+        for stage in layer_stages(lazy, anchor_source(anchor), calib, batch_size=2, **kw):
+            got.update(_inputs_of([(n, m) for n, m in stage.modules if n in firsts], stage.run))
+        return got
+    want, plain = whole(after), whole(anchor_source(anchor))
+    got, got_plain = staged(after=after), staged()
+    assert sorted(got) == sorted(firsts)
+    for n in firsts:
+        for g, w, p, gp in zip(got[n], want[n], plain[n], got_plain[n]):
+            assert torch.equal(g, w), f"{n}: max diff {(g - w).abs().max().item()} from the model on `after`"
+            assert torch.equal(gp, p)
+    assert not torch.equal(want["lm_head"][0], plain["lm_head"][0])  # mxint4 weights do change the inputs

@@ -19,7 +19,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -48,6 +48,10 @@ class GPTQConfig:
     which minimises ``sum over tokens ||(W - Q) x||^2`` column by column (Frantar et al., 2022). With a diagonal
     ``H`` nothing is pushed on, and the codes are round-to-nearest on the derived grid.
 
+    ``sequential``: each matrix's ``H`` is taken on the inputs the *quantized* model hands its layer (every earlier
+    layer, and the embedding, with its export codes: GPTQ's own setting, so a layer's codes also answer the errors
+    of the layers before it), not the anchor's (each matrix on its own).
+
     ``n_blocks`` x ``seq_len`` calibration tokens (256 x 128 by default: on SmolLM2-135M 32 x 128 fitted the
     calibration text's inputs and raised another text's perplexity, 256 x 128 lowered both; BENCHMARKS.md,
     "A size class down"; a text with fewer tokens gives what it has, with a warning); ``damp`` the relative
@@ -60,6 +64,7 @@ class GPTQConfig:
     damp: float = 0.01
     act_order: bool = True
     block_columns: int = 128
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_blocks", "seq_len", "block_columns"):
@@ -128,19 +133,22 @@ def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:
     return float(((err @ h.float()) * err).sum())
 
 
-def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_size: int = 4
-                  ) -> Iterator[Dict[str, torch.Tensor]]:
+def input_moments(anchor: Anchor, calib: torch.Tensor, names: List[str], batch_size: int = 4,
+                  after: Optional[Callable[[str], torch.Tensor]] = None) -> Iterator[Dict[str, torch.Tensor]]:
     """Per decoder layer (then the tail: an untied output head), {weight name: mean(x x^T) of its nn.Linear's input
     over the calibration tokens} (float32, K x K) for the ``names`` that are nn.Linear weights of the anchor's model,
     run in its own format layer by layer (mfqat.export.layerwise: the inputs of the whole forward, bit for bit).
     Each layer's dict is yielded once its layer has seen every batch, and the next layer runs when the caller asks
-    for it, so one layer's moments are held at a time (beside two copies of the calibration hidden states)."""
+    for it, so one layer's moments are held at a time (beside two copies of the calibration hidden states).
+    ``after``: the weights of the quantized model (name -> float32 tensor, asked once the caller has taken a layer's
+    moments): the next layer's inputs are then the quantized model's (layerwise.layer_stages's ``after``)."""
     from mfqat.export.layerwise import layer_stages
     from mfqat.export.lazy_model import LazyModel, anchor_source
 
     lazy = LazyModel(anchor, checkpoint_layers=False)
     wanted = set(names)
-    for stage in layer_stages(lazy, anchor_source(anchor), calib, batch_size, progress_desc="gptq"):
+    for stage in layer_stages(lazy, anchor_source(anchor), calib, batch_size, progress_desc="gptq",
+                              after=after):
         linears = {n: m for n, m in stage.modules if isinstance(m, nn.Linear) and f"{n}.weight" in wanted}
         sums: Dict[str, torch.Tensor] = {}
         counts: Dict[str, int] = {}
@@ -174,11 +182,13 @@ def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
             and len(anchor.shape(n)) == 2]
 
 
-def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4) -> int:
+def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4,
+                  sequential: bool = False) -> int:
     """Bytes :func:`apply_gptq` holds for the matrices ``names`` on ``n_blocks`` x ``seq_len`` calibration tokens:
     the codes of the nn.Linear matrices (a byte a weight; an embedding table gets none); one decoder layer at a time,
     its matrices' input moments (K x K float32 each, K the input features) and all its tensors in float32 (expert
-    stacks included); the calibration hidden states twice (tokens x hidden size, float32) and each layer's recorded
+    stacks included); the calibration hidden states twice (tokens x hidden size, float32; three times when
+    ``sequential``) and each layer's recorded
     attention masks (blocks x seq_len^2 float32, two kinds); the largest matrix's working copies (its weights twice
     in float32, three K x K float64 factors); and the tensors outside the decoder layers in float32 (the embedding,
     while each layer's arguments are recorded), with, when an untied output head is among ``names``, its moment and a
@@ -198,12 +208,26 @@ def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int,
 
     text = (layer_config(anchor.config) if isinstance(anchor.config, dict) else None) or {}
     hidden = text.get("hidden_size") or max((k for _, k in shapes.values()), default=0)
-    activations = 2 * n_blocks * seq_len * int(hidden) * 4 + 2 * n_blocks * seq_len * seq_len * 4
+    activations = (3 if sequential else 2) * n_blocks * seq_len * int(hidden) * 4 + 2 * n_blocks * seq_len * seq_len * 4
     heads = [rows for n, (rows, _) in shapes.items() if layer_index(n) is None]
     outside = weights.get(None, 0)  # the embedding (and the rest outside the layers) while the layers' inputs are recorded
     tail = (outside + moments.get(None, 0) + batch_size * seq_len * max(heads) * 4) if heads else outside
     work = max((rows * k * 8 + k * k * 24 for rows, k in shapes.values()), default=0)
     return codes + max(layer, tail) + activations + work
+
+
+def _export_source(anchor: Anchor, plan: Plan) -> Callable[[str], torch.Tensor]:
+    """name -> the exported model's tensor as PyTorch computes it (mfqat.export.verify.reference_tensor: the plan's
+    codes, GPTQ's once a layer has them), else the anchor's: the quantized model of ``sequential`` GPTQ."""
+    from mfqat.export.lazy_model import anchor_source
+    from mfqat.export.verify import reference_tensor
+
+    teacher = anchor_source(anchor)
+
+    def source(name: str) -> torch.Tensor:
+        v = reference_tensor(anchor, plan, name)
+        return teacher(name) if v is None else v
+    return source
 
 
 def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GPTQConfig] = None,
@@ -222,13 +246,14 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
                          "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
                          "auto:BPW:affine) or drop --gptq")
-    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1])
+    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1], sequential=cfg.sequential)
     check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their codes, one layer's input moments, the "
                f"calibration hidden states; {gib(need)})", need, budget,
                remedy="drop --gptq, or export on a machine with more memory")
     before = after = 0.0
     changed = 0
-    for moments in input_moments(anchor, calib, names):  # one decoder layer's at a time
+    quantized = _export_source(anchor, plan) if cfg.sequential else None
+    for moments in input_moments(anchor, calib, names, after=quantized):  # one decoder layer's at a time
         for name in [n for n in names if n in moments]:
             q = plan.tensor(anchor, name)
             w = anchor_values(anchor, name).to(DERIVED_DTYPE).float()
@@ -249,6 +274,7 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
                   and len(anchor.shape(n)) != 2)
     return {"tensors": changed, "candidates": len(names), "skipped_expert_stacks": skipped, "output_error_rtn": before, "output_error_gptq": after,
             "calibration_blocks": int(calib.shape[0]), "damp": cfg.damp, "act_order": cfg.act_order,
+            "sequential": cfg.sequential,
             "seconds": time.perf_counter() - t0}
 
 

@@ -11,7 +11,8 @@ layer is held at a time, with the calibration hidden states (two copies) beside 
 Each layer computes exactly what it computes inside the whole forward (the same input, the same arguments the
 model gave it, the same weights), so the activations are bit for bit those of the whole-model forward
 (tests/test_layerwise.py, every family). A layer's weights are read from the source once per stage, not once per
-batch.
+batch. With ``after`` (GPTQ's sequential mode) each layer runs a second time, on the weights the caller has once
+it is done with the layer, and the next layer takes those outputs: the inputs the quantized model hands it.
 """
 from __future__ import annotations
 
@@ -78,12 +79,31 @@ def _cached(source: Source) -> Tuple[Source, Callable[[], None]]:
     return get, held.clear
 
 
+def _forward_layer(lazy: LazyModel, layer: nn.Module, calls: List[Call], inputs: List[torch.Tensor],
+                   outputs: List[torch.Tensor], source: Source, clear: Callable[[], None]) -> None:
+    """Every batch's ``inputs[b]`` through ``layer`` (with the arguments the model gave it for that batch) on the
+    weights ``source`` gives, into ``outputs[b]``; the weights let go (``clear``) before it returns."""
+    try:
+        with torch.no_grad(), lazy.running(source):
+            for b, (args, kwargs) in enumerate(calls):
+                h_args, h_kwargs = _hidden(args, kwargs)[1](inputs[b])
+                outputs[b] = _output(layer(*h_args, **h_kwargs))
+    finally:
+        clear()  # the layer's weights let go before the caller works on what it measured
+
+
 def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_size: int = 4,
-                 progress_desc: Optional[str] = None) -> Iterator[Stage]:
+                 progress_desc: Optional[str] = None, after: Optional[Source] = None) -> Iterator[Stage]:
     """The stages of a layer-major forward of ``lazy``'s model over ``calib`` (n x seq token ids, in batches of
     ``batch_size``) on the weights ``source`` gives: one per decoder layer, then the tail. The caller runs each
     (``stage.run()``) before asking for the next, with whatever hooks it wants on ``stage.modules``. ValueError for
-    a model without decoder layers."""
+    a model without decoder layers.
+
+    ``after``: the weights the model has once the caller is done (GPTQ's sequential mode: the quantized model, asked
+    lazily, so it sees what the caller changed during a stage). Given, the embedding (everything before the first
+    layer) runs on ``after``, and each layer, once the caller asks for the next stage, runs again on ``after`` from
+    the same inputs: stage ``i`` runs layer ``i`` on ``source`` with the inputs layers ``0 .. i-1`` hand it on
+    ``after`` (one more copy of the calibration hidden states is held)."""
     from mfqat.progress import progress
 
     model = lazy.model
@@ -107,12 +127,14 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
         return forward
 
     cached, clear = _cached(source)
+    first = _cached(after)[0] if after is not None else cached
     short = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad(), _stand_ins(layers, {i: recorder(i) for i in range(len(layers))}):
         for ids in batches:
-            with lazy.running(cached) as m:
+            with lazy.running(first) as m:
                 m(ids, use_cache=False, **short)  # the embedding runs (and the head, on one position if it can)
     clear()
+    first = None  # the embedding's tensors let go
     called = [len(c) for c in calls]
     n_called = sum(1 for c in called if c)
     if any(c != len(batches) for c in called[:n_called]) or any(called[n_called:]):
@@ -121,23 +143,22 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
     layers = layers[:n_called]  # the layers the model calls (not a config's unused extra ones)
     inside = {id(m) for layer in layers for m in layer.modules()}
     for i in progress(range(len(layers)), desc=progress_desc or "layer by layer", unit="layer", leave=False):
-        done = []
+        done: List[bool] = []
+        inputs = list(hidden) if after is not None else []  # the layer's inputs, kept for the run on ``after``
 
         def run(i: int = i, done: list = done) -> None:
-            try:
-                with torch.no_grad(), lazy.running(cached):
-                    for b, (args, kwargs) in enumerate(calls[i]):
-                        h_args, h_kwargs = _hidden(args, kwargs)[1](hidden[b])
-                        hidden[b] = _output(layers[i](*h_args, **h_kwargs))
-            finally:
-                clear()  # the layer's weights let go before the caller works on what it measured
-            calls[i] = []
+            _forward_layer(lazy, layers[i], calls[i], hidden, hidden, cached, clear)
+            if after is None:
+                calls[i] = []
             done.append(True)
         yield Stage(f"{prefix}.{i}", [(f"{prefix}.{i}.{n}" if n else f"{prefix}.{i}", m)
                                       for n, m in layers[i].named_modules()], run)
         if not done:
             raise RuntimeError(f"layer_stages: stage {prefix}.{i} was not run before the next was asked for")
         clear()
+        if after is not None:
+            _forward_layer(lazy, layers[i], calls[i], inputs, hidden, *_cached(after))
+            calls[i], inputs = [], []
     tail = [(n, m) for n, m in model.named_modules() if id(m) not in inside and n]
 
     def run_tail() -> None:

@@ -108,8 +108,8 @@ def measure_each_probe_once(store: Path) -> None:
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None:
     """``RECIPE[@gN][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
-    +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP sets
-    GPTQConfig.n_blocks and .damp);
+    +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP/s sets
+    GPTQConfig.n_blocks, .damp and .sequential (``/s``: on the quantized model's inputs);
     +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
     +refineSTEPS/bBLOCKS/tTEMP/lLR on BLOCKS calibration blocks (RefineConfig.n_blocks, default 32), at KL
     temperature TEMP (default 1) and learning rate LR (default 1e-3), each optional.
@@ -119,8 +119,8 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
 
     recipe, refined, steps = recipe.partition("+refine")
     recipe, gptq, gptq_opts = recipe.partition("+gptq")
-    gptq_kw = {{"b": "n_blocks", "d": "damp"}[o[0]]: (int if o[0] == "b" else float)(o[1:])
-               for o in gptq_opts.split("/") if o}
+    gptq_kw = {{"b": "n_blocks", "d": "damp", "s": "sequential"}[o[0]]:
+               {"b": int, "d": float, "s": lambda v: v in ("", "1")}[o[0]](o[1:]) for o in gptq_opts.split("/") if o}
     recipe, _, group = recipe.partition("@g")
     refine = None
     if refined:
