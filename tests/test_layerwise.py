@@ -114,12 +114,21 @@ def test_a_model_that_changes_the_hidden_state_between_layers_is_refused(tmp_pat
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_after_hands_each_layer_the_inputs_of_the_model_on_those_weights(tmp_path, tie):
+    from mfqat.models import layer_index
+
+    def layer_of(name):
+        i = layer_index(name)
+        return None if i is None else f"model.layers.{i}"
+
     """GPTQ's sequential mode: with ``after``, stage i's first Linear sees what the whole model on the ``after`` weights
     hands layer i (the embedding included), and the head sees that model's last hidden state; without it, the
-    anchor's (so the two differ: the test would catch ``after`` being ignored)."""
+    anchor's (so the two differ: the test would catch ``after`` being ignored). ``after`` is asked lazily: a layer's
+    new weights, set by the caller once its stage has run (as GPTQ sets its codes), are those the layer runs on."""
     anchor = _tiny(tmp_path, tie=tie)
-    low = anchor_source(anchor, "mxint4")  # the embedding, plain in this anchor, is halved so that it changes too
-    after = lambda name: low(name) * (0.5 if "embed" in name else 1)  # noqa: E731
+    low, base = anchor_source(anchor, "mxint4"), anchor_source(anchor)
+    final = lambda name: low(name) * (0.5 if "embed" in name else 1)  # noqa: E731  (the embedding is plain here)
+    done = set()  # the layers whose new weights the caller has set
+    after = lambda name: final(name) if layer_of(name) in done else base(name)  # noqa: E731
     calib = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
     lazy = LazyModel(anchor, checkpoint_layers=False)
     firsts = [n for n, m in lazy.model.named_modules() if n.endswith("q_proj")] + ["lm_head"]
@@ -136,8 +145,10 @@ def test_after_hands_each_layer_the_inputs_of_the_model_on_those_weights(tmp_pat
         got = {}
         for stage in layer_stages(lazy, anchor_source(anchor), calib, batch_size=2, **kw):
             got.update(_inputs_of([(n, m) for n, m in stage.modules if n in firsts], stage.run))
+            done.add(stage.name)
         return got
-    want, plain = whole(after), whole(anchor_source(anchor))
+    done.add(None)  # the embedding's, set up front
+    want, plain = whole(final), whole(base)
     got, got_plain = staged(after=after), staged()
     assert sorted(got) == sorted(firsts)
     for n in firsts:

@@ -182,13 +182,12 @@ def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
             and len(anchor.shape(n)) == 2]
 
 
-def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4,
-                  sequential: bool = False) -> int:
+def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4) -> int:
     """Bytes :func:`apply_gptq` holds for the matrices ``names`` on ``n_blocks`` x ``seq_len`` calibration tokens:
     the codes of the nn.Linear matrices (a byte a weight; an embedding table gets none); one decoder layer at a time,
     its matrices' input moments (K x K float32 each, K the input features) and all its tensors in float32 (expert
-    stacks included); the calibration hidden states twice (tokens x hidden size, float32; three times when
-    ``sequential``) and each layer's recorded
+    stacks included); the calibration hidden states twice (tokens x hidden size, float32; ``sequential`` holds no
+    more: mfqat.export.layerwise) and each layer's recorded
     attention masks (blocks x seq_len^2 float32, two kinds); the largest matrix's working copies (its weights twice
     in float32, three K x K float64 factors); and the tensors outside the decoder layers in float32 (the embedding,
     while each layer's arguments are recorded), with, when an untied output head is among ``names``, its moment and a
@@ -208,7 +207,7 @@ def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int,
 
     text = (layer_config(anchor.config) if isinstance(anchor.config, dict) else None) or {}
     hidden = text.get("hidden_size") or max((k for _, k in shapes.values()), default=0)
-    activations = (3 if sequential else 2) * n_blocks * seq_len * int(hidden) * 4 + 2 * n_blocks * seq_len * seq_len * 4
+    activations = 2 * n_blocks * seq_len * int(hidden) * 4 + 2 * n_blocks * seq_len * seq_len * 4
     heads = [rows for n, (rows, _) in shapes.items() if layer_index(n) is None]
     outside = weights.get(None, 0)  # the embedding (and the rest outside the layers) while the layers' inputs are recorded
     tail = (outside + moments.get(None, 0) + batch_size * seq_len * max(heads) * 4) if heads else outside
@@ -246,7 +245,7 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
                          "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
                          "auto:BPW:affine) or drop --gptq")
-    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1], sequential=cfg.sequential)
+    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1])
     check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their codes, one layer's input moments, the "
                f"calibration hidden states; {gib(need)})", need, budget,
                remedy="drop --gptq, or export on a machine with more memory")

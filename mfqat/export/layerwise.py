@@ -79,8 +79,15 @@ def _cached(source: Source) -> Tuple[Source, Callable[[], None]]:
     return get, held.clear
 
 
+class _Dropped:
+    """An output list that keeps nothing (the first run of a layer whose outputs come from the run on ``after``)."""
+
+    def __setitem__(self, index: int, value: torch.Tensor) -> None:
+        pass
+
+
 def _forward_layer(lazy: LazyModel, layer: nn.Module, calls: List[Call], inputs: List[torch.Tensor],
-                   outputs: List[torch.Tensor], source: Source, clear: Callable[[], None]) -> None:
+                   outputs, source: Source, clear: Callable[[], None]) -> None:
     """Every batch's ``inputs[b]`` through ``layer`` (with the arguments the model gave it for that batch) on the
     weights ``source`` gives, into ``outputs[b]``; the weights let go (``clear``) before it returns."""
     try:
@@ -103,7 +110,7 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
     lazily, so it sees what the caller changed during a stage). Given, the embedding (everything before the first
     layer) runs on ``after``, and each layer, once the caller asks for the next stage, runs again on ``after`` from
     the same inputs: stage ``i`` runs layer ``i`` on ``source`` with the inputs layers ``0 .. i-1`` hand it on
-    ``after`` (one more copy of the calibration hidden states is held)."""
+    ``after`` (the first run's outputs are dropped as they come, so no more is held than without it)."""
     from mfqat.progress import progress
 
     model = lazy.model
@@ -144,10 +151,9 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
     inside = {id(m) for layer in layers for m in layer.modules()}
     for i in progress(range(len(layers)), desc=progress_desc or "layer by layer", unit="layer", leave=False):
         done: List[bool] = []
-        inputs = list(hidden) if after is not None else []  # the layer's inputs, kept for the run on ``after``
 
-        def run(i: int = i, done: list = done) -> None:
-            _forward_layer(lazy, layers[i], calls[i], hidden, hidden, cached, clear)
+        def run(i: int = i, done: list = done) -> None:  # with ``after``, its outputs are those of the run on it
+            _forward_layer(lazy, layers[i], calls[i], hidden, hidden if after is None else _Dropped(), cached, clear)
             if after is None:
                 calls[i] = []
             done.append(True)
@@ -157,8 +163,8 @@ def layer_stages(lazy: LazyModel, source: Source, calib: torch.Tensor, batch_siz
             raise RuntimeError(f"layer_stages: stage {prefix}.{i} was not run before the next was asked for")
         clear()
         if after is not None:
-            _forward_layer(lazy, layers[i], calls[i], inputs, hidden, *_cached(after))
-            calls[i], inputs = [], []
+            _forward_layer(lazy, layers[i], calls[i], hidden, hidden, *_cached(after))
+            calls[i] = []
     tail = [(n, m) for n, m in model.named_modules() if id(m) not in inside and n]
 
     def run_tail() -> None:
