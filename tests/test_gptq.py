@@ -228,6 +228,31 @@ def test_the_cli_flag_runs_gptq_and_says_what_it_did(anchor, tmp_path, capsys):
     assert f"gptq: {g['tensors']} of {g['candidates']} affine matrices" in said
 
 
+def test_the_cli_flags_set_gptqs_blocks_and_dampening_and_the_refines_blocks(anchor, tmp_path):
+    from mfqat.cli import main
+
+    main(["export-mlx", str(anchor), "--out", str(tmp_path / "g"), "--recipe", "uniform:affine3", "--gptq",
+          "--gptq-blocks", "8", "--gptq-damp", "0.1", "--refine-steps", "2", "--refine-blocks", "6"])
+    rep = json.loads((tmp_path / "g" / "mfqat_export.json").read_text())
+    assert (rep["gptq"]["calibration_blocks"], rep["gptq"]["damp"]) == (8, 0.1)
+    assert (rep["refine"]["calibration_blocks"], rep["refine"]["steps"]) == (6, 2)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--gptq-damp", "0.1", "--no-refine"], "--gptq-damp sets --gptq's calibration: add --gptq"),
+    (["--gptq-blocks", "8", "--no-refine"], "--gptq-blocks sets --gptq's calibration: add --gptq"),
+    (["--gptq", "--gptq-damp", "0"], "--gptq-damp must be > 0"),
+    (["--gptq", "--gptq-blocks", "0"], "--gptq-blocks must be >= 1"),
+    (["--refine-blocks", "8", "--no-refine"], "--refine-blocks 8 with --no-refine"),
+    (["--refine-blocks", "0"], "--refine-blocks must be >= 1")])
+def test_the_cli_refuses_gptq_and_refine_block_flags_that_cannot_apply(anchor, tmp_path, capsys, flags, said):
+    from .conftest import one_line_exit_2
+
+    one_line_exit_2(["export-mlx", str(anchor), "--out", str(tmp_path / "g"), "--recipe", "uniform:affine3", *flags],
+                    capsys, said)
+    assert not (tmp_path / "g").exists()
+
+
 @pytest.mark.parametrize("recipe", ["uniform:mxint4", "auto:4.5:mxint", "seed", "uniform:nvfp4"])
 def test_the_cli_refuses_gptq_up_front_for_a_recipe_without_affine_matrices(anchor, tmp_path, capsys, recipe):
     from .conftest import one_line_exit_2

@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "error is pushed onto the columns not yet rounded, weighted by the matrix's inputs on --calib-text "
                    "(256 x 128 tokens), the derived scales and biases kept, before the refine learns them "
                    "(mfqat.export.gptq; holds those matrices' codes in memory, a byte a weight)")
+    x.add_argument("--gptq-blocks", type=int, default=None, help="--gptq: calibration blocks of 128 tokens "
+                   "(default 256; fewer fitted the calibration text and raised another text's perplexity)")
+    x.add_argument("--gptq-damp", type=float, default=None, help="--gptq: relative dampening of the inputs' second "
+                   "moment (default 0.01; 0.1 was better on both held-out texts at 3.79 bits on SmolLM2-135M, one "
+                   "run: BENCHMARKS.md, 'A size class down')")
     how = x.add_mutually_exclusive_group()
     how.add_argument("--refine", action="store_true", help="the default for a plan with affine tensors, required "
                      "for nvfp4 and MX plans: learn the affine tensors' group scales and biases, the nvfp4 tensors' "
@@ -146,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "minutes")
     x.add_argument("--refine-steps", type=int, default=None, help="refine: Adam steps of 4 x 128 calibration "
                    "tokens (default by model size: 64 up to 0.3B parameters, 32 up to 1B, 16 up to 4B, then 8)")
+    x.add_argument("--refine-blocks", type=int, default=None, help="refine: calibration blocks of 128 tokens it "
+                   "learns on (default 32, plus 4 to validate; more were better on both held-out texts at 3.79 bits, "
+                   "BENCHMARKS.md)")
     x.add_argument("--refine-lr", type=float, default=1e-3, help="refine: learning rate of the relative scale / bias")
     x.add_argument("--refine-exponent-lr", type=float, default=5e-2, help="refine: learning rate of an MX block's "
                    "exponent parameter (a block moves to a neighbouring exponent after about 0.5 / this many steps "

@@ -413,10 +413,17 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             need_path(a.imatrix_path, "--imatrix-path", "imatrix GGUF file")
             need_auto_budget(a)
             finite(a)
-            at_least(a, {"refine_steps": 1})
+            at_least(a, {"refine_steps": 1, "refine_blocks": 1, "gptq_blocks": 1})
             if a.no_refine and a.refine_steps is not None:
                 raise UsageError(f"--refine-steps {a.refine_steps} with --no-refine: drop one (--no-refine exports "
                                  "the derived scales, with no refine steps)")
+            if a.no_refine and getattr(a, "refine_blocks", None) is not None:
+                raise UsageError(f"--refine-blocks {a.refine_blocks} with --no-refine: drop one (--no-refine exports "
+                                 "the derived scales, with no calibration)")
+            for flag in ("gptq_blocks", "gptq_damp"):
+                if getattr(a, flag, None) is not None and not getattr(a, "gptq", False):
+                    raise UsageError(f"--{flag.replace('_', '-')} sets --gptq's calibration: add --gptq or drop it")
+            positive(a, "gptq_damp")
             positive(a, "refine_lr")
             positive(a, "refine_exponent_lr")
             need_something_to_refine(a)

@@ -230,8 +230,9 @@ def export(a: argparse.Namespace) -> None:
     refine = None
     if not a.no_refine:  # the default: refine the plan's affine tensors, if it has any
         from mfqat.export.refine import RefineConfig
+        blocks = {} if getattr(a, "refine_blocks", None) is None else {"n_blocks": a.refine_blocks}
         refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr, exponent_lr=a.refine_exponent_lr,
-                              optional=not a.refine)
+                              optional=not a.refine, **blocks)
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
                  imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,
@@ -257,11 +258,13 @@ def export(a: argparse.Namespace) -> None:
 
 
 def _gptq_config(a: argparse.Namespace):
-    """``--gptq``: GPTQ's default settings (mfqat.export.gptq.GPTQConfig), else None."""
+    """``--gptq``: GPTQ's settings (mfqat.export.gptq.GPTQConfig; ``--gptq-blocks`` and ``--gptq-damp`` where
+    given, its defaults elsewhere), else None."""
     if not getattr(a, "gptq", False):
         return None
     from mfqat.export.gptq import GPTQConfig
-    return GPTQConfig()
+    given = {"n_blocks": getattr(a, "gptq_blocks", None), "damp": getattr(a, "gptq_damp", None)}
+    return GPTQConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def calibration_ids(tok, calib_text: Optional[str], model: Optional[str] = None):
