@@ -140,3 +140,38 @@ def test_the_generated_source_samples_the_model_reproducibly_and_mixes_by_blocks
 def test_generated_without_a_model_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="needs the model"):
         mixed_text("pydoc:1,generated:1")
+
+
+def test_generated_is_sized_to_the_blocks_its_consumer_reads_with_the_default_sample_first(tiny_anchor):
+    """A consumer that needs 8 generated blocks more than the default 4,096 tokens give (in a 1:2 mix) gets
+    them, where before the rest came from pydoc; the default sample comes first, so the first blocks (the
+    sensitivity pass's) are the same whatever the size."""
+    import math
+
+    import torch
+
+    from mfqat.data.sources import calibration_blocks, tiny_tokenizer, token_blocks
+
+    tok = tiny_tokenizer()
+    default = mixed_text("pydoc:1,generated:2", model=str(tiny_anchor))
+    want = len(token_blocks(tok, default.sources[1][0], 128)) + 8  # generated blocks the consumer needs
+    n_blocks = math.ceil(want * 3 / 2)
+    sized = mixed_text("pydoc:1,generated:2", model=str(tiny_anchor), n_blocks=n_blocks)
+    assert sized.sources[1][0].startswith(default.sources[1][0])
+    gen = token_blocks(tok, sized.sources[1][0], 128, max_blocks=want)
+    blocks = calibration_blocks(tok, sized, n_blocks=n_blocks)
+    from_generated = [any(torch.equal(b, g) for g in gen) for b in blocks]
+    assert gen.shape[0] == want and sum(from_generated) == want
+    assert from_generated[:3] == [True, False, True]
+
+
+def test_the_blocks_an_export_reads_size_generated_text():
+    """GPTQ reads its ``n_blocks``, the refine ``n_blocks + n_valid``, the scale search 8: the largest wins."""
+    from mfqat.export.gptq import GPTQConfig
+    from mfqat.export.mlx_export import calibration_blocks_needed
+    from mfqat.export.refine import RefineConfig
+
+    assert calibration_blocks_needed(None, None) == 8
+    assert calibration_blocks_needed(RefineConfig(), None) == 36
+    assert calibration_blocks_needed(RefineConfig(n_blocks=256), GPTQConfig(n_blocks=192)) == 260
+    assert calibration_blocks_needed(RefineConfig(), GPTQConfig()) == 256

@@ -32,8 +32,8 @@ class CommandError(SystemExit):
 
 
 CALIB_HELP = ("calibration text: FILE, FOLDER, pydoc or generated, or a mix PATH:WEIGHT,... in proportion from the "
-              "first block (pydoc: its training split, never the held-out text; generated: 4096 tokens sampled from "
-              "the model itself, e.g. pydoc:1,generated:1; default: pydoc)")
+              "first block (pydoc: its training split, never the held-out text; generated: text sampled from the model "
+              "itself, as many tokens as the command reads (at least 4096), e.g. pydoc:1,generated:1; default: pydoc)")
 
 def fail(cmd: str, message: str) -> NoReturn:
     """Print ``mfqat <cmd>: error: message`` on stderr and exit with status 2."""

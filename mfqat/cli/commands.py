@@ -225,14 +225,16 @@ def export(a: argparse.Namespace) -> None:
     """Anchor (or HF model) -> MLX model directory."""
     from mfqat.data.mix import mixed_text
     from mfqat.export import to_mlx
+    from mfqat.export.mlx_export import calibration_blocks_needed
 
-    calib = mixed_text(a.calib_text, model=a.anchor) if a.calib_text else None
     refine = None
     if not a.no_refine:  # the default: refine the plan's affine tensors, if it has any
         from mfqat.export.refine import RefineConfig
         blocks = {} if getattr(a, "refine_blocks", None) is None else {"n_blocks": a.refine_blocks}
         refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr, exponent_lr=a.refine_exponent_lr,
                               optional=not a.refine, **blocks)
+    calib = mixed_text(a.calib_text, model=a.anchor, n_blocks=calibration_blocks_needed(refine, _gptq_config(a))) \
+        if a.calib_text else None
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
                  imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,
@@ -297,12 +299,14 @@ def refine(a: argparse.Namespace) -> None:
     """Learn affine widths against the anchor and store them in it (mfqat.export.refine.refine_anchor)."""
     from mfqat.data.mix import mixed_text
     from mfqat.eval.report import format_table
+    from mfqat.export.mlx_export import calibration_blocks_needed
     from mfqat.export.refine import RefineConfig, refine_anchor
 
-    calib = mixed_text(a.calib_text, model=a.anchor) if a.calib_text else None
+    cfg = RefineConfig(steps=a.steps, lr=a.lr)
+    calib = mixed_text(a.calib_text, model=a.anchor, n_blocks=calibration_blocks_needed(cfg, None)) if a.calib_text else None
     try:
-        rows = refine_anchor(Path(a.anchor), [f for f in a.formats.split(",") if f], a.group_size, calib,
-                             RefineConfig(steps=a.steps, lr=a.lr), overwrite=a.overwrite)
+        rows = refine_anchor(Path(a.anchor), [f for f in a.formats.split(",") if f], a.group_size, calib, cfg,
+                             overwrite=a.overwrite)
     except FileExistsError as e:
         raise ValueError(str(e)) from None
     cols = ["width", "group", "tensors", "validation KL before", "after", "stored", "seconds"]

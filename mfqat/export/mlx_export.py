@@ -55,6 +55,7 @@ from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, WriteRecord,
                                  verify_export)
 
 if TYPE_CHECKING:  # MLX is imported where it is used, so that exporting needs it only to verify
+    from mfqat.export.gptq import GPTQConfig
     from mfqat.export.refine import RefineConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -253,6 +254,19 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         report["seconds"] = time.perf_counter() - t0
         write_json(tmp / "mfqat_export.json", seal(report, tmp, "mfqat_export.json"))
     return report
+
+
+SEARCH_BLOCKS = 8  # the scale search's calibration blocks: the most an export reads without GPTQ or a refine
+
+
+def calibration_blocks_needed(refine: Optional["RefineConfig"], gptq: Optional["GPTQConfig"]) -> int:
+    """The most calibration blocks one step of :func:`to_mlx` reads with these settings (the sensitivity pass and
+    AWQ read 4, the scale search 8, the refine ``n_blocks + n_valid``, GPTQ ``n_blocks``): what
+    ``mfqat.data.mix.mixed_text(..., n_blocks=)`` sizes ``--calib-text generated`` to."""
+    need = [SEARCH_BLOCKS]
+    need += [refine.n_blocks + refine.n_valid] if refine is not None else []
+    need += [gptq.n_blocks] if gptq is not None else []
+    return max(need)
 
 
 def _refine_config(refine: Union["RefineConfig", str, None]) -> Optional["RefineConfig"]:

@@ -116,6 +116,7 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
     ``calib``: export-mlx's --calib-text spec for the sensitivity pass and the refine (default: pydoc)."""
     from mfqat.data.mix import mixed_text
     from mfqat.export.gptq import GPTQConfig
+    from mfqat.export.mlx_export import calibration_blocks_needed
 
     recipe, refined, steps = recipe.partition("+refine")
     recipe, gptq, gptq_opts = recipe.partition("+gptq")
@@ -132,10 +133,12 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
             raise ValueError(f"{recipe}+refine{steps}: unknown refine option {bad[0]!r}; use /bBLOCKS, /tTEMP or /lLR")
         kw = {names[o[0]]: (int if o[0] == "b" else float)(o[1:]) for o in opts if o}
         refine = RefineConfig(steps=int(steps or 64), **kw)
+    gptq_cfg = GPTQConfig(**gptq_kw) if gptq else None
     if not (dest / "mfqat_export.json").is_file():
         to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
-               refine=refine, calib_text=mixed_text(calib, model=str(anchor)) if calib else None,
-               gptq=GPTQConfig(**gptq_kw) if gptq else None)
+               refine=refine, gptq=gptq_cfg,
+               calib_text=mixed_text(calib, model=str(anchor), n_blocks=calibration_blocks_needed(refine, gptq_cfg))
+               if calib else None)
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,
