@@ -39,11 +39,14 @@ def test_a_sensitivity_pass_is_kept_per_calibration_tokens_and_reused_by_a_later
 def test_recipe_suffixes_set_the_group_the_refine_and_the_calibration_text(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(bench_pareto, "to_mlx", lambda anchor, dest, **kw: seen.update(kw))
-    monkeypatch.setattr("mfqat.data.mix.mixed_text", lambda spec, model=None: f"text of {spec} from {model}")
+    monkeypatch.setattr("mfqat.data.mix.mixed_text",
+                        lambda spec, model=None, n_blocks=None: f"text of {spec} from {model} for {n_blocks}")
     bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out", "auto:3.79:affine@g32+refine16/b96", "pydoc:1")
     assert seen["recipe"] == "auto:3.79:affine" and seen["group_size"] == 32
     assert (seen["refine"].steps, seen["refine"].n_blocks) == (16, 96)
-    assert seen["calib_text"] == f"text of pydoc:1 from {tmp_path / 'anchor'}"
+    assert seen["calib_text"] == f"text of pydoc:1 from {tmp_path / 'anchor'} for 100"  # generated: sized to 96 + 4
+    bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out7", "auto:3.79:affine+gptq/b192", "generated")
+    assert seen["calib_text"] == f"text of generated from {tmp_path / 'anchor'} for 192"
     bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out2", "uniform:affine4+refine8")
     assert (seen["refine"].steps, seen["refine"].n_blocks, seen["calib_text"]) == (8, 32, None)
     bench_pareto.mfqat_export(tmp_path / "anchor", tmp_path / "out3", "uniform:affine4+refine8/t2/l5e-4/b64")

@@ -165,6 +165,37 @@ def test_generated_is_sized_to_the_blocks_its_consumer_reads_with_the_default_sa
     assert from_generated[:3] == [True, False, True]
 
 
+def test_generated_samples_its_share_of_the_blocks_plus_one_and_a_tenth_never_less_than_the_default():
+    from mfqat.data.mix import generated_tokens
+
+    assert generated_tokens(None) == generated_tokens(8) == generated_tokens(256, 0.05) == 4096
+    assert generated_tokens(36) == 5210  # 37 blocks of 128, + 10%
+    assert generated_tokens(256, 0.5) == 18164 and generated_tokens(256, 2 / 3) == 24218
+    assert generated_tokens(192, 2 / 3, seq_len=256) == 36327
+
+
+def test_export_and_refine_size_generated_text_to_what_they_read(tiny_anchor, tmp_path, monkeypatch):
+    """The commands hand ``mixed_text`` the most blocks their steps read: GPTQ's, the refine's + 4 validation."""
+    from mfqat.cli.app import main
+
+    seen = []
+
+    def spy(spec, model=None, n_blocks=None):
+        seen.append(n_blocks)
+        raise RuntimeError("stop after the calibration text")
+
+    monkeypatch.setattr("mfqat.data.mix.mixed_text", spy)
+    anchor = tiny_anchor
+    for argv in (["export-mlx", str(anchor), "--out", str(tmp_path / "m"), "--recipe", "auto:6:affine", "--gptq",
+                  "--gptq-blocks", "64", "--refine-blocks", "96", "--calib-text", "generated"],
+                 ["export-mlx", str(anchor), "--out", str(tmp_path / "m"), "--recipe", "uniform:affine4",
+                  "--calib-text", "generated"],
+                 ["refine", str(anchor), "--calib-text", "generated"]):
+        with pytest.raises(RuntimeError, match="stop after"):
+            main(argv)
+    assert seen == [100, 36, 36]
+
+
 def test_the_blocks_an_export_reads_size_generated_text():
     """GPTQ reads its ``n_blocks``, the refine ``n_blocks + n_valid``, the scale search 8: the largest wins."""
     from mfqat.export.gptq import GPTQConfig

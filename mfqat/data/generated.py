@@ -61,7 +61,7 @@ def _sample(model, tok, model_path: str, n_tokens: int, seed: int, seq_len: int,
     texts = []
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        for first in progress(range(0, n_seq, batch), desc=f"calibration text from {model_path}"):
+        for first in progress(range(0, n_seq, batch), desc=f"calibration text from {model_path} ({n_seq * seq_len} tokens)"):
             ids = torch.full((min(batch, n_seq - first), 1), start, dtype=torch.long)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
                                  top_p=top_p, top_k=0, max_new_tokens=seq_len, min_new_tokens=seq_len,
