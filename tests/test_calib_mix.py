@@ -150,6 +150,7 @@ def test_generated_is_sized_to_the_blocks_its_consumer_reads_with_the_default_sa
 
     import torch
 
+    from mfqat.data.generated import generated_text
     from mfqat.data.sources import calibration_blocks, tiny_tokenizer, token_blocks
 
     tok = tiny_tokenizer()
@@ -157,6 +158,7 @@ def test_generated_is_sized_to_the_blocks_its_consumer_reads_with_the_default_sa
     want = len(token_blocks(tok, default.sources[1][0], 128)) + 8  # generated blocks the consumer needs
     n_blocks = math.ceil(want * 3 / 2)
     sized = mixed_text("pydoc:1,generated:2", model=str(tiny_anchor), n_blocks=n_blocks)
+    assert default.sources[1][0] == generated_text(str(tiny_anchor))  # the text it always was
     assert sized.sources[1][0].startswith(default.sources[1][0])
     gen = token_blocks(tok, sized.sources[1][0], 128, max_blocks=want)
     blocks = calibration_blocks(tok, sized, n_blocks=n_blocks)
