@@ -42,7 +42,7 @@ def test_a_lean_embedding_equals_embedding_bit_for_bit(padding_idx):
 
 
 @pytest.mark.parametrize("fmt", ["affine4", "affine3", "affine8"])
-def test_a_lean_head_equals_linear_bit_for_bit(fmt, monkeypatch):
+def test_a_lean_head_equals_linear_to_float32_rounding(fmt, monkeypatch):
     from mfqat.export import lean_matrices
 
     monkeypatch.setattr(lean_matrices, "_ROWS_ELEMENTS", 5 * 64)  # 5 rows a chunk: a short last chunk
@@ -57,9 +57,11 @@ def test_a_lean_head_equals_linear_bit_for_bit(fmt, monkeypatch):
     with LeanMatrices({id(m): learner}):
         lean = F.linear(x, m)
     (lean * up).sum().backward()
-    assert torch.equal(lean, whole)
-    for got, want in zip(_grads(learner) + [x.grad], expected):
-        assert torch.equal(got, want)
+    assert torch.equal(lean, whole) and torch.equal(x.grad, expected[2])  # both formed whole, as linear forms them
+    for got, want in zip(_grads(learner), expected[:2]):
+        # the matrix's gradient in 5-row chunks: the same sums, but a BLAS may reduce a 5-row product in another
+        # order than the whole one (an AMD EPYC's did, by ~1e-6 relative), so float32 rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_a_marker_used_any_other_way_fails_loudly():

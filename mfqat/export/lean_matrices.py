@@ -12,7 +12,9 @@ backward adds a second one, its dense gradient, before reducing it to the group 
   groups' scales and biases at once.
 
 Both give autograd's values and gradients bit for bit (tests/test_refine_memory.py) for an untied
-embedding and head, which refine therefore always runs this way. A tied one (one matrix for both) adds the
+embedding and head, which refine therefore always runs this way; the head's matrix gradient is bit for bit
+where the BLAS reduces a block of rows in the order it reduces the whole product (on one AMD EPYC, 5-row
+blocks differed by float32 rounding, ~1e-6 relative: tests/test_lean_matrices.py). A tied one (one matrix for both) adds the
 head's and the embedding's contributions to the scales' gradients after reducing each, not before: equal up
 to float32 rounding, so refine runs it this way only from :data:`LEAN_MATRIX_BYTES` of float32 (a small
 model such as SmolLM2-135M, 113 MB, keeps its exact numbers).
