@@ -13,7 +13,8 @@ lower case; ``mxfp8`` means ``mxfp8_e4m3`` and ``mxfp6`` means ``mxfp6_e2m3`` (d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Dict, Tuple, Union
 
 MX_BLOCK_SIZES: Tuple[int, ...] = (8, 16, 32, 64, 128, 256)
@@ -46,6 +47,8 @@ class ElementFormat:
         default_block_size: block (group) size used when none is given.
         block_sizes: block sizes the format allows (empty: any positive size).
         double_quant: NF4 only: the absmax are themselves 8-bit quantized (bitsandbytes).
+        group: a grouped affine format's own MLX group (``affine3@g128``: 128, whatever group its caller
+            asks for); 0 for every other format (the caller's group applies).
     """
 
     name: str
@@ -61,6 +64,7 @@ class ElementFormat:
     default_block_size: int = 32
     block_sizes: Tuple[int, ...] = field(default=MX_BLOCK_SIZES)
     double_quant: bool = False
+    group: int = 0
 
     @property
     def is_mx(self) -> bool:
@@ -166,6 +170,7 @@ for _k in range(2, 9):
     FORMATS[f"affine{_k}"] = _affine(_k)
 
 ALIASES: Dict[str, str] = {"mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3", "mxfp4": "mxfp4_e2m1"}
+GROUP_MARK = "@g"  # affine3@g128: affine3 stored in groups of 128, whatever the export's --group-size
 
 FormatLike = Union[str, ElementFormat]
 
@@ -183,9 +188,34 @@ def get_format(fmt: FormatLike) -> ElementFormat:
         raise TypeError(f"format must be a name or ElementFormat, got {type(fmt).__name__}")
     key = fmt.strip().lower()
     key = ALIASES.get(key, key)
+    if GROUP_MARK in key:
+        return _grouped_format(key, fmt)
     if key not in FORMATS:
         raise ValueError(f"unknown format '{fmt}'; known formats: {', '.join(known_formats())}")
     return FORMATS[key]
+
+
+@lru_cache(maxsize=None)
+def _grouped_format(key: str, given: str) -> ElementFormat:
+    """``affineK@gN``: affine K bits in MLX groups of N (one of AFFINE_GROUP_SIZES), its own group."""
+    base, _, group = key.partition(GROUP_MARK)
+    if base not in FORMATS or FORMATS[base].family != "affine" or not group.isdigit() \
+            or int(group) not in AFFINE_GROUP_SIZES:
+        raise ValueError(f"unknown format '{given}'; a grouped format is an affine width and an MLX group, "
+                         f"affineK@gN with N one of {', '.join(map(str, AFFINE_GROUP_SIZES))} (e.g. affine3@g128)")
+    n = int(group)
+    return replace(FORMATS[base], name=f"{base}{GROUP_MARK}{n}", default_block_size=n, block_sizes=(n,), group=n)
+
+
+def grouped(fmt: FormatLike, group: int) -> str:
+    """The name of affine format ``fmt`` held in groups of ``group`` whatever group its caller asks for
+    (``grouped("affine3", 128)`` -> ``affine3@g128``)."""
+    return get_format(f"{base_name(fmt)}{GROUP_MARK}{group}").name
+
+
+def base_name(fmt: FormatLike) -> str:
+    """The canonical name without a grouped format's group (``affine3@g128`` -> ``affine3``)."""
+    return get_format(fmt).name.partition(GROUP_MARK)[0]
 
 
 def canonical_name(fmt: FormatLike) -> str:

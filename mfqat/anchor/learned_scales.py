@@ -31,7 +31,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from mfqat._moved import old_names
-from mfqat.formats import canonical_name, get_format
+from mfqat.formats import base_name, canonical_name, get_format
 from mfqat.formats import ElementFormat
 from mfqat.qat.learned_scales import learned_tensor
 from mfqat.quant.api import quantize
@@ -177,7 +177,7 @@ def learned_scale_widths(meta: dict) -> Dict[str, int]:
 
 def pick(stored: Dict[str, LearnedWidth], fmt: str, group_size: int) -> Optional[LearnedWidth]:
     """The stored width for ``fmt`` at ``group_size``, or None (other groups use the derived values)."""
-    width = stored.get(canonical_name(fmt))
+    width = stored.get(base_name(fmt))  # affine3@g128: affine3's learned scales, when learnt in groups of 128
     return width if width is not None and width.group_size == group_size else None
 
 

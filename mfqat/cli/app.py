@@ -116,9 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--recipe", default="uniform:mxint4",
                    help="uniform:FMT | seed[:FAMILY] (alias unsloth) | dynamic2[:FAMILY] | auto:BPW[:FAMILY] (e.g. "
                         "auto:4.5, uniform:affine4, seed:affine, dynamic2)")
-    x.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+    x.add_argument("--group-size", type=group_sizes, default=64, metavar="{32,64,128}[,...]",
                    help="group of the affine formats derived from the anchor (uniform:affineK, seed:affine); "
-                        "MX formats keep the anchor's block size")
+                        "MX formats keep the anchor's block size. auto:BPW:affine takes several (e.g. 64,128): the "
+                        "first is every tensor's, each other one a level of its own (affine3@g128) for the tensors "
+                        "whose rows divide into it")
     x.add_argument("--tokenizer", default=None, help="tokenizer folder copied into the export (needed when the "
                    "anchor was saved without a tokenizer)")
     x.add_argument("--calib-text", default=None, help="auto/AWQ/--refine/--scale-search: " + CALIB_HELP)
@@ -273,6 +275,16 @@ def _own_parser(cmd: str) -> argparse.ArgumentParser:
     from mfqat.mlx.train import build_parser as mlx_parser
     return mlx_parser(argparse.ArgumentParser(prog="mfqat mlx-train", description=sys.modules[mlx_parser.__module__].__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def group_sizes(text: str):
+    """``--group-size``: one MLX affine group (32, 64 or 128), or several, comma-separated (a tuple)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p in ("32", "64", "128") for p in parts) or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 32, 64 or 128, or several different ones separated by "
+                                         "commas (64,128: auto:BPW:affine plans only)")
+    groups = tuple(int(p) for p in parts)
+    return groups[0] if len(groups) == 1 else groups
 
 
 def memory_size(text: str) -> int:

@@ -219,6 +219,13 @@ def positive(a: argparse.Namespace, dest: str) -> None:
 AUTO_FAMILIES = {"mxint": "mxint2", "mxfp": "mxfp4_e2m1", "affine": "affine3"}  # the lowest level of each ladder
 
 
+def need_one_group_unless_auto(a: argparse.Namespace) -> None:
+    """``--group-size 64,128`` (several groups) only with ``--recipe auto:BPW:affine``: levels of its plan."""
+    if isinstance(a.group_size, tuple) and not (a.recipe.startswith("auto:") and a.recipe.endswith(":affine")):
+        raise UsageError(f"--group-size {','.join(map(str, a.group_size))} with --recipe {a.recipe}: several groups are "
+                         "levels of an auto:BPW:affine plan; give one group (e.g. --group-size 64) for this recipe")
+
+
 def need_auto_budget(a: argparse.Namespace) -> None:
     """``--recipe auto:BPW[:FAMILY]``: BPW a finite number no lower than the smallest plan (every tensor in
     the family's lowest level: its MX figure, then, for an anchor, the stored bits it would write, norms
@@ -240,7 +247,8 @@ def need_auto_budget(a: argparse.Namespace) -> None:
     from mfqat.formats import get_format
 
     lowest = AUTO_FAMILIES.get(family, "mxint2")
-    group = a.group_size if family == "affine" else anchor_block_size(a.anchor)
+    groups = a.group_size if isinstance(a.group_size, tuple) else (a.group_size,)
+    group = max(groups) if family == "affine" else anchor_block_size(a.anchor)  # the cheapest a tensor may take
     floor = get_format(lowest).bits_per_weight(group)
     if not math.isfinite(bpw) or not floor <= bpw <= 16:
         raise UsageError(f"--recipe {a.recipe}: the budget must be a number of bits per weight from {floor:g} (every "
@@ -411,6 +419,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
                                  "none: use uniform:FMT or seed with --tokenizer")
             need_calib_sources(a.calib_text)
             need_path(a.imatrix_path, "--imatrix-path", "imatrix GGUF file")
+            need_one_group_unless_auto(a)
             need_auto_budget(a)
             finite(a)
             at_least(a, {"refine_steps": 1, "refine_blocks": 1, "gptq_blocks": 1})

@@ -132,7 +132,8 @@ def plan_from_report(report: dict) -> Plan:
         if "origin" in t:
             plan.formats[name], plan.origin[name] = t["source"], t["origin"]
             if get_format(t["source"]).family == "affine" and "group_size" in t:
-                plan.derived_group = t["group_size"]
+                if not get_format(t["source"]).group:  # a grouped format (affine3@g128) carries its own
+                    plan.derived_group = t["group_size"]
             elif "group_size" in t:
                 plan.group_size = t["group_size"]
         else:  # kept in 16 bits

@@ -12,7 +12,7 @@ import math
 import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -20,11 +20,12 @@ from mfqat._moved import renamed
 from mfqat.anchor.checkpoint import Anchor
 from mfqat.anchor.lazy import tensor_info, tensor_infos
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, check_reachable, derived_group, is_derived
-from mfqat.formats import canonical_name, get_format
+from mfqat.formats import AFFINE_GROUP_SIZES, canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.anchor.learned_scales import pick
-from mfqat.export.sensitivity import StoredCost, auto_plan_formats, in_format, in_format_chunks, ladder
+from mfqat.export.sensitivity import (StoredCost, auto_plan_formats, in_format, in_format_chunks, ladder, lowest_bits,
+                                      plain_levels)
 from mfqat.export.mlx_sizes import (anchor_parameters, check_mlx_group_size, header_entry_bound, resolve_scale_dtype,
                                     shard_overhead_bound, stored_bits)
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
@@ -414,7 +415,26 @@ def ptq_anchor_format(recipe: str) -> str:
     return {None: "mxint8", "mxint": "mxint8", "mxfp": "mxfp8_e4m3", "affine": "mxint8", "nvfp4": "mxfp8_e4m3"}[family]
 
 
-def check_stored_budget(anchor: Anchor, recipe: str, derived_group: int = DERIVED_GROUP_SIZE,
+Groups = Union[int, Sequence[int]]
+
+
+def split_groups(derived_group: Groups, recipe: str = "") -> Tuple[int, Tuple[int, ...]]:
+    """(the derived affine formats' group, the extra groups an ``auto:BPW:affine`` plan may also store a tensor in)
+    from an export's group size: one group, or several (``--group-size 64,128``: the first is every tensor's, the
+    others are levels of their own, ``affine3@g128``, for the tensors whose rows divide into them)."""
+    groups = (derived_group,) if isinstance(derived_group, int) else tuple(derived_group)
+    if not groups or any(isinstance(g, bool) or g not in AFFINE_GROUP_SIZES for g in groups) \
+            or len(set(groups)) != len(groups):
+        raise ValueError(f"group sizes {list(groups)}: give one or more different MLX affine group sizes from "
+                         f"{list(AFFINE_GROUP_SIZES)}")
+    kind, _, family = parse_recipe(recipe) if recipe else ("auto", None, "affine")
+    if len(groups) > 1 and (kind != "auto" or family != "affine"):
+        raise ValueError(f"recipe '{recipe}': several group sizes ({','.join(map(str, groups))}) are levels of an "
+                         "auto:BPW:affine plan; give one group for this recipe")
+    return groups[0], groups[1:]
+
+
+def check_stored_budget(anchor: Anchor, recipe: str, derived_group: Groups = DERIVED_GROUP_SIZE,
                         scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """For ``auto:BPW[:FAMILY]`` with a number BPW: ValueError naming ``recipe`` and the smallest stored budget
     when BPW is below it, from the anchor's names and shapes alone (a lazily read ``anchor``: nothing loaded;
@@ -424,8 +444,9 @@ def check_stored_budget(anchor: Anchor, recipe: str, derived_group: int = DERIVE
 
     kind, arg, want = parse_recipe(recipe)
     try:
+        derived_group, extra = split_groups(derived_group, recipe)
         budget = float(arg) if kind == "auto" else math.nan
-        levels = ladder(anchor.format, want)
+        levels = ladder(anchor.format, want, extra, derived_group)
     except (TypeError, ValueError, KeyError):
         return
     if not math.isfinite(budget):
@@ -437,17 +458,20 @@ def check_stored_budget(anchor: Anchor, recipe: str, derived_group: int = DERIVE
     names = list(anchor.quantized) + _matrix_weights(anchor)
     scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, tensor_infos(anchor.plain))
     planned = sum(int(torch.Size(_shape(anchor, n)).numel()) for n in names)
-    stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes).check(recipe, budget, levels, planned)
+    stored = stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes)
+    stored.check(recipe, budget, levels, planned, lowest_bits(anchor, names, levels, stored.level_bits))
 
 
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None,
-               derived_group: int = DERIVED_GROUP_SIZE, scale_dtype: str = "auto",
+               derived_group: Groups = DERIVED_GROUP_SIZE, scale_dtype: str = "auto",
                max_shard_bytes: int = MAX_SHARD_BYTES) -> Plan:
     """A per-tensor plan from a recipe name; checks everything before anything is written. ``auto:BPW``
     budgets the bytes the export will store (:func:`stored_cost`) with the affine scales in ``scale_dtype``
-    ("auto": mlx_sizes.resolve_scale_dtype from the anchor's config) and shards of ``max_shard_bytes``."""
+    ("auto": mlx_sizes.resolve_scale_dtype from the anchor's config) and shards of ``max_shard_bytes``.
+    ``derived_group``: the derived affine formats' group, or several for ``auto:BPW:affine`` (:func:`split_groups`)."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
+    derived_group, extra_groups = split_groups(derived_group, recipe)
     if kind in ("seed", "dynamic2") and (isinstance(base_bits, bool) or not isinstance(base_bits, int)
                                          or not 2 <= base_bits <= 8):
         raise ValueError(f"recipe '{recipe}': base_bits must be an integer from 2 to 8 (the bits of the recipe's "
@@ -480,9 +504,10 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
                       lambda name: dynamic2_bits(name, base_bits, plan.family))
         top = get_format(_fmt_for_bits(family, base_bits, 8))
     elif kind == "auto":
-        levels = ladder(anchor.format, want)
-        group = plan.group_of(levels[0])
-        check_mlx_group_size(group, [(anchor.format, mlx_storage(f)) for f in levels])
+        levels = ladder(anchor.format, want, extra_groups, derived_group)
+        group = plan.group_of(plain_levels(levels)[0])
+        for g in {plan.group_of(f) for f in levels}:
+            check_mlx_group_size(g, [(anchor.format, mlx_storage(f)) for f in levels if plan.group_of(f) == g])
         try:
             budget = float(arg)
         except ValueError:
@@ -495,7 +520,8 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
         scale_dtype = resolve_scale_dtype(scale_dtype, anchor.config or {}, tensor_infos(anchor.plain))
         stored = stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes)
         formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text, family=want,
-                                                      derived_group=derived_group, stored=stored, recipe=recipe)
+                                                      derived_group=derived_group, stored=stored, recipe=recipe,
+                                                      extra_groups=extra_groups)
         for name, fmt in formats.items():
             plan.formats[name] = fmt
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"

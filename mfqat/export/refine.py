@@ -711,10 +711,11 @@ def refine_anchor(path: Path, formats: List[str], group_size: int = DERIVED_GROU
     cfg = cfg or RefineConfig()
     path = Path(path)
     widths = [canonical_name(f) for f in formats]
-    bad = [f for f in widths if get_format(f).family != "affine"]
+    bad = [f for f in widths if get_format(f).family != "affine" or get_format(f).group]
     if bad:
         raise ValueError(f"refine: {bad[0]} is not an affine width; the anchor stores learned scales for "
-                         "affine2..affine8 (MLX's affine layout)")
+                         "affine2..affine8 (MLX's affine layout) in groups of group_size (affine3@g128: affine3 "
+                         "with group_size=128)")
     anchor = read_anchor(path, lazy=True)
     if int(anchor.meta.get("format_version", 1)) < 2:
         raise ValueError(f"{path}: a format-version-1 anchor has no manifest to list learned scales in; load and "

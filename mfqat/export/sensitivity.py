@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ from mfqat.export.lazy_model import LazyModel, anchor_source
 from mfqat.export.replay import LayerReplay, start_layers
 from mfqat.quant.derive import DERIVED_GROUP_SIZE, derive, is_derived
 from mfqat.quant.derive import derived_group as group_of_derived
-from mfqat.formats import canonical_name, get_format
+from mfqat.formats import canonical_name, get_format, grouped
 from mfqat.quant.scale_rules import DEFAULT_SCALE_RULE
 from mfqat.progress import progress
 from mfqat.quant.api import quantize
@@ -68,6 +68,8 @@ class TensorSensitivity:
     def at(self, fmt: str) -> float:
         """Estimated KL when only this tensor is in ``fmt``."""
         base = self.rel_error[self.probe_format]
+        if fmt not in self.rel_error:  # a grouped level the tensor's rows do not divide into (fits)
+            return math.inf
         return self.probe_kl * self.rel_error[fmt] / base if base > 0 else 0.0
 
 
@@ -92,9 +94,13 @@ class StoredCost:
         """The smallest stored budget: every one of the ``planned`` weights in ``lowest``."""
         return (self.fixed_bits + self.level_bits[lowest] * planned) / max(self.parameters, 1)
 
-    def check(self, recipe: str, budget_bpw: float, levels: List[str], planned: int) -> None:
-        """ValueError naming ``recipe`` and the smallest stored budget when ``budget_bpw`` is below it."""
-        floor = self.smallest(levels[0], planned)
+    def check(self, recipe: str, budget_bpw: float, levels: List[str], planned: int,
+              lowest_bits: Optional[float] = None) -> None:
+        """ValueError naming ``recipe`` and the smallest stored budget when ``budget_bpw`` is below it;
+        ``lowest_bits``: the planned tensors' bits in the lowest level each takes (:func:`fits`; default: every
+        one in ``levels[0]``)."""
+        floor = (self.smallest(levels[0], planned) if lowest_bits is None
+                 else (self.fixed_bits + lowest_bits) / max(self.parameters, 1))
         if budget_bpw < floor - 1e-9:
             ask = math.ceil(floor * 100 - 1e-6) / 100
             family = "".join(":" + f for f in recipe.split(":")[2:3])  # auto:BPW:FAMILY keeps its family
@@ -104,13 +110,31 @@ class StoredCost:
                 f"of tensors kept as they are and file headers); ask for auto:{ask:g}{family} or more")
 
 
-def ladder(anchor_format: str, family: Optional[str] = None) -> List[str]:
+def ladder(anchor_format: str, family: Optional[str] = None, extra_groups: Sequence[int] = (),
+           group: int = DERIVED_GROUP_SIZE) -> List[str]:
     """Candidate formats, fewest bits first: the anchor's family none above the anchor, or every
-    derived affine width (``family="affine"``, reachable from any MX anchor)."""
+    derived affine width (``family="affine"``, reachable from any MX anchor) in groups of ``group``, and in each
+    of ``extra_groups`` as grouped formats (``affine3@g128``: a tensor takes one only when its rows divide
+    into its groups, :func:`fits`), ordered by their bits/weight."""
     if family == "affine":
-        return list(LADDERS["affine"])
+        levels = list(LADDERS["affine"]) + [grouped(f, g) for f in LADDERS["affine"] for g in extra_groups if g != group]
+        return sorted(levels, key=lambda f: get_format(f).bits_per_weight(group_of_derived(f, group)))
+    if extra_groups:
+        raise ValueError(f"several group sizes are for the affine family (auto:BPW:affine), not {family or anchor_format}")
     f = get_format(anchor_format)
     return [c for c in LADDERS[f.family] if get_format(c).bits <= f.bits]
+
+
+def fits(shape: Sequence[int], fmt: str) -> bool:
+    """True when a tensor of ``shape`` can be stored in ``fmt``: always, but for a grouped format
+    (``affine3@g128``), whose group must divide the rows (the last dimension)."""
+    group = get_format(fmt).group
+    return not group or int(shape[-1]) % group == 0
+
+
+def plain_levels(levels: List[str]) -> List[str]:
+    """The levels every planned tensor can take (not the grouped ones: :func:`fits`)."""
+    return [f for f in levels if not get_format(f).group]
 
 
 def level_group(anchor: Anchor, fmt: str, derived_group: int = DERIVED_GROUP_SIZE) -> int:
@@ -158,8 +182,9 @@ def in_format_chunks(anchor: Anchor, name: str, fmt: str, derived_group: int = D
 
 
 def level_bits(levels: List[str], group: int = 32) -> Dict[str, float]:
-    """{level: stored bits/weight} with ``group``-sized scales (and biases, for affine levels)."""
-    return {f: get_format(f).bits_per_weight(group) for f in levels}
+    """{level: stored bits/weight} with ``group``-sized scales (and biases, for affine levels; a grouped level
+    with its own group)."""
+    return {f: get_format(f).bits_per_weight(get_format(f).group or group) for f in levels}
 
 
 def probe_for(budget_bpw: float, levels: List[str], group: int = 32, bits: Optional[Dict[str, float]] = None) -> str:
@@ -229,11 +254,15 @@ def measure(anchor: Anchor, names: List[str], probe: str, blocks: torch.Tensor,
     kl_of = _ProbeKL(anchor, blocks, names, replay)
     out: Dict[str, TensorSensitivity] = {}
     for name in progress(names, desc=f"sensitivity (probe {probe})"):
-        rows = _chunk_rows(anchor, name, levels, derived_group)
+        own = [f for f in levels if fits(anchor.shape(name), f)]
+        if probe not in own:
+            raise ValueError(f"sensitivity: {name} {tuple(anchor.shape(name))} cannot be stored in the probe format "
+                             f"{probe}; probe with a format every tensor takes")
+        rows = _chunk_rows(anchor, name, own, derived_group)
         if rows is None:
-            errors, probe_w = _errors_whole(anchor, name, levels, probe, derived_group, kl_of.weights(name))
+            errors, probe_w = _errors_whole(anchor, name, own, probe, derived_group, kl_of.weights(name))
         else:
-            errors, probe_w = _errors_in_chunks(anchor, name, levels, probe, derived_group, rows)
+            errors, probe_w = _errors_in_chunks(anchor, name, own, probe, derived_group, rows)
         kl = kl_of(name, probe_w)
         out[name] = TensorSensitivity(name, probe_w.numel(), probe, max(kl, 0.0), errors)
         del probe_w
@@ -302,38 +331,51 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
         stored = StoredCost(level_bits(levels, group), 0.0, total)
     bpw = stored.level_bits
     cap = budget_bpw * stored.parameters - stored.fixed_bits
-    level = {n: 0 for n in sens}
-    used = sum(bpw[levels[0]] * s.numel for s in sens.values())
+    level = {n: _next_level(s, levels, -1) for n, s in sens.items()}  # each tensor's lowest level it fits
+    used = sum(bpw[levels[i]] * sens[n].numel for n, i in level.items())
     if used > cap + 1e-6:
-        stored.check(f"auto:{budget_bpw}", budget_bpw, levels, total)
+        stored.check(f"auto:{budget_bpw}", budget_bpw, levels, total, lowest_bits=used)
 
-    exact = _allocate_exact(sens, levels, bpw, cap - used)
+    exact = _allocate_exact(sens, levels, bpw, cap - sum(bpw[levels[0]] * s.numel for s in sens.values()))
     if exact is not None:
         return exact
 
     def gain(n: str):
-        i = level[n]
-        if i + 1 >= len(levels):
+        i, s = level[n], sens[n]
+        j = _next_level(s, levels, i)
+        if j is None:
             return None
-        s = sens[n]
-        extra = (bpw[levels[i + 1]] - bpw[levels[i]]) * s.numel
-        return (s.at(levels[i]) - s.at(levels[i + 1])) / extra, extra
+        extra = (bpw[levels[j]] - bpw[levels[i]]) * s.numel
+        return (s.at(levels[i]) - s.at(levels[j])) / extra, extra, j
 
     heap = []
     for n in sens:
         g = gain(n)
         if g:
-            heapq.heappush(heap, (-g[0], n, g[1]))
+            heapq.heappush(heap, (-g[0], n, g[1], g[2]))
     while heap:
-        _, n, extra = heapq.heappop(heap)
+        _, n, extra, j = heapq.heappop(heap)
         if used + extra > cap + 1e-6:
             continue  # this upgrade does not fit; cheaper ones of other tensors still may
         used += extra
-        level[n] += 1
+        level[n] = j
         g = gain(n)
         if g:
-            heapq.heappush(heap, (-g[0], n, g[1]))
+            heapq.heappush(heap, (-g[0], n, g[1], g[2]))
     return {n: levels[i] for n, i in level.items()}
+
+
+def lowest_bits(anchor: Anchor, names: List[str], levels: List[str], bits: Dict[str, float]) -> float:
+    """The bits of tensors ``names``, each in the cheapest of ``levels`` it fits (:func:`fits`; ``bits``: a level's
+    bits/weight): the smallest plan's."""
+    return sum(min(bits[f] for f in levels if fits(anchor.shape(n), f)) * int(torch.Size(anchor.shape(n)).numel())
+               for n in names)
+
+
+def _next_level(s: TensorSensitivity, levels: List[str], i: int) -> Optional[int]:
+    """The index of the first level above ``levels[i]`` tensor ``s`` can take (its rows divide into the level's
+    groups, :func:`fits`: it has a measured error there), or None."""
+    return next((j for j in range(i + 1, len(levels)) if levels[j] in s.rel_error), None)
 
 
 def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: Dict[str, float],
@@ -381,22 +423,24 @@ def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: 
 def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib_text: Optional[str] = None,
                       n_blocks: int = 4, seq_len: int = 128, family: Optional[str] = None,
                       derived_group: int = DERIVED_GROUP_SIZE, stored: Optional[StoredCost] = None,
-                      recipe: Optional[str] = None) -> tuple[Dict[str, str], dict]:
+                      recipe: Optional[str] = None, extra_groups: Sequence[int] = ()) -> tuple[Dict[str, str], dict]:
     """(per-tensor formats, report) for ``auto:BPW[:affine]``; the report holds every sensitivity. ``stored``:
     the budget counts the stored bytes (mfqat.export.recipes.stored_cost), checked before anything is
-    measured; None: the nominal bits/weight of ``names`` alone."""
-    levels = ladder(anchor.format, family)
-    group = level_group(anchor, levels[0], derived_group)
+    measured; None: the nominal bits/weight of ``names`` alone. ``extra_groups``: affine levels in these groups
+    too, for the tensors whose rows divide into them (:func:`ladder`)."""
+    levels = ladder(anchor.format, family, extra_groups, derived_group)
+    group = level_group(anchor, plain_levels(levels)[0], derived_group)
     planned = sum(int(torch.Size(anchor.shape(n)).numel()) for n in names)
     stored = stored or StoredCost(level_bits(levels, group), 0.0, planned)
     bits = stored.level_bits  # a level stored in no fewer bytes than a wider one only adds error (mxfp6: mxfp8 bytes)
     levels = [f for i, f in enumerate(levels) if all(bits[g] > bits[f] for g in levels[i + 1:])]
-    stored.check(recipe or f"auto:{budget_bpw}", budget_bpw, levels, planned)
-    probe = probe_for(stored.planned_budget(budget_bpw, planned), levels, group, stored.level_bits)
+    stored.check(recipe or f"auto:{budget_bpw}", budget_bpw, levels, planned, lowest_bits(anchor, names, levels, bits))
+    probe = probe_for(stored.planned_budget(budget_bpw, planned), plain_levels(levels), group, stored.level_bits)
     blocks = calibration_blocks(anchor, calib_text, n_blocks, seq_len)
     sens = measure(anchor, names, probe, blocks, levels, derived_group)
     formats = allocate(sens, levels, budget_bpw, group, stored)
     report = {"budget_bpw": budget_bpw, "probe_format": probe, "levels": levels, "group_size": group,
+              **({"extra_groups": list(extra_groups)} if extra_groups else {}),
               "stored_level_bits": dict(stored.level_bits), "fixed_bits": stored.fixed_bits,
               "parameters": stored.parameters,
               "calibration_tokens": int(blocks.numel()),

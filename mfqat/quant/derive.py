@@ -34,8 +34,10 @@ def is_derived(fmt: FormatLike) -> bool:
 
 
 def derived_group(fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> int:
-    """The group a derived format is re-quantized in: ``group_size`` for affine, always 16 for nvfp4."""
-    return NVFP4_BLOCK if get_format(fmt).family == "nvfp4" else group_size
+    """The group a derived format is re-quantized in: ``group_size`` for affine, a grouped affine format's own
+    (``affine3@g128``: 128), always 16 for nvfp4."""
+    f = get_format(fmt)
+    return NVFP4_BLOCK if f.family == "nvfp4" else (f.group or group_size)
 
 
 def check_reachable(anchor_fmt: FormatLike, fmt: FormatLike, name: str = "tensor") -> None:
@@ -51,12 +53,12 @@ def check_reachable(anchor_fmt: FormatLike, fmt: FormatLike, name: str = "tensor
 def derive_affine(values: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:
     """The affine codes, bfloat16 scales and biases MLX would store for ``values`` (an anchor's
     dequantized weights); ``.dequantize()`` gives what mx.dequantize gives."""
-    return quantize(values.to(DERIVED_DTYPE), fmt, group_size)
+    return quantize(values.to(DERIVED_DTYPE), fmt, derived_group(fmt, group_size))
 
 
 def fake_derive_affine(w: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> torch.Tensor:
     """``derive_affine(w, fmt).dequantize()`` in w's dtype, straight-through gradient (for MF-QAT)."""
-    return fake_quantize(w.to(DERIVED_DTYPE), fmt, group_size).to(w.dtype)
+    return fake_quantize(w.to(DERIVED_DTYPE), fmt, derived_group(fmt, group_size)).to(w.dtype)
 
 
 def derive(values: torch.Tensor, fmt: FormatLike, group_size: int = DERIVED_GROUP_SIZE) -> MXTensor:

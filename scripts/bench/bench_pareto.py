@@ -107,7 +107,8 @@ def measure_each_probe_once(store: Path) -> None:
 
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None:
-    """``RECIPE[@gN][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
+    """``RECIPE[@gN[/M...]][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
+    @g64/128 gives an ``auto:BPW:affine`` plan levels in groups of 128 too (``export-mlx --group-size 64,128``);
     +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP/s sets
     GPTQConfig.n_blocks, .damp and .sequential (``/s``: on the quantized model's inputs);
     +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
@@ -135,7 +136,9 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
         refine = RefineConfig(steps=int(steps or 64), **kw)
     gptq_cfg = GPTQConfig(**gptq_kw) if gptq else None
     if not (dest / "mfqat_export.json").is_file():
-        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True, group_size=int(group or 64),
+        groups = tuple(int(g) for g in (group or "64").split("/"))
+        to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True,
+               group_size=groups[0] if len(groups) == 1 else groups,
                refine=refine, gptq=gptq_cfg,
                calib_text=mixed_text(calib, model=str(anchor), n_blocks=calibration_blocks_needed(refine, gptq_cfg))
                if calib else None)
