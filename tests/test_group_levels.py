@@ -48,6 +48,27 @@ def test_the_ladder_orders_the_grouped_levels_by_their_bits():
         ladder("mxint8", "mxint", (128,))
 
 
+def test_the_greedy_fallback_takes_the_upgrade_that_buys_most_per_bit_past_a_grouped_step(monkeypatch):
+    """From affine3@g128, a's next level (affine3, +0.25 bit) buys little and affine4@g128 (+1 bit) buys much:
+    the one bit of budget goes to a's big step (cost 0.3 + 1.0), as the exact plan does, not to c's first step
+    (0.6 per bit, more than a's next level's 0.08) and then c's second (1.02 + 0.75)."""
+    levels = ladder("mxint8", "affine", (128,), 64)[:4]
+    sens = {"a": _sens("a", 1024, {"affine3@g128": 1.02, "affine3": 1.0, "affine4@g128": 0.3, "affine4": 0.28}),
+            "c": _sens("c", 1024, {"affine3@g128": 1.0, "affine3": 0.85, "affine4@g128": 0.75, "affine4": 0.74})}
+    exact = allocate(sens, levels, 3.75, 64)
+    monkeypatch.setattr(sensitivity, "_allocate_exact", lambda *a, **k: None)
+    assert allocate(sens, levels, 3.75, 64) == exact == {"a": "affine4@g128", "c": "affine3@g128"}
+
+
+def test_an_anchors_learned_scales_at_a_group_serve_its_grouped_level():
+    """Scales learnt for affine3 in groups of 128 (mfqat refine --group-size 128) are affine3@g128's too."""
+    from mfqat.anchor.learned_scales import LearnedWidth, pick
+
+    stored = {"affine3": LearnedWidth("affine3", 128, info={})}
+    assert pick(stored, "affine3@g128", 128) is stored["affine3"]
+    assert pick(stored, "affine3@g64", 64) is None and pick(stored, "affine4@g128", 128) is None
+
+
 def _sens(name, numel, errors):
     return TensorSensitivity(name, numel, "affine3", 1.0, errors)
 
@@ -60,7 +81,7 @@ def test_a_coarser_group_frees_the_bits_another_tensor_needs_and_never_goes_wher
     if not exact:
         monkeypatch.setattr(sensitivity, "_allocate_exact", lambda *a, **k: None)
     levels = ladder("mxint8", "affine", (128,), 64)[:4]  # affine3@g128, affine3, affine4@g128, affine4
-    sens = {"a": _sens("a", 1024, {"affine3@g128": 0.11, "affine3": 0.10, "affine4@g128": 0.03, "affine4": 0.025}),
+    sens = {"a": _sens("a", 1024, {"affine3@g128": 0.11, "affine3": 0.10, "affine4@g128": 0.05, "affine4": 0.025}),
             "b": _sens("b", 1024, {"affine3": 1.0, "affine4": 0.2})}
     assert allocate(sens, levels, 3.875, 64) == {"a": "affine3@g128", "b": "affine4"}
     assert allocate(sens, levels, 3.8, 64) == {"a": "affine3", "b": "affine3"}  # the saved bits buy nothing here

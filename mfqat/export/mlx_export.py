@@ -144,7 +144,7 @@ def plan_from_report(report: dict) -> Plan:
 def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, verify: bool = True,
            calib_text: Optional[str] = None, prompt: str = "The Python language is", awq: bool = False,
            scale_dtype: str = "auto", max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False,
-           group_size: int = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
+           group_size: "int | Tuple[int, ...]" = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
            imatrix_path: Optional[str] = None, scale_search: bool = False,
            refine: Union["RefineConfig", str, None] = None, max_memory: Optional[int] = None,
            gptq: Optional["GPTQConfig"] = None) -> dict:

@@ -104,9 +104,11 @@ class StoredCost:
         if budget_bpw < floor - 1e-9:
             ask = math.ceil(floor * 100 - 1e-6) / 100
             family = "".join(":" + f for f in recipe.split(":")[2:3])  # auto:BPW:FAMILY keeps its family
+            each = (f"every planned tensor in {levels[0]}" if not any(get_format(f).group for f in levels)
+                    else f"each planned tensor in the cheapest of {levels[0]}, {levels[1]}, ... its rows divide into")
             raise BudgetTooSmall(
-                f"recipe '{recipe}': the budget is below the smallest plan: {floor:.3f} stored bits/weight (every "
-                f"planned tensor in {levels[0]}, plus {self.fixed_bits / max(self.parameters, 1):.3f} bits/weight "
+                f"recipe '{recipe}': the budget is below the smallest plan: {floor:.3f} stored bits/weight ({each}, "
+                f"plus {self.fixed_bits / max(self.parameters, 1):.3f} bits/weight "
                 f"of tensors kept as they are and file headers); ask for auto:{ask:g}{family} or more")
 
 
@@ -340,13 +342,20 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
     if exact is not None:
         return exact
 
-    def gain(n: str):
+    def gain(n: str, room: float = math.inf):
+        """The upgrade of tensor ``n`` within ``room`` extra bits with the largest sensitivity reduction per extra
+        bit, to a level it fits: the next one, or a later one that buys more per bit (a grouped level such as
+        affine3 -> affine3@g32 can buy little before affine4@g128 buys much)."""
         i, s = level[n], sens[n]
+        best = None
         j = _next_level(s, levels, i)
-        if j is None:
-            return None
-        extra = (bpw[levels[j]] - bpw[levels[i]]) * s.numel
-        return (s.at(levels[i]) - s.at(levels[j])) / extra, extra, j
+        while j is not None:
+            extra = (bpw[levels[j]] - bpw[levels[i]]) * s.numel
+            ratio = (s.at(levels[i]) - s.at(levels[j])) / extra
+            if extra <= room + 1e-6 and (best is None or ratio > best[0]):
+                best = (ratio, extra, j)
+            j = _next_level(s, levels, j)
+        return best
 
     heap = []
     for n in sens:
@@ -355,11 +364,14 @@ def allocate(sens: Dict[str, TensorSensitivity], levels: List[str], budget_bpw: 
             heapq.heappush(heap, (-g[0], n, g[1], g[2]))
     while heap:
         _, n, extra, j = heapq.heappop(heap)
-        if used + extra > cap + 1e-6:
-            continue  # this upgrade does not fit; cheaper ones of other tensors still may
+        if used + extra > cap + 1e-6:  # does not fit: this tensor's best upgrade that still does (cheaper ones of
+            g = gain(n, cap - used)    # other tensors still may too)
+            if g:
+                heapq.heappush(heap, (-g[0], n, g[1], g[2]))
+            continue
         used += extra
         level[n] = j
-        g = gain(n)
+        g = gain(n, cap - used)
         if g:
             heapq.heappush(heap, (-g[0], n, g[1], g[2]))
     return {n: levels[i] for n, i in level.items()}
@@ -412,6 +424,8 @@ def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: 
             new[better], pick[better] = cand[better], j
         best = new
         choices.append(pick)
+    if not np.isfinite(best[cap]):  # no plan within the budget has a finite cost (a NaN probe): the greedy one
+        return None
     plan, s = {}, cap
     for n, pick in zip(reversed(names), reversed(choices)):
         j = int(pick[s])
