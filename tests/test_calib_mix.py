@@ -192,10 +192,12 @@ def test_export_and_refine_size_generated_text_to_what_they_read(tiny_anchor, tm
                   "--gptq-blocks", "64", "--refine-blocks", "96", "--calib-text", "generated"],
                  ["export-mlx", str(anchor), "--out", str(tmp_path / "m"), "--recipe", "uniform:affine4",
                   "--calib-text", "generated"],
-                 ["refine", str(anchor), "--calib-text", "generated"]):
+                 ["refine", str(anchor), "--calib-text", "generated"],
+                 ["export-mlx", str(anchor), "--out", str(tmp_path / "m"), "--recipe", "auto:6:affine",
+                  "--sensitivity-blocks", "48", "--calib-text", "generated"]):
         with pytest.raises(RuntimeError, match="stop after"):
             main(argv)
-    assert seen == [100, 36, 36]
+    assert seen == [100, 36, 36, 48]
 
 
 def test_the_blocks_an_export_reads_size_generated_text():
@@ -208,3 +210,22 @@ def test_the_blocks_an_export_reads_size_generated_text():
     assert calibration_blocks_needed(RefineConfig(), None) == 36
     assert calibration_blocks_needed(RefineConfig(n_blocks=256), GPTQConfig(n_blocks=192)) == 260
     assert calibration_blocks_needed(RefineConfig(), GPTQConfig()) == 256
+    assert calibration_blocks_needed(RefineConfig(), None, 40) == 40  # auto:'s sensitivity pass on 40 blocks
+
+
+def test_the_sensitivity_pass_scores_the_blocks_asked_for(tiny_anchor, tmp_path, capsys):
+    """``--sensitivity-blocks 6``: sensitivity.json's calibration tokens are 6 blocks of 128; refused for a recipe
+    with no sensitivity pass."""
+    import json
+
+    from mfqat.cli.app import main
+    from .conftest import one_line_exit_2
+
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)
+    out = tmp_path / "m"
+    main(["export-mlx", str(tiny_anchor), "--out", str(out), "--recipe", "auto:6:affine", "--no-refine",
+          "--sensitivity-blocks", "6", "--calib-text", str(text), "--no-verify"])
+    assert json.loads((out / "sensitivity.json").read_text())["calibration_tokens"] == 6 * 128
+    one_line_exit_2(["export-mlx", str(tiny_anchor), "--out", str(tmp_path / "u"), "--recipe", "uniform:affine4",
+                     "--sensitivity-blocks", "6"], capsys, "--sensitivity-blocks 6 sets auto:BPW's sensitivity pass")

@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "error is pushed onto the columns not yet rounded, weighted by the matrix's inputs on --calib-text "
                    "(256 x 128 tokens), the derived scales and biases kept, before the refine learns them "
                    "(mfqat.export.gptq; holds those matrices' codes in memory, a byte a weight)")
+    x.add_argument("--sensitivity-blocks", type=int, default=None, help="auto:BPW: calibration blocks of 128 tokens "
+                   "the sensitivity pass scores each tensor on (default 4; its time grows with them)")
     x.add_argument("--gptq-blocks", type=int, default=None, help="--gptq: calibration blocks of 128 tokens "
                    "(default 256; fewer fitted the calibration text and raised another text's perplexity)")
     x.add_argument("--gptq-damp", type=float, default=None, help="--gptq: relative dampening of the inputs' second "

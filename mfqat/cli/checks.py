@@ -422,7 +422,10 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             need_one_group_unless_auto(a)
             need_auto_budget(a)
             finite(a)
-            at_least(a, {"refine_steps": 1, "refine_blocks": 1, "gptq_blocks": 1})
+            at_least(a, {"refine_steps": 1, "refine_blocks": 1, "gptq_blocks": 1, "sensitivity_blocks": 1})
+            if getattr(a, "sensitivity_blocks", None) is not None and not a.recipe.startswith("auto:"):
+                raise UsageError(f"--sensitivity-blocks {a.sensitivity_blocks} sets auto:BPW's sensitivity pass; "
+                                 f"--recipe {a.recipe} has none: drop it")
             if a.no_refine and a.refine_steps is not None:
                 raise UsageError(f"--refine-steps {a.refine_steps} with --no-refine: drop one (--no-refine exports "
                                  "the derived scales, with no refine steps)")

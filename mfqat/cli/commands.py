@@ -233,12 +233,16 @@ def export(a: argparse.Namespace) -> None:
         blocks = {} if getattr(a, "refine_blocks", None) is None else {"n_blocks": a.refine_blocks}
         refine = RefineConfig(steps=a.refine_steps, lr=a.refine_lr, exponent_lr=a.refine_exponent_lr,
                               optional=not a.refine, **blocks)
-    calib = mixed_text(a.calib_text, model=a.anchor, n_blocks=calibration_blocks_needed(refine, _gptq_config(a))) \
+    from mfqat.export.sensitivity import SENSITIVITY_BLOCKS
+
+    sens_blocks = getattr(a, "sensitivity_blocks", None) or SENSITIVITY_BLOCKS
+    calib = mixed_text(a.calib_text, model=a.anchor,
+                       n_blocks=calibration_blocks_needed(refine, _gptq_config(a), sens_blocks)) \
         if a.calib_text else None
     rep = to_mlx(a.anchor, a.out, recipe=a.recipe, base_bits=a.base_bits, verify=not a.no_verify, calib_text=calib,
                  awq=a.awq, scale_dtype=a.scale_dtype, overwrite=a.overwrite, group_size=a.group_size, tokenizer=a.tokenizer,
                  imatrix_path=a.imatrix_path, scale_search=a.scale_search, refine=refine,
-                 max_memory=getattr(a, "max_memory", None), gptq=_gptq_config(a))
+                 max_memory=getattr(a, "max_memory", None), gptq=_gptq_config(a), sensitivity_blocks=sens_blocks)
     v = rep.get("verify", {})
     if "gptq" in rep:
         g = rep["gptq"]

@@ -51,6 +51,7 @@ from mfqat.export.recipes import (AFFINE_BITS, LearnedExponents, LearnedScales, 
                                   ptq_anchor_format)
 from mfqat.export.mlx_files import load_weights, save_sharded  # noqa: F401 (public here since 0.1)
 from mfqat.export.mlx_sizes import anchor_parameters, resolve_scale_dtype, stored_size
+from mfqat.export.sensitivity import SENSITIVITY_BLOCKS
 from mfqat.export.verify import (EXPORT_FORMAT_VERSION, LOGIT_RTOL, WriteRecord, reference_state,  # noqa: F401 (public since 0.1)
                                  verify_export)
 
@@ -147,7 +148,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
            group_size: "int | Tuple[int, ...]" = DERIVED_GROUP_SIZE, tokenizer: Optional[str] = None,
            imatrix_path: Optional[str] = None, scale_search: bool = False,
            refine: Union["RefineConfig", str, None] = None, max_memory: Optional[int] = None,
-           gptq: Optional["GPTQConfig"] = None) -> dict:
+           gptq: Optional["GPTQConfig"] = None, sensitivity_blocks: int = SENSITIVITY_BLOCKS) -> dict:
     """Export an anchor directory (or a plain HF model folder, quantized first to the 8-bit anchor of
     the recipe's family: MXINT8, or MXFP8 for MXFP recipes). ``scale_dtype`` "auto": as mlx_lm.convert.
 
@@ -172,6 +173,9 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     loaded whole is checked against before it loads (default: the memory available; mfqat.memory.check_fits).
     ``gptq``: error-compensated codes for the plan's derived affine matrices on ``calib_text``, the grid kept
     (mfqat.export.gptq.GPTQConfig), before any refine; those matrices are then held whole until written.
+    ``sensitivity_blocks``: the calibration blocks of 128 tokens ``auto:BPW``'s sensitivity pass scores (default 4;
+    its time grows with them). ``group_size``: several (64, 128) give ``auto:BPW:affine`` per-tensor groups
+    (mfqat.export.recipes.split_groups).
 
     Uniform and seed recipes stream: the anchor is read lazily and each tensor is lowered, laid out,
     written and checked on its own (a PTQ source is quantized tensor by tensor too), so memory stays near one
@@ -215,7 +219,8 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
         dtype_config = json.loads(source_cfg.read_text()) if not is_anchor and source_cfg.is_file() else anchor.config
         scale_dtype = report["scale_dtype"] = resolve_scale_dtype(scale_dtype, dtype_config, tensor_infos(anchor.plain))
         plan = build_plan(anchor, recipe, base_bits=base_bits, calib_text=calib_text, derived_group=group_size,
-                          scale_dtype=scale_dtype, max_shard_bytes=max_shard_bytes)  # auto: budgets these bytes
+                          scale_dtype=scale_dtype, max_shard_bytes=max_shard_bytes,
+                          sensitivity_blocks=sensitivity_blocks)  # auto: budgets these bytes
         if "scale_search" in report and imatrix_path is not None and not awq:  # weighs nothing of this recipe?
             from mfqat.export.scale_search import check_imatrix_used
             check_imatrix_used(report["scale_search"], plan.formats.values(), imatrix_path, recipe)
@@ -260,11 +265,12 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
 SEARCH_BLOCKS = 8  # the scale search's calibration blocks: the most an export reads without GPTQ or a refine
 
 
-def calibration_blocks_needed(refine: Optional["RefineConfig"], gptq: Optional["GPTQConfig"]) -> int:
-    """The most calibration blocks one step of :func:`to_mlx` reads with these settings (the sensitivity pass and
-    AWQ read 4, the scale search 8, the refine ``n_blocks + n_valid``, GPTQ ``n_blocks``): what
+def calibration_blocks_needed(refine: Optional["RefineConfig"], gptq: Optional["GPTQConfig"],
+                              sensitivity_blocks: int = SENSITIVITY_BLOCKS) -> int:
+    """The most calibration blocks one step of :func:`to_mlx` reads with these settings (the sensitivity pass
+    ``sensitivity_blocks``, AWQ 4, the scale search 8, the refine ``n_blocks + n_valid``, GPTQ ``n_blocks``): what
     ``mfqat.data.mix.mixed_text(..., n_blocks=)`` sizes ``--calib-text generated`` to."""
-    need = [SEARCH_BLOCKS]
+    need = [SEARCH_BLOCKS, sensitivity_blocks]
     need += [refine.n_blocks + refine.n_valid] if refine is not None else []
     need += [gptq.n_blocks] if gptq is not None else []
     return max(need)

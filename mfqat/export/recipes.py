@@ -24,8 +24,8 @@ from mfqat.formats import AFFINE_GROUP_SIZES, canonical_name, get_format
 from mfqat.models import DENSE, Family, family_for, is_embedding, is_output_head
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.anchor.learned_scales import pick
-from mfqat.export.sensitivity import (StoredCost, auto_plan_formats, in_format, in_format_chunks, ladder, lowest_bits,
-                                      plain_levels)
+from mfqat.export.sensitivity import (SENSITIVITY_BLOCKS, StoredCost, auto_plan_formats, in_format, in_format_chunks,
+                                      ladder, lowest_bits, plain_levels)
 from mfqat.export.mlx_sizes import (anchor_parameters, check_mlx_group_size, header_entry_bound, resolve_scale_dtype,
                                     shard_overhead_bound, stored_bits)
 from mfqat.storage.shard_files import MAX_SHARD_BYTES
@@ -464,11 +464,12 @@ def check_stored_budget(anchor: Anchor, recipe: str, derived_group: Groups = DER
 
 def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Optional[str] = None,
                derived_group: Groups = DERIVED_GROUP_SIZE, scale_dtype: str = "auto",
-               max_shard_bytes: int = MAX_SHARD_BYTES) -> Plan:
+               max_shard_bytes: int = MAX_SHARD_BYTES, sensitivity_blocks: int = SENSITIVITY_BLOCKS) -> Plan:
     """A per-tensor plan from a recipe name; checks everything before anything is written. ``auto:BPW``
     budgets the bytes the export will store (:func:`stored_cost`) with the affine scales in ``scale_dtype``
     ("auto": mlx_sizes.resolve_scale_dtype from the anchor's config) and shards of ``max_shard_bytes``.
-    ``derived_group``: the derived affine formats' group, or several for ``auto:BPW:affine`` (:func:`split_groups`)."""
+    ``derived_group``: the derived affine formats' group, or several for ``auto:BPW:affine`` (:func:`split_groups`).
+    ``sensitivity_blocks``: the calibration blocks of 128 tokens ``auto:BPW``'s sensitivity pass scores."""
     family = get_format(anchor.format).family
     kind, arg, want = parse_recipe(recipe)
     derived_group, extra_groups = split_groups(derived_group, recipe)
@@ -521,7 +522,7 @@ def build_plan(anchor: Anchor, recipe: str, base_bits: int = 4, calib_text: Opti
         stored = stored_cost(anchor, plan, names, levels, scale_dtype, max_shard_bytes)
         formats, plan.sensitivity = auto_plan_formats(anchor, names, budget, calib_text, family=want,
                                                       derived_group=derived_group, stored=stored, recipe=recipe,
-                                                      extra_groups=extra_groups)
+                                                      extra_groups=extra_groups, n_blocks=sensitivity_blocks)
         for name, fmt in formats.items():
             plan.formats[name] = fmt
             plan.origin[name] = "anchor" if name in anchor.quantized else "ptq"

@@ -44,6 +44,8 @@ from mfqat.quant.api import quantize
 from mfqat.quant.mxtensor import MXTensor
 from mfqat.quant.slice import slice_and_scale
 
+SENSITIVITY_BLOCKS = 4  # calibration blocks of 128 tokens the pass scores (export-mlx --sensitivity-blocks)
+
 # Matrices above this many elements (a 1B+ model's embedding and head) are measured in row chunks of about
 # ROWS_ELEMENTS elements (_errors_in_chunks); SmolLM2-135M's largest, 28M, stays whole (its plans unchanged).
 CHUNK_ELEMENTS = 32 * 1024 ** 2
@@ -435,7 +437,7 @@ def _allocate_exact(sens: Dict[str, TensorSensitivity], levels: List[str], bpw: 
 
 
 def auto_plan_formats(anchor: Anchor, names: List[str], budget_bpw: float, calib_text: Optional[str] = None,
-                      n_blocks: int = 4, seq_len: int = 128, family: Optional[str] = None,
+                      n_blocks: int = SENSITIVITY_BLOCKS, seq_len: int = 128, family: Optional[str] = None,
                       derived_group: int = DERIVED_GROUP_SIZE, stored: Optional[StoredCost] = None,
                       recipe: Optional[str] = None, extra_groups: Sequence[int] = ()) -> tuple[Dict[str, str], dict]:
     """(per-tensor formats, report) for ``auto:BPW[:affine]``; the report holds every sensitivity. ``stored``:

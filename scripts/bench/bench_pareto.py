@@ -107,8 +107,9 @@ def measure_each_probe_once(store: Path) -> None:
 
 
 def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None:
-    """``RECIPE[@gN[/M...]][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
+    """``RECIPE[@gN[/M...]][+sensN][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
     @g64/128 gives an ``auto:BPW:affine`` plan levels in groups of 128 too (``export-mlx --group-size 64,128``);
+    +sensN scores ``auto:``'s sensitivity pass on N calibration blocks (``--sensitivity-blocks``, default 4);
     +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP/s sets
     GPTQConfig.n_blocks, .damp and .sequential (``/s``: on the quantized model's inputs);
     +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
@@ -118,11 +119,14 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
     from mfqat.data.mix import mixed_text
     from mfqat.export.gptq import GPTQConfig
     from mfqat.export.mlx_export import calibration_blocks_needed
+    from mfqat.export.sensitivity import SENSITIVITY_BLOCKS
 
     recipe, refined, steps = recipe.partition("+refine")
     recipe, gptq, gptq_opts = recipe.partition("+gptq")
     gptq_kw = {{"b": "n_blocks", "d": "damp", "s": "sequential"}[o[0]]:
                {"b": int, "d": float, "s": lambda v: v in ("", "1")}[o[0]](o[1:]) for o in gptq_opts.split("/") if o}
+    recipe, sens, sens_blocks = recipe.partition("+sens")
+    sens_blocks = int(sens_blocks) if sens else SENSITIVITY_BLOCKS
     recipe, _, group = recipe.partition("@g")
     refine = None
     if refined:
@@ -140,8 +144,9 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
         to_mlx(anchor, dest, recipe=recipe, scale_dtype="bfloat16", overwrite=True,
                group_size=groups[0] if len(groups) == 1 else groups,
                refine=refine, gptq=gptq_cfg,
-               calib_text=mixed_text(calib, model=str(anchor), n_blocks=calibration_blocks_needed(refine, gptq_cfg))
-               if calib else None)
+               calib_text=mixed_text(calib, model=str(anchor),
+                                     n_blocks=calibration_blocks_needed(refine, gptq_cfg, sens_blocks))
+               if calib else None, sensitivity_blocks=sens_blocks)
 
 
 def measure_run(run: Path, recipes: List[str], out: Path, model, held, n_params: int, cache: dict, save,
