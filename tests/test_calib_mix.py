@@ -227,5 +227,6 @@ def test_the_sensitivity_pass_scores_the_blocks_asked_for(tiny_anchor, tmp_path,
     main(["export-mlx", str(tiny_anchor), "--out", str(out), "--recipe", "auto:6:affine", "--no-refine",
           "--sensitivity-blocks", "6", "--calib-text", str(text), "--no-verify"])
     assert json.loads((out / "sensitivity.json").read_text())["calibration_tokens"] == 6 * 128
+    capsys.readouterr()  # the export's progress bars
     one_line_exit_2(["export-mlx", str(tiny_anchor), "--out", str(tmp_path / "u"), "--recipe", "uniform:affine4",
                      "--sensitivity-blocks", "6"], capsys, "--sensitivity-blocks 6 sets auto:BPW's sensitivity pass")

@@ -423,6 +423,8 @@ def split_groups(derived_group: Groups, recipe: str = "") -> Tuple[int, Tuple[in
     from an export's group size: one group, or several (``--group-size 64,128``: the first is every tensor's, the
     others are levels of their own, ``affine3@g128``, for the tensors whose rows divide into them)."""
     groups = (derived_group,) if isinstance(derived_group, int) else tuple(derived_group)
+    if len(groups) == 1:  # one group: checked against each tensor and MLX's sizes by the plan, naming the tensor
+        return groups[0], ()
     if not groups or any(isinstance(g, bool) or g not in AFFINE_GROUP_SIZES for g in groups) \
             or len(set(groups)) != len(groups):
         raise ValueError(f"group sizes {list(groups)}: give one or more different MLX affine group sizes from "
