@@ -430,7 +430,7 @@ def split_groups(derived_group: Groups, recipe: str = "") -> Tuple[int, Tuple[in
         raise ValueError(f"group sizes {list(groups)}: give one or more different MLX affine group sizes from "
                          f"{list(AFFINE_GROUP_SIZES)}")
     kind, _, family = parse_recipe(recipe) if recipe else ("auto", None, "affine")
-    if len(groups) > 1 and (kind != "auto" or family != "affine"):
+    if kind != "auto" or family != "affine":
         raise ValueError(f"recipe '{recipe}': several group sizes ({','.join(map(str, groups))}) are levels of an "
                          "auto:BPW:affine plan; give one group for this recipe")
     return groups[0], groups[1:]
