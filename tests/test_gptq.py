@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mfqat.export.gptq import GPTQConfig, gptq_codes, output_error
+from mfqat.export.gptq import GRID_SHRINKS, GPTQConfig, gptq_codes, output_error, searched_grid
 from mfqat.quant.derive import derive_affine
 
 
@@ -124,6 +124,71 @@ def test_mismatched_shapes_and_bad_settings_are_refused():
         GPTQConfig(damp=0)
 
 
+def _grid_oracle(w, d, s0, b0, bits, group):
+    """searched_grid written group by group: the given grid, then each shrunk range in order, a later one kept
+    only when its weighted round-to-nearest error (in bfloat16 dequantization) is strictly lower."""
+    qmax = 2 ** bits - 1
+    s_out, b_out = s0.clone(), b0.clone()
+    for r in range(w.shape[0]):
+        for g in range(w.shape[1] // group):
+            x, dd = w[r, g * group:(g + 1) * group], d[g * group:(g + 1) * group]
+
+            def err(sc, bi):
+                if sc == 0:  # MLX's own grid may have a negative scale (a group whose minimum is the larger)
+                    return float("inf")
+                q = torch.round((x - bi) / sc).clamp(0, qmax)
+                deq = (q.bfloat16() * torch.tensor(sc).bfloat16() + torch.tensor(bi).bfloat16()).float()
+                return float(((x - deq) ** 2 * dd).sum())
+            best, bs, bb = err(float(s0[r, g]), float(b0[r, g])), float(s0[r, g]), float(b0[r, g])
+            lo, hi = float(x.min()), float(x.max())
+            for p in GRID_SHRINKS:
+                sc = float(torch.tensor((hi - lo) * p / qmax).bfloat16())
+                bi = float(torch.tensor(lo * p).bfloat16())
+                e = err(sc, bi)
+                if e < best:
+                    best, bs, bb = e, sc, bi
+            s_out[r, g], b_out[r, g] = bs, bb
+    return s_out, b_out
+
+
+@pytest.mark.parametrize("seed, bits", [(0, 3), (1, 2), (2, 4)])
+def test_grid_search_is_the_group_by_group_oracle_and_never_worse(seed, bits):
+    w, h, q = _problem(seed, rows=6, k=64, bits=bits, group=32)
+    w[0, 3] = 40.0  # an outlier: clipping its group's range pays
+    q = derive_affine(w, f"affine{bits}", 32)
+    d = torch.diagonal(h)
+    s, b = searched_grid(w, d, q.scales, q.biases, bits, 32, torch.bfloat16)
+    want_s, want_b = _grid_oracle(w, d, q.scales.float(), q.biases.float(), bits, 32)
+    assert torch.allclose(s, want_s, rtol=0, atol=1e-6) and torch.allclose(b, want_b, rtol=0, atol=1e-6)
+    assert torch.equal(s, s.bfloat16().float()) and torch.equal(b, b.bfloat16().float())  # what MLX stores
+    assert not torch.equal(s, q.scales.float())  # some group moved (the outlier's at least)
+
+
+def test_grid_search_weighs_each_input_by_its_importance():
+    """An outlier on an input that never fires costs nothing: its group clips it; the same outlier on a busy input
+    keeps the full range."""
+    w, h, q = _problem(3, rows=1, k=32, bits=3, group=32)
+    w[0, 0] = 5.0
+    q = derive_affine(w, "affine3", 32)
+    quiet = torch.ones(32)
+    quiet[0] = 0.0
+    busy = torch.full((32,), 1e-3)
+    busy[0] = 1e3
+    s_quiet, _ = searched_grid(w, quiet, q.scales, q.biases, 3, 32, torch.bfloat16)
+    s_busy, _ = searched_grid(w, busy, q.scales, q.biases, 3, 32, torch.bfloat16)
+    full = abs(float(q.scales[0, 0]))
+    assert abs(float(s_quiet[0, 0])) < 0.8 * full and abs(float(s_busy[0, 0])) >= 0.95 * full
+
+
+def test_grid_search_keeps_a_constant_groups_grid():
+    w, h, q = _problem(4, rows=2, k=64, bits=3, group=32)
+    w[1, :32] = 0.5
+    q = derive_affine(w, "affine3", 32)
+    s, b = searched_grid(w, torch.diagonal(h), q.scales, q.biases, 3, 32, torch.bfloat16)
+    assert float(s[1, 0]) == float(q.scales[1, 0]) and float(b[1, 0]) == float(q.biases[1, 0])
+    assert torch.isfinite(s).all() and torch.isfinite(b).all()
+
+
 # ----------------------------------------------------------------------------- through a real export
 
 pytest.importorskip("mlx_lm")
@@ -151,6 +216,7 @@ def exports(anchor, tmp_path_factory):
     out = {}
     for name, kw in {"plain": {}, "gptq": dict(gptq=SMALL_GPTQ),
                      "gptq_sequential": dict(gptq=dataclasses.replace(SMALL_GPTQ, sequential=True)),
+                     "gptq_grid": dict(gptq=dataclasses.replace(SMALL_GPTQ, grid_search=True)),
                      "gptq_refined": dict(gptq=SMALL_GPTQ, refine=RefineConfig(**SMALL_REFINE))}.items():
         out[name] = (d / name, mfqat.export.to_mlx(anchor, d / name, recipe="uniform:affine3", **kw))
     return out
@@ -184,6 +250,18 @@ def test_sequential_gptq_takes_other_inputs_and_stays_bit_exact(exports):
     changed = [k for k in anchor_inputs if k.endswith("proj.weight")
                and not np.array_equal(anchor_inputs[k], quantized_inputs[k])]
     assert any(".layers.1." in k for k in changed), changed
+
+
+def test_grid_searched_gptq_writes_its_grid_and_stays_bit_exact(exports):
+    """The searched scales and biases are what MLX reads (same bytes), and the codes are GPTQ's on them."""
+    folder, rep = exports["gptq_grid"]
+    g = rep["gptq"]
+    assert g["grid_search"] and not exports["gptq"][1]["gptq"]["grid_search"]
+    assert g["tensors"] > 0 and rep["verify"]["weights_bit_exact"]
+    assert rep["stored_bytes"] == exports["plain"][1]["stored_bytes"]
+    plain, searched = _arrays(exports["gptq"][0]), _arrays(folder)
+    moved = [k for k in plain if k.endswith(".scales") and not np.array_equal(plain[k], searched[k])]
+    assert len(moved) == g["tensors"], moved  # every matrix that took GPTQ's codes took its searched grid
 
 
 def test_refine_after_gptq_keeps_the_gptq_codes(exports):
@@ -232,15 +310,17 @@ def test_the_cli_flags_set_gptqs_blocks_and_dampening_and_the_refines_blocks(anc
     from mfqat.cli import main
 
     main(["export-mlx", str(anchor), "--out", str(tmp_path / "g"), "--recipe", "uniform:affine3", "--gptq",
-          "--gptq-blocks", "8", "--gptq-damp", "0.1", "--refine-steps", "2", "--refine-blocks", "6"])
+          "--gptq-blocks", "8", "--gptq-damp", "0.1", "--gptq-grid-search", "--refine-steps", "2",
+          "--refine-blocks", "6"])
     rep = json.loads((tmp_path / "g" / "mfqat_export.json").read_text())
-    assert (rep["gptq"]["calibration_blocks"], rep["gptq"]["damp"]) == (8, 0.1)
+    assert (rep["gptq"]["calibration_blocks"], rep["gptq"]["damp"], rep["gptq"]["grid_search"]) == (8, 0.1, True)
     assert (rep["refine"]["calibration_blocks"], rep["refine"]["steps"]) == (6, 2)
 
 
 @pytest.mark.parametrize("flags, said", [
     (["--gptq-damp", "0.1", "--no-refine"], "--gptq-damp sets --gptq's calibration: add --gptq"),
     (["--gptq-blocks", "8", "--no-refine"], "--gptq-blocks sets --gptq's calibration: add --gptq"),
+    (["--gptq-grid-search", "--no-refine"], "--gptq-grid-search sets --gptq's calibration: add --gptq"),
     (["--gptq", "--gptq-damp", "0"], "--gptq-damp must be > 0"),
     (["--gptq", "--gptq-blocks", "0"], "--gptq-blocks must be >= 1"),
     (["--refine-blocks", "8", "--no-refine"], "--refine-blocks 8 with --no-refine"),

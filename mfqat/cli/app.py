@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--gptq-damp", type=float, default=None, help="--gptq: relative dampening of the inputs' second "
                    "moment (default 0.01; 0.1 was better on both held-out texts at 3.79 bits on SmolLM2-135M, one "
                    "run: BENCHMARKS.md, 'A size class down')")
+    x.add_argument("--gptq-grid-search", action="store_true", help="--gptq: choose each group's scale and bias "
+                   "among clipped ranges of its weights (the lowest input-weighted rounding error) before GPTQ's codes "
+                   "(mfqat.export.gptq.GPTQConfig.grid_search; same bytes)")
     how = x.add_mutually_exclusive_group()
     how.add_argument("--refine", action="store_true", help="the default for a plan with affine tensors, required "
                      "for nvfp4 and MX plans: learn the affine tensors' group scales and biases, the nvfp4 tensors' "

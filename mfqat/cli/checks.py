@@ -432,8 +432,8 @@ def check(cmd: str, a: argparse.Namespace) -> None:
             if a.no_refine and getattr(a, "refine_blocks", None) is not None:
                 raise UsageError(f"--refine-blocks {a.refine_blocks} with --no-refine: drop one (--no-refine exports "
                                  "the derived scales, with no calibration)")
-            for flag in ("gptq_blocks", "gptq_damp"):
-                if getattr(a, flag, None) is not None and not getattr(a, "gptq", False):
+            for flag in ("gptq_blocks", "gptq_damp", "gptq_grid_search"):
+                if getattr(a, flag, None) not in (None, False) and not getattr(a, "gptq", False):
                     raise UsageError(f"--{flag.replace('_', '-')} sets --gptq's calibration: add --gptq or drop it")
             positive(a, "gptq_damp")
             positive(a, "refine_lr")

@@ -264,12 +264,13 @@ def export(a: argparse.Namespace) -> None:
 
 
 def _gptq_config(a: argparse.Namespace):
-    """``--gptq``: GPTQ's settings (mfqat.export.gptq.GPTQConfig; ``--gptq-blocks`` and ``--gptq-damp`` where
+    """``--gptq``: GPTQ's settings (mfqat.export.gptq.GPTQConfig; ``--gptq-blocks``, ``--gptq-damp`` and ``--gptq-grid-search`` where
     given, its defaults elsewhere), else None."""
     if not getattr(a, "gptq", False):
         return None
     from mfqat.export.gptq import GPTQConfig
-    given = {"n_blocks": getattr(a, "gptq_blocks", None), "damp": getattr(a, "gptq_damp", None)}
+    given = {"n_blocks": getattr(a, "gptq_blocks", None), "damp": getattr(a, "gptq_damp", None),
+             "grid_search": getattr(a, "gptq_grid_search", False) or None}
     return GPTQConfig(**{k: v for k, v in given.items() if v is not None})
 
 

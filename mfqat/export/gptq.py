@@ -19,7 +19,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -48,6 +48,15 @@ class GPTQConfig:
     which minimises ``sum over tokens ||(W - Q) x||^2`` column by column (Frantar et al., 2022). With a diagonal
     ``H`` nothing is pushed on, and the codes are round-to-nearest on the derived grid.
 
+    ``grid_search``: before the sweep, each group's grid is chosen among the derived one and the ranges
+    ``[p * min, p * max]`` of the group's weights for ``p`` in :data:`GRID_SHRINKS` (scale and bias rounded to the
+    stored dtype), the one whose round-to-nearest error weighted by each input's mean square is lowest::
+
+        argmin over grids of   sum_j H_jj * (w_j - (clamp(round((w_j - b) / s), 0, 2^k - 1) * s + b))^2
+
+    (GPTQ's own ``--mse`` grid, with llama.cpp's importance weights): a clipped range gives the bulk of a group
+    finer steps, and GPTQ then pays for the clipped outliers on the columns after them.
+
     ``sequential``: each matrix's ``H`` is taken on the inputs the *quantized* model hands its layer (every earlier
     layer, and the embedding, with its export codes: GPTQ's own setting, so a layer's codes also answer the errors
     of the layers before it), not the anchor's (each matrix on its own).
@@ -65,6 +74,7 @@ class GPTQConfig:
     act_order: bool = True
     block_columns: int = 128
     sequential: bool = False
+    grid_search: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_blocks", "seq_len", "block_columns"):
@@ -87,6 +97,38 @@ def _upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
             return torch.linalg.cholesky(torch.cholesky_inverse(low), upper=True).float()
         level *= 10
     raise ValueError("gptq: the calibration inputs' second moment could not be factored even at 1000x dampening")
+
+
+GRID_SHRINKS = tuple(round(1 - 0.025 * i, 3) for i in range(1, 13))  # 0.975 .. 0.7 of the group's range
+
+
+def searched_grid(w: torch.Tensor, importance: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                  group: int, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (scale, bias) of matrix ``w`` (rows x K) among the given grid ``scales``, ``biases``
+    (rows x K/group) and the shrunk ranges ``[p * min, p * max]`` (``p`` in :data:`GRID_SHRINKS`; scale and bias
+    rounded to ``dtype``) with the lowest round-to-nearest squared error weighted by ``importance`` (K: each
+    input's mean square, ``diag H``); ties keep the given grid. Float32 tensors of the grid's shape."""
+    rows, k = w.shape
+    blocks = w.float().reshape(rows, k // group, group)
+    weight = importance.float().reshape(1, k // group, group)
+    qmax = float(2 ** bits - 1)
+
+    def error(s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        q = torch.round((blocks - b.unsqueeze(-1)) / s.unsqueeze(-1)).clamp_(0, qmax)
+        e = (blocks - affine_dequantize_blocks(q, s, b, dtype)).square_().mul_(weight).sum(-1)
+        return torch.where(s != 0, e, torch.full_like(e, math.inf))  # a constant group keeps its grid
+
+    best_s, best_b = scales.float().clone(), biases.float().clone()
+    best = error(best_s, best_b)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    for p in GRID_SHRINKS:
+        s = ((hi - lo) * p / qmax).to(dtype).float()
+        b = (lo * p).to(dtype).float()
+        e = error(s, b)
+        better = e < best
+        best = torch.where(better, e, best)
+        best_s, best_b = torch.where(better, s, best_s), torch.where(better, b, best_b)
+    return best_s, best_b
 
 
 def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
@@ -259,8 +301,12 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
             h = moments.pop(name)  # freed as each matrix is done
             if not torch.isfinite(w).all():
                 continue
-            codes = gptq_codes(w, h, q.scales, q.biases, q.fmt.bits, q.block_size, cfg, q.dtype)
-            new = dataclasses.replace(q, codes=codes)
+            s, b = q.scales, q.biases
+            if cfg.grid_search:
+                s, b = searched_grid(w, torch.diagonal(h), s, b, q.fmt.bits, q.block_size, q.dtype)
+                s, b = s.to(q.scales.dtype), b.to(q.biases.dtype)
+            codes = gptq_codes(w, h, s, b, q.fmt.bits, q.block_size, cfg, q.dtype)
+            new = dataclasses.replace(q, codes=codes, scales=s, biases=b)
             e0, e1 = output_error(w, q, h), output_error(w, new, h)
             before += e0
             if e1 < e0:
@@ -273,7 +319,7 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
                   and len(anchor.shape(n)) != 2)
     return {"tensors": changed, "candidates": len(names), "skipped_expert_stacks": skipped, "output_error_rtn": before, "output_error_gptq": after,
             "calibration_blocks": int(calib.shape[0]), "damp": cfg.damp, "act_order": cfg.act_order,
-            "sequential": cfg.sequential,
+            "sequential": cfg.sequential, "grid_search": cfg.grid_search,
             "seconds": time.perf_counter() - t0}
 
 

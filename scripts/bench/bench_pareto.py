@@ -110,8 +110,8 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
     """``RECIPE[@gN[/M...]][+sensN][+gptq][+refineSTEPS]``: @gN sets the group of derived affine formats (default 64);
     @g64/128 gives an ``auto:BPW:affine`` plan levels in groups of 128 too (``export-mlx --group-size 64,128``);
     +sensN scores ``auto:``'s sensitivity pass on N calibration blocks (``--sensitivity-blocks``, default 4);
-    +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP/s sets
-    GPTQConfig.n_blocks, .damp and .sequential (``/s``: on the quantized model's inputs);
+    +gptq gives their matrices GPTQ's error-compensated codes (``export-mlx --gptq``; +gptq/bBLOCKS/dDAMP/s/g sets
+    GPTQConfig.n_blocks, .damp, .sequential (``/s``: on the quantized model's inputs) and .grid_search (``/g``);
     +refineSTEPS learns their scales and biases for STEPS steps (``export-mlx --refine``, default 64);
     +refineSTEPS/bBLOCKS/tTEMP/lLR on BLOCKS calibration blocks (RefineConfig.n_blocks, default 32), at KL
     temperature TEMP (default 1) and learning rate LR (default 1e-3), each optional.
@@ -123,8 +123,9 @@ def mfqat_export(anchor: Path, dest: Path, recipe: str, calib: str = "") -> None
 
     recipe, refined, steps = recipe.partition("+refine")
     recipe, gptq, gptq_opts = recipe.partition("+gptq")
-    gptq_kw = {{"b": "n_blocks", "d": "damp", "s": "sequential"}[o[0]]:
-               {"b": int, "d": float, "s": lambda v: v in ("", "1")}[o[0]](o[1:]) for o in gptq_opts.split("/") if o}
+    flag = lambda v: v in ("", "1")  # noqa: E731
+    gptq_kw = {{"b": "n_blocks", "d": "damp", "s": "sequential", "g": "grid_search"}[o[0]]:
+               {"b": int, "d": float, "s": flag, "g": flag}[o[0]](o[1:]) for o in gptq_opts.split("/") if o}
     recipe, sens, sens_blocks = recipe.partition("+sens")
     sens_blocks = int(sens_blocks) if sens else SENSITIVITY_BLOCKS
     recipe, _, group = recipe.partition("@g")
