@@ -433,7 +433,7 @@ def check(cmd: str, a: argparse.Namespace) -> None:
                 raise UsageError(f"--refine-blocks {a.refine_blocks} with --no-refine: drop one (--no-refine exports "
                                  "the derived scales, with no calibration)")
             for flag in ("gptq_blocks", "gptq_damp", "gptq_grid_search"):
-                if getattr(a, flag, None) not in (None, False) and not getattr(a, "gptq", False):
+                if getattr(a, flag, None) is not None and getattr(a, flag) is not False and not getattr(a, "gptq", False):
                     raise UsageError(f"--{flag.replace('_', '-')} sets --gptq's calibration: add --gptq or drop it")
             positive(a, "gptq_damp")
             positive(a, "refine_lr")

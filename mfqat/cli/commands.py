@@ -246,7 +246,8 @@ def export(a: argparse.Namespace) -> None:
     v = rep.get("verify", {})
     if "gptq" in rep:
         g = rep["gptq"]
-        print(f"gptq: {g['tensors']} of {g['candidates']} affine matrices, output error on the calibration inputs "
+        grid = f" ({g['on_searched_grid']} on a searched grid)" if g.get("grid_search") else ""
+        print(f"gptq: {g['tensors']} of {g['candidates']} affine matrices{grid}, output error on the calibration inputs "
               f"{g['output_error_rtn']:.4g} -> {g['output_error_gptq']:.4g}, {g['seconds']:.0f}s")
     if "skipped" in rep.get("refine", {}):
         print(f"refine: skipped: {rep['refine']['skipped']}")

@@ -1,7 +1,8 @@
 """``export-mlx --gptq``: error-compensated codes for the derived affine matrices of an export.
 
 GPTQ (Frantar et al., 2022) with each group's derived scale and bias kept: the grid MLX stores is the one
-round-to-nearest derives from the anchor, and only the codes change. Each quantized matrix's rounding
+round-to-nearest derives from the anchor, and only the codes change (with ``grid_search``, a matrix may instead
+take a grid clipped per group, :func:`searched_grid`, when GPTQ on it has the lower output error). Each quantized matrix's rounding
 error is pushed onto the columns not yet quantized, weighted by the second moment of the matrix's input on
 calibration text, so that ``||(W - Q) x||`` (the layer's output error) shrinks rather than ``||W - Q||``.
 The inputs are the anchor's own (its model in its format, as mlx-lm's ``gptq`` takes the unquantized model's), so
@@ -36,7 +37,7 @@ from mfqat.quant.reference import affine_dequantize_blocks
 
 @dataclass
 class GPTQConfig:
-    """GPTQ on a plan's derived affine matrices, each group's derived scale ``s`` and bias ``b`` fixed.
+    """GPTQ on a plan's derived affine matrices, each group's derived scale ``s`` and bias ``b`` fixed (or searched).
 
     For a matrix ``W`` (rows x K) whose input ``x`` has the calibration second moment ``H = mean(x x^T)``
     (K x K), with ``U`` the upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1``, the columns are
@@ -54,8 +55,10 @@ class GPTQConfig:
 
         argmin over grids of   sum_j H_jj * (w_j - (clamp(round((w_j - b) / s), 0, 2^k - 1) * s + b))^2
 
-    (GPTQ's own ``--mse`` grid, with llama.cpp's importance weights): a clipped range gives the bulk of a group
-    finer steps, and GPTQ then pays for the clipped outliers on the columns after them.
+    (in the manner of GPTQ's ``--mse`` grid, with llama.cpp's importance weights): a clipped range gives the bulk of
+    a group that straddles zero finer steps, and GPTQ then pays for the clipped outliers on the columns after them.
+    Each matrix keeps the lowest output error of round-to-nearest, GPTQ on the derived grid and GPTQ on the searched
+    one (:func:`best_codes`): the search weighs ``diag H`` only, so it is a proposal, never a loss.
 
     ``sequential``: each matrix's ``H`` is taken on the inputs the *quantized* model hands its layer (every earlier
     layer, and the embedding, with its export codes: GPTQ's own setting, so a layer's codes also answer the errors
@@ -100,6 +103,7 @@ def _upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 GRID_SHRINKS = tuple(round(1 - 0.025 * i, 3) for i in range(1, 13))  # 0.975 .. 0.7 of the group's range
+GRID_CHUNK_ELEMENTS = 4 * 1024 ** 2  # rows searched at once: ~16 bytes of temporaries a weight
 
 
 def searched_grid(w: torch.Tensor, importance: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
@@ -109,6 +113,11 @@ def searched_grid(w: torch.Tensor, importance: torch.Tensor, scales: torch.Tenso
     rounded to ``dtype``) with the lowest round-to-nearest squared error weighted by ``importance`` (K: each
     input's mean square, ``diag H``); ties keep the given grid. Float32 tensors of the grid's shape."""
     rows, k = w.shape
+    step = max(1, GRID_CHUNK_ELEMENTS // k)
+    if rows > step:  # a row's groups are independent: bounded temporaries (a few float32 copies of a chunk)
+        parts = [searched_grid(w[lo:lo + step], importance, scales[lo:lo + step], biases[lo:lo + step], bits, group,
+                               dtype) for lo in range(0, rows, step)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     blocks = w.float().reshape(rows, k // group, group)
     weight = importance.float().reshape(1, k // group, group)
     qmax = float(2 ** bits - 1)
@@ -167,6 +176,24 @@ def gptq_codes(w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor, biases: t
     out = torch.empty_like(codes)
     out[:, perm] = codes
     return out
+
+
+def best_codes(w: torch.Tensor, h: torch.Tensor, q: MXTensor, cfg: GPTQConfig) -> Tuple[MXTensor, float, str]:
+    """Of ``q`` (round-to-nearest on its grid: ``"rtn"``), GPTQ's codes on ``q``'s grid (``"gptq"``) and, with
+    ``cfg.grid_search``, GPTQ's codes on :func:`searched_grid` (``"searched"``), the one with the lowest
+    :func:`output_error` on ``h``: (tensor, its error, which). Ties keep the earlier, so the search never makes a
+    matrix worse than plain GPTQ (its choice weighs ``diag H`` only; GPTQ's error is the whole ``H``'s)."""
+    bits, group = q.fmt.bits, q.block_size
+    found = [(q, "rtn"), (dataclasses.replace(q, codes=gptq_codes(w, h, q.scales, q.biases, bits, group, cfg,
+                                                                  q.dtype)), "gptq")]
+    if cfg.grid_search:
+        s, b = searched_grid(w, torch.diagonal(h), q.scales, q.biases, bits, group, q.dtype)
+        s, b = s.to(q.scales.dtype), b.to(q.biases.dtype)
+        found.append((dataclasses.replace(q, codes=gptq_codes(w, h, s, b, bits, group, cfg, q.dtype), scales=s,
+                                          biases=b), "searched"))
+    errors = [output_error(w, t, h) for t, _ in found]
+    i = min(range(len(found)), key=errors.__getitem__)
+    return found[i][0], errors[i], found[i][1]
 
 
 def output_error(w: torch.Tensor, q: MXTensor, h: torch.Tensor) -> float:
@@ -292,7 +319,7 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
                f"calibration hidden states; {gib(need)})", need, budget,
                remedy="drop --gptq, or export on a machine with more memory")
     before = after = 0.0
-    changed = 0
+    changed = searched = 0
     quantized = _export_source(anchor, plan) if cfg.sequential else None
     for moments in input_moments(anchor, calib, names, after=quantized):  # one decoder layer's at a time
         for name in [n for n in names if n in moments]:
@@ -301,25 +328,18 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
             h = moments.pop(name)  # freed as each matrix is done
             if not torch.isfinite(w).all():
                 continue
-            s, b = q.scales, q.biases
-            if cfg.grid_search:
-                s, b = searched_grid(w, torch.diagonal(h), s, b, q.fmt.bits, q.block_size, q.dtype)
-                s, b = s.to(q.scales.dtype), b.to(q.biases.dtype)
-            codes = gptq_codes(w, h, s, b, q.fmt.bits, q.block_size, cfg, q.dtype)
-            new = dataclasses.replace(q, codes=codes, scales=s, biases=b)
-            e0, e1 = output_error(w, q, h), output_error(w, new, h)
+            (new, e1, how), e0 = best_codes(w, h, q, cfg), output_error(w, q, h)
             before += e0
-            if e1 < e0:
+            after += e1
+            if how != "rtn":
                 plan.learned_scales[name] = new
-                after += e1
                 changed += 1
-            else:
-                after += e0
+                searched += how == "searched"
     skipped = sum(1 for n, f in plan.formats.items() if is_derived(f) and get_format(f).family == "affine"
                   and len(anchor.shape(n)) != 2)
     return {"tensors": changed, "candidates": len(names), "skipped_expert_stacks": skipped, "output_error_rtn": before, "output_error_gptq": after,
             "calibration_blocks": int(calib.shape[0]), "damp": cfg.damp, "act_order": cfg.act_order,
-            "sequential": cfg.sequential, "grid_search": cfg.grid_search,
+            "sequential": cfg.sequential, "grid_search": cfg.grid_search, "on_searched_grid": searched,
             "seconds": time.perf_counter() - t0}
 
 

@@ -171,7 +171,7 @@ def to_mlx(source, out_dir, recipe: str = "uniform:mxint4", base_bits: int = 4, 
     already stores) unrefined. ``max_memory`` (bytes): the export check's budget (mfqat.export.verify: the whole-model
     logits check when it fits, else the check on the model's first layers), and the budget an HF source that must be
     loaded whole is checked against before it loads (default: the memory available; mfqat.memory.check_fits).
-    ``gptq``: error-compensated codes for the plan's derived affine matrices on ``calib_text``, the grid kept
+    ``gptq``: error-compensated codes for the plan's derived affine matrices on ``calib_text``, the grid kept (or searched)
     (mfqat.export.gptq.GPTQConfig), before any refine; those matrices are then held whole until written.
     ``sensitivity_blocks``: the calibration blocks of 128 tokens ``auto:BPW``'s sensitivity pass scores (default 4;
     its time grows with them). ``group_size``: several (64, 128) give ``auto:BPW:affine`` per-tensor groups
