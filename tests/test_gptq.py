@@ -3,6 +3,7 @@ column-by-column oracle written from the update rule (inverse Hessian downdated 
 factor, no lazy batches), then through a real export that stays bit-exact and keeps its codes under --refine."""
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -425,3 +426,17 @@ def test_gptq_past_the_memory_budget_is_refused_before_it_runs(anchor, tmp_path)
     rep = mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:affine3", gptq=SMALL_GPTQ, verify=False,
                               max_memory=LIBRARY_BYTES + held + work)
     assert rep["gptq"]["tensors"] > 0
+
+
+def test_the_grid_search_is_counted_in_the_memory_check(anchor):
+    """The search holds the largest matrix's other candidates' codes (2 bytes a weight) and a searched chunk's
+    temporaries beside plain GPTQ's working copies."""
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.export import build_plan
+    from mfqat.export.gptq import GRID_CHUNK_ELEMENTS, gptq_names, memory_needed
+
+    a = read_anchor(anchor)
+    names = gptq_names(a, build_plan(a, "uniform:affine3"))
+    largest = max(math.prod(a.shape(n)) for n in names if "embed" not in n)
+    extra = memory_needed(a, names, 8, 32, grid_search=True) - memory_needed(a, names, 8, 32)
+    assert extra == 2 * largest + 16 * GRID_CHUNK_ELEMENTS

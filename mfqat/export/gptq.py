@@ -251,7 +251,8 @@ def gptq_names(anchor: Anchor, plan: Plan) -> List[str]:
             and len(anchor.shape(n)) == 2]
 
 
-def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4) -> int:
+def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int, batch_size: int = 4,
+                  grid_search: bool = False) -> int:
     """Bytes :func:`apply_gptq` holds for the matrices ``names`` on ``n_blocks`` x ``seq_len`` calibration tokens:
     the codes of the nn.Linear matrices (a byte a weight; an embedding table gets none); one decoder layer at a time,
     its matrices' input moments (K x K float32 each, K the input features) and all its tensors in float32 (expert
@@ -260,7 +261,8 @@ def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int,
     attention masks (blocks x seq_len^2 float32, two kinds); the largest matrix's working copies (its weights twice
     in float32, three K x K float64 factors); and the tensors outside the decoder layers in float32 (the embedding,
     while each layer's arguments are recorded), with, when an untied output head is among ``names``, its moment and a
-    batch's logits (the model's tail)."""
+    batch's logits (the model's tail). ``grid_search``: the largest matrix's other candidates too (their codes, a
+    byte a weight each, and a searched chunk's temporaries)."""
     from mfqat.models import is_embedding
 
     shapes = {n: tuple(anchor.shape(n)) for n in names if not is_embedding(n)}
@@ -281,6 +283,8 @@ def memory_needed(anchor: Anchor, names: List[str], n_blocks: int, seq_len: int,
     outside = weights.get(None, 0)  # the embedding (and the rest outside the layers) while the layers' inputs are recorded
     tail = (outside + moments.get(None, 0) + batch_size * seq_len * max(heads) * 4) if heads else outside
     work = max((rows * k * 8 + k * k * 24 for rows, k in shapes.values()), default=0)
+    if grid_search:
+        work += max((rows * k * 2 for rows, k in shapes.values()), default=0) + 16 * GRID_CHUNK_ELEMENTS
     return codes + max(layer, tail) + activations + work
 
 
@@ -314,7 +318,7 @@ def apply_gptq(anchor: Anchor, plan: Plan, calib: torch.Tensor, cfg: Optional[GP
         raise ValueError(f"{anchor.path}: --gptq changes the codes of derived affine matrices (affine2..affine8 "
                          "lowered from an MX anchor); this plan has none: use an affine recipe (uniform:affine4, "
                          "auto:BPW:affine) or drop --gptq")
-    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1])
+    need = memory_needed(anchor, names, calib.shape[0], calib.shape[1], grid_search=cfg.grid_search)
     check_fits(f"{anchor.path}: --gptq ({len(names)} matrices: their codes, one layer's input moments, the "
                f"calibration hidden states; {gib(need)})", need, budget,
                remedy="drop --gptq, or export on a machine with more memory")
