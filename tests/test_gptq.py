@@ -440,3 +440,18 @@ def test_the_grid_search_is_counted_in_the_memory_check(anchor):
     largest = max(math.prod(a.shape(n)) for n in names if "embed" not in n)
     extra = memory_needed(a, names, 8, 32, grid_search=True) - memory_needed(a, names, 8, 32)
     assert extra == 2 * largest + 16 * GRID_CHUNK_ELEMENTS
+
+
+def test_an_export_refuses_a_grid_search_past_the_memory_budget(anchor, tmp_path):
+    """The budget plain GPTQ fits in refuses the grid search up front: the export passes the setting on."""
+    from mfqat.anchor.checkpoint import read_anchor
+    from mfqat.export import build_plan
+    from mfqat.export.gptq import gptq_names, memory_needed
+    from mfqat.memory import LIBRARY_BYTES, BudgetError
+
+    a = read_anchor(anchor)
+    plain = memory_needed(a, gptq_names(a, build_plan(a, "uniform:affine3")), SMALL_GPTQ.n_blocks, SMALL_GPTQ.seq_len)
+    with pytest.raises(BudgetError, match="--gptq"):
+        mfqat.export.to_mlx(anchor, tmp_path / "m", recipe="uniform:affine3", max_memory=LIBRARY_BYTES + plain,
+                            gptq=dataclasses.replace(SMALL_GPTQ, grid_search=True))
+    assert not (tmp_path / "m").exists()
